@@ -1,0 +1,194 @@
+"""Configuration as data: frozen dataclasses, named presets, and the flag table.
+
+Every field of every section becomes an absl flag of the same name in launch.py (see
+`flag_fields`), so a field's name, default and help text are written exactly once, here.
+Field names are unique across sections so that flags stay flat (`--beta`, `--lora_rank`).
+
+Defaults follow the source recipe (beta 0.1, AdamW lr 1e-5 with cosine decay and warmup
+ratio 0.1, grad-norm clip 1.0, global batch 16, max target length 512, LoRA rank 16 /
+alpha 32 / dropout 0.05 on q and v). Presets override what their model size requires and
+say why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str, **kw) -> Any:
+  """A dataclass field carrying its flag help text."""
+  if isinstance(default, (list, dict, set)):
+    raise TypeError("use tuples for sequence defaults so configs stay hashable")
+  return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = _f(264, "Vocabulary size (model rows; >= tokenizer vocab).")
+  d_model: int = _f(128, "Residual stream width.")
+  n_layers: int = _f(4, "Number of transformer blocks.")
+  n_heads: int = _f(4, "Query heads.")
+  n_kv_heads: int = _f(2, "Key/value heads (grouped-query attention); divides n_heads.")
+  head_dim: int = _f(32, "Width of each attention head.")
+  mlp_dim: int = _f(384, "SwiGLU hidden width.")
+  rope_theta: float = _f(10_000.0, "Rotary embedding base.")
+  norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
+  tie_embeddings: bool = _f(False, "Share the token embedding with the LM head.")
+  init_std: float = _f(0.02, "Stddev of the normal initializer for matrices.")
+  compute_dtype: str = _f("float32", "Matmul dtype: float32 or bfloat16 (params stay float32).")
+  remat: bool = _f(False, "Rematerialize each layer in the backward pass (saves activations).")
+
+  def __post_init__(self):
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if self.compute_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+  lora_rank: int = _f(16, "LoRA rank r; 0 disables LoRA (full fine-tuning, frozen reference copy).")
+  lora_alpha: float = _f(32.0, "LoRA alpha; the delta is scaled by alpha / rank.")
+  lora_dropout: float = _f(0.05, "Dropout on the LoRA input path during training.")
+  lora_targets: tuple[str, ...] = _f(("q", "v"), f"Projections that get adapters, from {LORA_TARGETS}.")
+
+  def __post_init__(self):
+    bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if bad:
+      raise ValueError(f"unknown lora_targets {bad}; choose from {LORA_TARGETS}")
+    if self.lora_rank < 0:
+      raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
+    if not 0.0 <= self.lora_dropout < 1.0:
+      raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+
+  @property
+  def enabled(self) -> bool:
+    return self.lora_rank > 0
+
+  @property
+  def scale(self) -> float:
+    return self.lora_alpha / self.lora_rank
+
+
+@dataclass(frozen=True)
+class DataConfig:
+  train_data: str = _f("", "Preference JSONL for DPO; empty = the embedded default task.")
+  eval_data: str = _f("", "Held-out preference JSONL; empty = embedded task's held-out pairs.")
+  sft_data: str = _f("", "SFT JSONL ({prompt, completion}); empty = embedded task's SFT data.")
+  max_prompt_length: int = _f(512, "Prompt tokens kept (the end of the prompt is kept).")
+  max_target_length: int = _f(512, "Completion tokens kept (the start is kept).")
+  task_train_pairs: int = _f(4096, "Embedded task: number of training preference pairs.")
+  task_sft_examples: int = _f(4096, "Embedded task: number of SFT demonstrations.")
+  task_eval_pairs: int = _f(256, "Embedded task: held-out preference pairs.")
+  task_eval_prompts: int = _f(128, "Embedded task: held-out prompts for sampling.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+  stage: str = _f("all", "sft, dpo, or all (SFT, then DPO against the SFT model).")
+  steps: int = _f(1000, "DPO optimizer steps.")
+  sft_steps: int = _f(1000, "SFT optimizer steps (stage sft or all).")
+  global_batch_size: int = _f(16, "Preference pairs (or SFT sequences) per step, all processes.")
+  learning_rate: float = _f(1e-5, "Peak DPO learning rate (AdamW).")
+  sft_learning_rate: float = _f(1e-5, "Peak SFT learning rate (AdamW).")
+  warmup_ratio: float = _f(0.1, "Fraction of steps spent in linear warmup before cosine decay.")
+  weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
+  adam_b1: float = _f(0.9, "AdamW beta1.")
+  adam_b2: float = _f(0.999, "AdamW beta2.")
+  max_grad_norm: float = _f(1.0, "Global-norm gradient clipping; 0 disables.")
+  beta: float = _f(0.1, "DPO inverse temperature beta (strength of the KL anchor).")
+  label_smoothing: float = _f(0.0, "Conservative-DPO label noise eps in [0, 0.5).")
+  seed: int = _f(0, "Seed for init, data order and dropout.")
+  log_every: int = _f(10, "Log one line and one metrics.jsonl record every N steps.")
+  output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
+  mesh: str = _f("data:-1", "Mesh axis sizes, e.g. data:2,fsdp:2,tensor:2 (one may be -1).")
+
+  def __post_init__(self):
+    if self.stage not in ("sft", "dpo", "all"):
+      raise ValueError(f"stage must be sft, dpo or all, got {self.stage!r}")
+    if not 0.0 <= self.label_smoothing < 0.5:
+      raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+    if not 0.0 <= self.warmup_ratio <= 1.0:
+      raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+    if self.global_batch_size <= 0 or self.steps < 0 or self.sft_steps < 0:
+      raise ValueError("global_batch_size must be > 0 and steps, sft_steps >= 0")
+
+
+@dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  lora: LoraConfig = LoraConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+
+  def replace(self, **flat) -> "Config":
+    """Returns a copy with flat field overrides routed to their section."""
+    sections = {s: {} for s in SECTIONS}
+    for name, value in flat.items():
+      sections[_FIELD_SECTION[name]][name] = value
+    return Config(**{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in sections.items()})
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+SECTIONS = ("model", "lora", "data", "train")
+_SECTION_TYPES = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig}
+_FIELD_SECTION = {f.name: s for s, t in _SECTION_TYPES.items() for f in dataclasses.fields(t)}
+assert len(_FIELD_SECTION) == sum(len(dataclasses.fields(t)) for t in _SECTION_TYPES.values()), (
+    "config field names must be unique across sections")
+
+
+def flag_fields():
+  """Yields (name, type, default, help) for every config field; launch.py defines flags from it."""
+  for section, cls in _SECTION_TYPES.items():
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      yield f.name, hints[f.name], f.default, f.metadata["help"], section
+
+
+# --- Presets -----------------------------------------------------------------------------------
+
+# The embedded default task: a ~1M-parameter byte-level model trained from scratch in minutes on
+# two CPU cores. Learning rates are higher than the recipe's 1e-5 because the model starts from
+# random init (SFT) and the LoRA-only DPO stage has a few hundred steps, not an epoch over a
+# large set; everything else keeps the recipe defaults (beta, batch 16, rank 16 / alpha 32 on q,v,
+# dropout 0.05, warmup 0.1, clip 1.0).
+DEFAULT = Config(
+    model=ModelConfig(),
+    data=DataConfig(max_prompt_length=40, max_target_length=56),
+    train=TrainConfig(steps=300, sft_steps=600, learning_rate=2e-3, sft_learning_rate=3e-3,
+                      global_batch_size=16, log_every=20, output_dir="runs/default"),
+)
+
+# bench-small: the workload in shared/BENCHMARKS.md (vocab 8192, d 512, 8 layers, 8/4 heads,
+# MLP 1536, untied, 4 pairs of 192 + 64 tokens, LoRA 16/32 on q,v, dropout 0, float32).
+BENCH_SMALL = Config(
+    model=ModelConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                      head_dim=64, mlp_dim=1536, rope_theta=1e4, norm_eps=1e-5,
+                      tie_embeddings=False),
+    lora=LoraConfig(lora_rank=16, lora_alpha=32.0, lora_dropout=0.0, lora_targets=("q", "v")),
+    data=DataConfig(max_prompt_length=192, max_target_length=64),
+    train=TrainConfig(global_batch_size=4, max_grad_norm=0.0, learning_rate=1e-5,
+                      output_dir="runs/bench-small"),
+)
+
+PRESETS: dict[str, Config] = {
+    "default": DEFAULT,
+    "bench-small": BENCH_SMALL,
+    "bench-small-full": BENCH_SMALL.replace(lora_rank=0),
+}
+
+
+def get_config(name: str) -> Config:
+  if name not in PRESETS:
+    raise KeyError(f"unknown config {name!r}; presets: {sorted(PRESETS)}")
+  return PRESETS[name]

@@ -1,0 +1,1 @@
+"""DPO: data, log-probs, losses, the train step and the loop."""

@@ -1,0 +1,207 @@
+"""Preference and SFT data: records -> token arrays -> per-process batches.
+
+Layout of a tokenized DPO example (one row per pair, axis P = 2 for chosen / rejected):
+
+    tokens      [BOS p p p c c c EOS PAD PAD]   prompt then completion, right-padded
+    positions   [0   1 2 3 4 5 6 7   0   0  ]
+    segment_ids [1   1 1 1 1 1 1 1   0   0  ]   0 marks padding
+    loss_mask   [0   0 0 0 1 1 1 1   0   0  ]   1 where the token is a scored completion token
+
+Prompt and completion are tokenized separately and then concatenated, so no token ever spans the
+boundary. Truncation keeps BOS plus the *end* of the prompt and the *start* of the completion
+(the EOS is lost when a completion is cut), and every truncation is counted and reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+
+class DataError(ValueError):
+  """Bad input data; the message names the file, record (1-based line) and field."""
+
+
+class PreferenceRecord(NamedTuple):
+  prompt: str
+  chosen: str
+  rejected: str
+
+
+class SFTRecord(NamedTuple):
+  prompt: str
+  completion: str
+
+
+def _read_jsonl(path: str) -> Iterable[tuple[int, dict]]:
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      if not raw.strip():
+        continue
+      try:
+        obj = json.loads(raw.decode("utf-8"))
+      except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno}: line is not valid UTF-8 ({e.reason})") from None
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(obj, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+      yield lineno, obj
+
+
+def _text_field(obj: dict, field: str, path: str, lineno: int, allow_empty: bool = False) -> str:
+  if field not in obj:
+    raise DataError(f"{path}:{lineno}: missing field {field!r} (has {sorted(obj)})")
+  value = obj[field]
+  if not isinstance(value, str):
+    raise DataError(f"{path}:{lineno}: field {field!r} must be a string, got {type(value).__name__}")
+  if not allow_empty and not value.strip():
+    raise DataError(f"{path}:{lineno}: field {field!r} is empty")
+  return value
+
+
+def load_preference_jsonl(path: str) -> list[PreferenceRecord]:
+  """Reads {"prompt", "chosen", "rejected"} records; raises DataError naming file:line and field."""
+  out = []
+  for lineno, obj in _read_jsonl(path):
+    out.append(PreferenceRecord(
+        _text_field(obj, "prompt", path, lineno, allow_empty=True),
+        _text_field(obj, "chosen", path, lineno),
+        _text_field(obj, "rejected", path, lineno)))
+  if not out:
+    raise DataError(f"{path}: no records")
+  return out
+
+
+def load_sft_jsonl(path: str) -> list[SFTRecord]:
+  """Reads {"prompt", "completion"} records."""
+  out = [SFTRecord(_text_field(o, "prompt", path, n, allow_empty=True),
+                   _text_field(o, "completion", path, n)) for n, o in _read_jsonl(path)]
+  if not out:
+    raise DataError(f"{path}: no records")
+  return out
+
+
+# --- tokenization ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TruncationStats:
+  examples: int = 0
+  prompts_truncated: int = 0
+  completions_truncated: int = 0
+
+  def report(self, what: str) -> None:
+    if self.prompts_truncated or self.completions_truncated:
+      logging.warning("%s: truncated %d of %d prompts (kept the end) and %d completions "
+                      "(kept the start)", what, self.prompts_truncated, self.examples,
+                      self.completions_truncated)
+
+
+def encode_prompt(tok, prompt: str, max_len: int, stats: TruncationStats) -> list[int]:
+  ids = [tok.bos_id] + tok.encode(prompt)
+  if len(ids) > max_len:
+    stats.prompts_truncated += 1
+    ids = [tok.bos_id] + ids[len(ids) - max_len + 1:]
+  return ids
+
+
+def encode_completion(tok, completion: str, max_len: int, stats: TruncationStats) -> list[int]:
+  ids = tok.encode(completion) + [tok.eos_id]
+  if len(ids) > max_len:
+    stats.completions_truncated += 1
+    ids = ids[:max_len]
+  return ids
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _pack_rows(rows: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict:
+  n = len(rows)
+  tokens = np.full((n, seq_len), pad_id, np.int32)
+  positions = np.zeros((n, seq_len), np.int32)
+  segment_ids = np.zeros((n, seq_len), np.int32)
+  loss_mask = np.zeros((n, seq_len), np.float32)
+  for i, (p, c) in enumerate(rows):
+    L = len(p) + len(c)
+    tokens[i, :L] = p + c
+    positions[i, :L] = np.arange(L)
+    segment_ids[i, :L] = 1
+    loss_mask[i, len(p):L] = 1.0
+  return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids,
+          "loss_mask": loss_mask}
+
+
+def tokenize_pairs(records: Sequence[PreferenceRecord], tok, max_prompt_length: int,
+                   max_target_length: int, what: str = "pairs") -> dict[str, np.ndarray]:
+  """Arrays of shape [N, 2, T] (chosen, rejected); T is the longest pair rounded up to 8."""
+  stats = TruncationStats(examples=len(records))
+  chosen, rejected = [], []
+  for r in records:
+    p = encode_prompt(tok, r.prompt, max_prompt_length, stats)
+    chosen.append((p, encode_completion(tok, r.chosen, max_target_length, stats)))
+    rejected.append((p, encode_completion(tok, r.rejected, max_target_length, stats)))
+  stats.report(what)
+  seq_len = _round_up(max(len(p) + len(c) for p, c in chosen + rejected), 8)
+  c, r = _pack_rows(chosen, seq_len, tok.pad_id), _pack_rows(rejected, seq_len, tok.pad_id)
+  return {k: np.stack([c[k], r[k]], axis=1) for k in c}
+
+
+def tokenize_sft(records: Sequence[SFTRecord], tok, max_prompt_length: int,
+                 max_target_length: int, what: str = "sft") -> dict[str, np.ndarray]:
+  """Arrays of shape [N, T]."""
+  stats = TruncationStats(examples=len(records))
+  rows = [(encode_prompt(tok, r.prompt, max_prompt_length, stats),
+           encode_completion(tok, r.completion, max_target_length, stats)) for r in records]
+  stats.report(what)
+  return _pack_rows(rows, _round_up(max(len(p) + len(c) for p, c in rows), 8), tok.pad_id)
+
+
+# --- batching -------------------------------------------------------------------------------------
+
+class Loader:
+  """Deterministic, seeded, epoch-shuffled batches; each process reads only its slice.
+
+  The order is a pure function of (seed, epoch), so the loader's whole state is (epoch, index)
+  and a resumed run sees exactly the batches an uninterrupted one would. The global batch is
+  rows [index, index + global_batch) of the epoch's permutation (a partial final batch is
+  dropped); process i takes the i-th contiguous block of it.
+  """
+
+  def __init__(self, arrays: dict[str, np.ndarray], global_batch: int, seed: int,
+               process_index: int = 0, process_count: int = 1):
+    self.arrays = arrays
+    self.n = len(next(iter(arrays.values())))
+    if global_batch % process_count:
+      raise ValueError(f"global batch {global_batch} not divisible by {process_count} processes")
+    if self.n < global_batch:
+      raise ValueError(f"dataset has {self.n} examples, fewer than one global batch of "
+                       f"{global_batch}")
+    self.global_batch, self.seed = global_batch, seed
+    self.local = global_batch // process_count
+    self.offset = process_index * self.local
+    self.epoch, self.index = 0, 0
+
+  def _perm(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self.index + self.global_batch > self.n:
+      self.epoch, self.index = self.epoch + 1, 0
+    rows = self._perm(self.epoch)[self.index + self.offset:self.index + self.offset + self.local]
+    self.index += self.global_batch
+    return {k: v[rows] for k, v in self.arrays.items()}
+
+  def state(self) -> dict:
+    return {"epoch": self.epoch, "index": self.index}
+
+  def restore(self, state: dict) -> None:
+    self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -1,0 +1,96 @@
+"""The embedded default task: short reviews with a sentiment reward computable from the text.
+
+In the spirit of the DPO paper's controlled sentiment generation (Rafailov et al. 2023, sec. 6.1),
+where a known reward lets alignment be measured exactly rather than judged.
+
+    prompt:      "Review the cafe in Oslo:"
+    completion:  " warm coffee, rude staff, fresh bread."
+
+Each prompt names a place (which fixes the plausible nouns) and a city. A completion is three
+"<adjective> <noun>" clauses. The true reward is (#positive - #negative adjectives) / 3, in
+[-1, 1]; text that is not a well-formed review still gets a score from the words it contains,
+so the reward is defined for anything a model samples.
+
+SFT demonstrations are of mixed quality (each adjective positive with probability 1/2). A
+preference pair is two such completions for the same prompt, the higher true reward chosen; pairs
+with equal reward are not generated. Held-out prompts use (place, city) combinations never seen
+in training.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from dpo.data import PreferenceRecord, SFTRecord
+
+POSITIVE = ("great", "lovely", "superb", "fresh", "warm", "friendly")
+NEGATIVE = ("awful", "bland", "rude", "stale", "cold", "dirty")
+PLACES = {
+    "cafe": ("coffee", "cake", "staff", "music", "bread"),
+    "hotel": ("room", "bed", "staff", "view", "lobby"),
+    "diner": ("burger", "fries", "staff", "booth", "coffee"),
+    "bakery": ("bread", "cake", "staff", "pastry", "prices"),
+    "museum": ("art", "guide", "staff", "shop", "lights"),
+    "inn": ("room", "bed", "host", "view", "soup"),
+}
+CITIES = ("Oslo", "Lima", "Rome", "Kyiv", "Pune", "Baku", "Cork", "Nice", "Bonn", "Fez")
+CLAUSES = 3
+_POS, _NEG = frozenset(POSITIVE), frozenset(NEGATIVE)
+_WORD = re.compile(r"[a-z]+")
+
+
+def true_reward(text: str) -> float:
+  """(#positive - #negative adjective occurrences) / 3, clipped to [-1, 1]."""
+  words = _WORD.findall(text.lower())
+  score = sum(w in _POS for w in words) - sum(w in _NEG for w in words)
+  return float(np.clip(score / CLAUSES, -1.0, 1.0))
+
+
+def _prompts(held_out: bool) -> list[tuple[str, str]]:
+  """(place, city) pairs; every fourth combination (by a fixed rule) is held out."""
+  combos = [(p, c) for i, p in enumerate(PLACES) for j, c in enumerate(CITIES)]
+  return [pc for k, pc in enumerate(combos) if (k % 4 == 3) == held_out]
+
+
+def prompt_text(place: str, city: str) -> str:
+  return f"Review the {place} in {city}:"
+
+
+def _completion(rng: np.random.Generator, place: str) -> tuple[str, float]:
+  nouns = rng.choice(PLACES[place], size=CLAUSES, replace=False)
+  positive = rng.random(CLAUSES) < 0.5
+  adjs = [rng.choice(POSITIVE) if s else rng.choice(NEGATIVE) for s in positive]
+  text = " " + ", ".join(f"{a} {n}" for a, n in zip(adjs, nouns)) + "."
+  return text, (2 * positive.sum() - CLAUSES) / CLAUSES
+
+
+def sft_records(n: int, seed: int) -> list[SFTRecord]:
+  rng = np.random.default_rng([seed, 1])
+  prompts = _prompts(held_out=False)
+  out = []
+  for _ in range(n):
+    place, city = prompts[rng.integers(len(prompts))]
+    out.append(SFTRecord(prompt_text(place, city), _completion(rng, place)[0]))
+  return out
+
+
+def preference_records(n: int, seed: int, held_out: bool = False) -> list[PreferenceRecord]:
+  rng = np.random.default_rng([seed, 2 if held_out else 3])
+  prompts = _prompts(held_out)
+  out = []
+  while len(out) < n:
+    place, city = prompts[rng.integers(len(prompts))]
+    (a, ra), (b, rb) = _completion(rng, place), _completion(rng, place)
+    if ra == rb:
+      continue
+    chosen, rejected = (a, b) if ra > rb else (b, a)
+    out.append(PreferenceRecord(prompt_text(place, city), chosen, rejected))
+  return out
+
+
+def eval_prompts(n: int) -> list[str]:
+  """Held-out prompts, cycled to n."""
+  prompts = [prompt_text(p, c) for p, c in _prompts(held_out=True)]
+  return [prompts[i % len(prompts)] for i in range(n)]

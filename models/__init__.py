@@ -1,0 +1,1 @@
+"""Models as pytrees of plain arrays."""

@@ -1,0 +1,73 @@
+"""LoRA adapters derived from the model's parameter description.
+
+For a targeted matrix W with spec axes (layers, *in, *out) the adapter is
+A: (layers, *in, R) and B: (layers, R, *out), so the delta for one layer is
+scale * A @ B with scale = alpha / R (Hu et al. 2021, "LoRA", eq. 3). B starts at zero, so a
+fresh adapter leaves the model unchanged. Factor shardings follow the base weight's logical axes,
+so A and B are split exactly like the rows and columns of W.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from configs import LoraConfig, ModelConfig
+from models import transformer
+from models.transformer import ParamSpec
+
+
+def lora_specs(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> dict:
+  """{"layers": {target: {"a": ParamSpec, "b": ParamSpec}}} for the configured targets."""
+  base = transformer.param_specs(model_cfg)["layers"]
+  R = lora_cfg.lora_rank
+  out = {}
+  for name in lora_cfg.lora_targets:
+    s = base[name]
+    n_in = s.fan_in
+    in_shape, out_shape = s.shape[1:1 + n_in], s.shape[1 + n_in:]
+    in_axes, out_axes = s.axes[1:1 + n_in], s.axes[1 + n_in:]
+    out[name] = {
+        "a": ParamSpec((s.shape[0], *in_shape, R), ("layers", *in_axes, "lora_rank"), "normal", n_in),
+        "b": ParamSpec((s.shape[0], R, *out_shape), ("layers", "lora_rank", *out_axes), "zeros", 1),
+    }
+  return {"layers": out}
+
+
+def init(model_cfg: ModelConfig, lora_cfg: LoraConfig, key: jax.Array, mesh: Mesh):
+  """A ~ N(0, 1/fan_in) (Kaiming-style, as in the LoRA reference code), B = 0; born sharded."""
+  specs = lora_specs(model_cfg, lora_cfg)
+
+  def make(k):
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=transformer._is_spec)
+    keys = jax.random.split(k, len(leaves))
+    arrays = []
+    for s, kk in zip(leaves, keys):
+      if s.init == "zeros":
+        arrays.append(jnp.zeros(s.shape, jnp.float32))
+      else:
+        fan_in = 1
+        for d in s.shape[1:1 + s.fan_in]:
+          fan_in *= d
+        arrays.append(jax.random.normal(kk, s.shape, jnp.float32) / jnp.sqrt(fan_in))
+    return treedef.unflatten(arrays)
+
+  return jax.jit(make, out_shardings=transformer.shardings(specs, mesh))(key)
+
+
+def delta(w_a: jax.Array, w_b: jax.Array, n_in: int, scale: float) -> jax.Array:
+  """scale * A @ B with A [L, *in, R], B [L, R, *out] -> [L, *in, *out]."""
+  L, R = w_a.shape[0], w_a.shape[-1]
+  a2 = w_a.reshape(L, -1, R)
+  b2 = w_b.reshape(L, R, -1)
+  d = scale * jnp.einsum("lir,lro->lio", a2, b2)
+  return d.reshape(w_a.shape[:-1] + w_b.shape[2:])
+
+
+def merge(params: dict, lora: dict, lora_cfg: LoraConfig) -> dict:
+  """Plain weights W + scale * A @ B for every adapted projection; other leaves unchanged."""
+  layers = dict(params["layers"])
+  for name, ab in lora["layers"].items():
+    layers[name] = layers[name] + delta(ab["a"], ab["b"], ab["a"].ndim - 2, lora_cfg.scale)
+  return {**params, "layers": layers}
