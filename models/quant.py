@@ -12,8 +12,9 @@ dequantizes there, on the fly, so a float copy of a matrix exists only transient
   al. 2023, "QLoRA" (Appendix E; the bitsandbytes table). The block axis is sharded over
   `fsdp` ("qblocks" in sharding.RULES). Double quantization of the absmax values is not done.
 
-Which leaves are quantized: every matrix with a LoRA-able fan-in (q, k, v, o, gate, up, down,
-and an untied lm_head). The embedding table (a gather), norms and biases stay float32.
+Which leaves are quantized: the per-layer matrices (q, k, v, o, gate, up, down). The embedding
+table, an untied lm_head (kept in float as bitsandbytes' 4-bit loading does by default, since
+it sets the logits directly), norms and biases stay float32.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def quantize_nf4(w: jax.Array, n_lead: int) -> NF4Weight:
 
 def _targets(specs) -> dict:
   """{path: (n_lead, ParamSpec)} of the matrices that get quantized."""
-  out = {("lm_head",): (0, specs["lm_head"])} if "lm_head" in specs else {}
+  out = {}
   for name, s in specs["layers"].items():
     if s.fan_in:
       out[("layers", name)] = (1, s)
