@@ -225,10 +225,47 @@ BENCH_SMALL = Config(
                       output_dir="runs/bench-small"),
 )
 
+# Real model sizes, from each model's published config.json on the Hugging Face Hub (numbers
+# only). They describe the architecture; weights come from --init_from=hf:DIR, whose config.json
+# then replaces this section. Used for compile-only sharding checks and quantized-base memory.
+LLAMA_3_2_1B = ModelConfig(
+    arch="llama", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+    head_dim=64, mlp_dim=8192, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True,
+    rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+    rope_original_max_len=8192, compute_dtype="bfloat16")
+LLAMA_3_1_8B = dataclasses.replace(
+    LLAMA_3_2_1B, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+    mlp_dim=14336, tie_embeddings=False, rope_factor=8.0)
+QWEN_2_5_0_5B = ModelConfig(
+    arch="qwen2", vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
+    head_dim=64, mlp_dim=4864, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True,
+    qkv_bias=True, compute_dtype="bfloat16")
+QWEN_2_5_7B = dataclasses.replace(
+    QWEN_2_5_0_5B, vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+    head_dim=128, mlp_dim=18944, tie_embeddings=False)
+GEMMA_2_2B = ModelConfig(
+    arch="gemma2", vocab_size=256000, d_model=2304, n_layers=26, n_heads=8, n_kv_heads=4,
+    head_dim=256, mlp_dim=9216, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True,
+    mlp_act="gelu_tanh", norm_plus_one=True, post_norms=True, embed_scale=True,
+    attn_softcap=50.0, final_softcap=30.0, query_scale=256.0, sliding_window=4096,
+    sliding_pattern=2, compute_dtype="bfloat16")
+
+# Real-size runs: LoRA on every projection, recipe learning rate, a sequence budget that fits.
+_REAL = Config(
+    lora=LoraConfig(lora_rank=16, lora_alpha=32.0, lora_dropout=0.05,
+                    lora_targets=("q", "k", "v", "o", "gate", "up", "down")),
+    data=DataConfig(max_prompt_length=512, max_target_length=512),
+    train=TrainConfig(stage="dpo", learning_rate=1e-5))
+
 PRESETS: dict[str, Config] = {
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),
+    **{name: dataclasses.replace(_REAL, model=m, train=dataclasses.replace(
+        _REAL.train, output_dir=f"runs/{name}"))
+       for name, m in {"llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B,
+                       "qwen2.5-0.5b": QWEN_2_5_0_5B, "qwen2.5-7b": QWEN_2_5_7B,
+                       "gemma2-2b": GEMMA_2_2B}.items()},
 }
 
 
