@@ -29,7 +29,7 @@ COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_lay
 
 ARCH_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(
-        **COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        **{**COMMON, "max_position_embeddings": 128}, rms_norm_eps=1e-5, tie_word_embeddings=False,
         # llama3 scaling with these numbers puts the 4 frequencies in all three bands.
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
