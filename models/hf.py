@@ -140,7 +140,8 @@ def _rope(hf: dict, where: str) -> dict:
     if "rope_local_base_freq" in hf:
       local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
   kind = glob_rp.get("rope_type", glob_rp.get("type", "default"))
-  out: dict[str, Any] = {"rope_theta": float(glob_rp.get("rope_theta", 10_000.0))}
+  out: dict[str, Any] = {"rope_theta": float(glob_rp.get("rope_theta", 10_000.0)),
+                         "rope_scaling": "none", "rope_factor": 1.0, "rope_local_theta": 0.0}
   if kind == "linear":
     out.update(rope_scaling="linear", rope_factor=float(glob_rp["factor"]))
   elif kind == "llama3":
@@ -324,6 +325,8 @@ def _flat_indices(shape, slices) -> np.ndarray:
 def _read_block(tensor: np.ndarray, layout: str, shape, fan_in: int, slices) -> np.ndarray:
   """Our block `slices` of a per-layer array of `shape`, read from the HF tensor."""
   block_shape = tuple(len(range(*s.indices(n))) for s, n in zip(slices, shape))
+  if layout == "flat" and tensor.shape == tuple(shape):  # e.g. the embedding: slice directly
+    return np.asarray(tensor[tuple(slices)])
   if layout == "flat":
     flat = _flat_indices(shape, slices)
     lo, hi = flat.min(), flat.max() + 1
