@@ -1,16 +1,12 @@
 """Prints the frozen-base memory of the real-size presets: float32, bfloat16, int8, nf4.
 
-Computed from abstract shapes (nothing is allocated): `python tools/base_memory.py`.
+Computed from abstract shapes (nothing is allocated): `python -m models.base_memory`.
 """
 
 import dataclasses
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import configs  # noqa: E402
-from models import quant, transformer  # noqa: E402
+import configs
+from models import quant, transformer
 
 NAMES = ("llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma2-2b")
 
