@@ -95,7 +95,8 @@ def _stage(name: str, cfg: Config, mesh, step_fn, state, frozen, loader, steps: 
   for i in range(first_step, steps):
     local = next(loader)
     tokens_since += int(local["segment_ids"].astype(bool).sum()) * jax.process_count()
-    state, metrics = step(state, frozen, train.device_batch(mesh, local))
+    state, metrics = step(state, frozen,
+                          train.device_batch(mesh, local, cfg.train.global_batch_size))
     if pending is not None:
       _log(name, *pending, cfg, writer, steps, t0, first_step)
       pending = None
@@ -122,6 +123,26 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
   writer.write({"stage": stage, "step": step, **m, "tokens_per_sec": tok_per_s})
 
 
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+def log_memory_estimate(cfg: Config, mesh) -> dict[str, int]:
+  """Logs the per-device bytes of the DPO stage's weights, trainable part and optimizer state."""
+  opt, _ = train.optimizer(cfg, cfg.train.learning_rate, max(cfg.train.steps, 1))
+  est = train.memory_estimate(cfg, mesh, opt)
+  logging.info("per-device memory estimate (DPO stage, before activations): %s weights %s, "
+               "%s %s, optimizer state %s, total %s",
+               "frozen base" if cfg.lora.enabled else "frozen reference", _mib(est["frozen"]),
+               "LoRA" if cfg.lora.enabled else "policy weights", _mib(est["trainable"]),
+               _mib(est["optimizer"]), _mib(est["total"]))
+  replicated = sharding.replicated_axes(transformer.param_specs(cfg.model), mesh)
+  if replicated:
+    logging.warning("mesh axes that do not divide a parameter dimension leave it replicated: %s",
+                    "; ".join(f"{k}: {v}" for k, v in replicated.items()))
+  return est
+
+
 def run(cfg: Config, mesh=None) -> dict[str, Any]:
   """Runs the configured stages and returns the summary (also written to summary.json)."""
   t_start = time.perf_counter()
@@ -133,11 +154,14 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
   data = Data(cfg)
-  pid, nproc = jax.process_index(), jax.process_count()
+  # Each process loads only the block of the global batch that its own devices hold.
+  pid, nproc = sharding.process_batch_block(mesh, cfg.train.global_batch_size)
   key = jax.random.key(cfg.train.seed)
   params = transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh)
-  logging.info("model: %.2fM parameters, mesh %s", transformer.num_params(params) / 1e6,
-               dict(mesh.shape))
+  logging.info("model: %.2fM parameters, mesh %s, %d processes (this one loads batch block "
+               "%d of %d)", transformer.num_params(params) / 1e6, dict(mesh.shape),
+               jax.process_count(), pid, nproc)
+  log_memory_estimate(cfg, mesh)
   summary: dict[str, Any] = {}
 
   if cfg.train.stage in ("sft", "all"):

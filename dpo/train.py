@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -50,12 +51,30 @@ def optimizer(cfg: Config, peak_lr: float, total_steps: int) -> tuple[optax.Grad
   return optax.chain(*parts), sched
 
 
+def opt_state_shardings(opt: optax.GradientTransformation, params, param_shardings, mesh: Mesh):
+  """Shardings for `opt.init(params)`: every params-shaped part (Adam moments) takes the
+  matching parameter's sharding; everything else (step counts) is replicated.
+
+  Needed because jit does not propagate input shardings to freshly created zeros: a bare
+  `jit(opt.init)` puts the moments on one device.
+  """
+  abstract_state = jax.eval_shape(opt.init, params)
+  replicated = NamedSharding(mesh, P())
+  return optax.tree_map_params(opt, lambda _, sh: sh, abstract_state, param_shardings,
+                               transform_non_params=lambda _: replicated)
+
+
 def init_state(params, opt: optax.GradientTransformation, seed: int) -> TrainState:
-  """Optimizer moments are created by jit from the (sharded) params, so they inherit shardings."""
-  opt_state = jax.jit(opt.init)(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                    rng=jax.random.key_data(jax.random.key(seed)),
-                    lr_scale=jnp.ones((), jnp.float32), skipped=jnp.zeros((), jnp.int32))
+  """Optimizer moments are born with their parameters' shardings; scalars are replicated."""
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  mesh = jax.tree.leaves(param_sh)[0].mesh
+  opt_state = jax.jit(opt.init, out_shardings=opt_state_shardings(opt, params, param_sh, mesh))(
+      params)
+  replicated = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+  return TrainState(step=replicated(np.zeros((), np.int32)), params=params, opt_state=opt_state,
+                    rng=replicated(np.asarray(jax.random.key_data(jax.random.key(seed)))),
+                    lr_scale=replicated(np.ones((), np.float32)),
+                    skipped=replicated(np.zeros((), np.int32)))
 
 
 def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
@@ -128,12 +147,52 @@ def jit_step(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state: Trai
   frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
   batch_sh = batch_sharding(mesh, batch_ndim)
   replicated = NamedSharding(mesh, P())
-  return jax.jit(functools.partial(step_fn, cfg, opt, sched),
+  return jax.jit(with_mesh(mesh, functools.partial(step_fn, cfg, opt, sched)),
                  in_shardings=(state_sh, frozen_sh, batch_sh),
                  out_shardings=(state_sh, replicated), donate_argnums=(0,))
 
 
-def device_batch(mesh: Mesh, local: dict) -> dict:
-  """Global arrays from this process's slice of the batch."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v)
-          for k, v in local.items()}
+def with_mesh(mesh: Mesh, fn: Callable) -> Callable:
+  """`fn` traced with `mesh` as the abstract mesh, so `sharding.constrain` takes effect."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
+def device_batch(mesh: Mesh, local: dict, global_batch: int | None = None) -> dict:
+  """Global arrays from this process's rows of the batch.
+
+  `local` holds the rows this process's devices own (see `sharding.process_batch_block`);
+  `global_batch` is the number of rows over all processes. When `global_batch` equals the local
+  row count, every process passes the same full batch (as evaluation does).
+  """
+  def one(v):
+    shape = None if global_batch is None else (global_batch, *v.shape[1:])
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v, shape)
+  return {k: one(v) for k, v in local.items()}
+
+
+def memory_estimate(cfg: Config, mesh: Mesh, opt: optax.GradientTransformation) -> dict[str, int]:
+  """Per-device bytes of the DPO stage's persistent arrays, from abstract shapes and shardings.
+
+  frozen: base weights (LoRA on) or the reference copy (LoRA off); trainable: LoRA factors or the
+  policy weights; optimizer: the optimizer state of the trainable part. Activations are not
+  counted here; `dpo.compile_check` reports the compiler's full figure.
+  """
+  from models import lora as lora_lib, transformer  # local: train stays importable standalone
+  specs = transformer.param_specs(cfg.model)
+  base_abs, base_sh = transformer.abstract(specs), transformer.shardings(specs, mesh)
+  if cfg.lora.enabled:
+    lspecs = lora_lib.lora_specs(cfg.model, cfg.lora)
+    train_abs, train_sh = transformer.abstract(lspecs), transformer.shardings(lspecs, mesh)
+  else:
+    train_abs, train_sh = base_abs, base_sh
+  opt_abs = jax.eval_shape(opt.init, train_abs)
+  opt_sh = opt_state_shardings(opt, train_abs, train_sh, mesh)
+  out = {"frozen": sharding.shard_bytes(base_abs, base_sh),
+         "trainable": sharding.shard_bytes(train_abs, train_sh),
+         "optimizer": sharding.shard_bytes(opt_abs, opt_sh)}
+  out["total"] = sum(out.values())
+  return out

@@ -158,10 +158,11 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
     return dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate))
 
   B, T, D = x_BTD.shape
+  c = sharding.constrain
   h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-  q_BTHk = rope(proj("q", h, 1), rope_pos_BT, cfg.rope_theta)
-  k_BTKk = rope(proj("k", h, 1), rope_pos_BT, cfg.rope_theta)
-  v_BTKk = proj("v", h, 1)
+  q_BTHk = c(rope(proj("q", h, 1), rope_pos_BT, cfg.rope_theta), _ACT_Q)
+  k_BTKk = c(rope(proj("k", h, 1), rope_pos_BT, cfg.rope_theta), _ACT_KV)
+  v_BTKk = c(proj("v", h, 1), _ACT_KV)
   if cache is not None:
     k_BTKk, v_BTKk, cache = cache(k_BTKk, v_BTKk)
   G = cfg.n_heads // cfg.n_kv_heads
@@ -174,10 +175,17 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
   x_BTD = x_BTD + proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
 
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-  gated = jax.nn.silu(proj("gate", h, 1)) * proj("up", h, 1)
-  x_BTD = x_BTD + proj("down", gated, 1)
+  gated_BTF = c(jax.nn.silu(proj("gate", h, 1)) * proj("up", h, 1), _ACT_MLP)
+  x_BTD = x_BTD + proj("down", gated_BTF, 1)
   return x_BTD, cache
 
+
+# Logical axes of the activations that get sharding constraints (see models/sharding.py RULES).
+_ACT_RESID = ("batch", "seq", "act_embed")
+_ACT_Q = ("batch", "seq", "act_heads", "head_dim")
+_ACT_KV = ("batch", "seq", "act_kv_heads", "head_dim")
+_ACT_MLP = ("batch", "seq", "act_mlp")
+_ACT_LOGITS = ("batch", "seq", "act_vocab")
 
 _TARGET_ID = {n: i for i, n in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
 
@@ -192,8 +200,11 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
   the LoRA input path applies only when `dropout_key` is given.
   """
   dtype = jnp.dtype(cfg.compute_dtype)
-  x_BTD = params["embed"].astype(dtype)[tokens_BT]
-  x_BTD = sharding.constrain(x_BTD, ("batch", "seq", "embed"))
+  # Gather the table's fsdp shards first (rows stay split over tensor); a lookup into a table
+  # whose embed dimension is split makes XLA replicate the whole table instead.
+  table_VD = sharding.constrain(params["embed"].astype(dtype), ("vocab", "act_embed"))
+  x_BTD = table_VD[tokens_BT]
+  x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
   index_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
   mask_BTS = attention_mask(segment_ids_BT, segment_ids_BT, index_BT, index_BT)
   lora_layers = None if lora is None else lora["layers"]
@@ -202,7 +213,7 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
     p, lp, i = xs
     key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
     x, _ = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask_BTS)
-    return sharding.constrain(x, ("batch", "seq", "embed")), None
+    return sharding.constrain(x, _ACT_RESID), None
 
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
@@ -218,7 +229,7 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
 def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:
   w_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
   logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(h_BTD.dtype))
-  return logits.astype(jnp.float32)
+  return sharding.constrain(logits.astype(jnp.float32), _ACT_LOGITS)
 
 
 def num_params(tree) -> int:
