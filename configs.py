@@ -181,10 +181,22 @@ BENCH_SMALL = Config(
                       output_dir="runs/bench-small"),
 )
 
+# llama3-8b: the Llama 3.1 8B shape (Meta's published config: vocab 128256, d 4096, 32 layers,
+# 32 query / 8 kv heads of 128, SwiGLU 14336, rope theta 5e5, RMSNorm eps 1e-5, untied). Llama
+# 3.1's long-context RoPE frequency scaling is not modelled (it only matters beyond 8k tokens).
+# bfloat16 matmuls and per-layer remat, as needed to fit; recipe LoRA and lengths otherwise.
+LLAMA3_8B = Config(
+    model=ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      head_dim=128, mlp_dim=14336, rope_theta=500_000.0, norm_eps=1e-5,
+                      tie_embeddings=False, compute_dtype="bfloat16", remat=True),
+    train=TrainConfig(output_dir="runs/llama3-8b", mesh="fsdp:-1"),
+)
+
 PRESETS: dict[str, Config] = {
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),
+    "llama3-8b": LLAMA3_8B,
 }
 
 

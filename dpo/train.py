@@ -145,6 +145,12 @@ def jit_step(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state: Trai
   """jit(step) with explicit in/out shardings taken from the live state, state donated."""
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
+  return jit_step_with_shardings(step_fn, cfg, opt, sched, mesh, state_sh, frozen_sh, batch_ndim)
+
+
+def jit_step_with_shardings(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state_sh,
+                            frozen_sh, batch_ndim: int):
+  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays)."""
   batch_sh = batch_sharding(mesh, batch_ndim)
   replicated = NamedSharding(mesh, P())
   return jax.jit(with_mesh(mesh, functools.partial(step_fn, cfg, opt, sched)),
