@@ -64,21 +64,23 @@ def opt_state_shardings(opt: optax.GradientTransformation, params, param_shardin
                                transform_non_params=lambda _: replicated)
 
 
-def init_state(params, opt: optax.GradientTransformation, seed: int) -> TrainState:
-  """Optimizer moments are born with their parameters' shardings; scalars are replicated."""
+def init_state(params, opt: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
+  """Optimizer moments take their parameter's sharding; scalars (counts) are replicated.
+
+  Scalars are placed from host numpy values so that every process of a multi-host run provides
+  its (identical) copy.
+  """
   param_sh = jax.tree.map(lambda x: x.sharding, params)
-  mesh = jax.tree.leaves(param_sh)[0].mesh
   opt_state = jax.jit(opt.init, out_shardings=opt_state_shardings(opt, params, param_sh, mesh))(
       params)
-  replicated = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
-  return TrainState(step=replicated(np.zeros((), np.int32)), params=params, opt_state=opt_state,
-                    rng=replicated(np.asarray(jax.random.key_data(jax.random.key(seed)))),
-                    lr_scale=replicated(np.ones((), np.float32)),
-                    skipped=replicated(np.zeros((), np.int32)))
+  rep = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+  return TrainState(step=rep(np.zeros((), np.int32)), params=params, opt_state=opt_state,
+                    rng=rep(np.asarray(jax.random.key_data(jax.random.key(seed)))),
+                    lr_scale=rep(np.ones((), np.float32)), skipped=rep(np.zeros((), np.int32)))
 
 
 def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = opt.update(grads, state.opt_state, state.params)
   new_params = jax.tree.map(lambda p, u: p + state.lr_scale * u, state.params, updates)

@@ -109,7 +109,7 @@ def test_optimizer_state_inherits_param_shardings():
   cfg = configs.Config(model=configs.ModelConfig(n_heads=4, n_kv_heads=2))
   params = transformer.init(cfg.model, jax.random.key(0), mesh)
   opt, _ = train.optimizer(cfg, 1e-3, 10)
-  state = train.init_state(params, opt, 0)
+  state = train.init_state(params, opt, 0, mesh)
   adam = state.opt_state[1][0]
   for moments in (adam.mu, adam.nu):
     got = jax.tree.map(lambda x: x.sharding.spec, moments)
@@ -146,7 +146,7 @@ def _run_dpo(cfg, mesh, batches):
     frozen, trainable = params, lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
   else:
     frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
-  state = train.init_state(trainable, opt, 0)
+  state = train.init_state(trainable, opt, 0, mesh)
   step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen, 3)
   metrics = []
   for b in batches:
