@@ -2,6 +2,9 @@
 
 Flags are generated from the config dataclasses in configs.py: every field is a flag of the same
 name. `--config` picks a preset; a flag given on the command line overrides the preset's value.
+Multi-host: one process per host with `--distributed=auto` (TPU pods, SLURM) or
+`--distributed=explicit --coordinator_address=HOST:PORT --num_processes=N --process_id=i`;
+see WORKSPACE.md, "Sharding and multi-host".
 """
 
 from __future__ import annotations
