@@ -257,6 +257,13 @@ _REAL = Config(
     data=DataConfig(max_prompt_length=512, max_target_length=512),
     train=TrainConfig(stage="dpo", learning_rate=1e-5))
 
+# llama3-8b: the Llama 3.1 8B shape for the compile-only sharding check (dpo/compile_check.py):
+# bfloat16 matmuls and per-layer remat, as needed to fit; recipe LoRA (q, v) and lengths.
+LLAMA3_8B = Config(
+    model=dataclasses.replace(LLAMA_3_1_8B, remat=True),
+    train=TrainConfig(output_dir="runs/llama3-8b", mesh="fsdp:-1"),
+)
+
 PRESETS: dict[str, Config] = {
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
@@ -266,6 +273,7 @@ PRESETS: dict[str, Config] = {
        for name, m in {"llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B,
                        "qwen2.5-0.5b": QWEN_2_5_0_5B, "qwen2.5-7b": QWEN_2_5_7B,
                        "gemma2-2b": GEMMA_2_2B}.items()},
+    "llama3-8b": LLAMA3_8B,
 }
 
 

@@ -96,7 +96,8 @@ def _stage(name: str, cfg: Config, mesh, step_fn, state, frozen, loader, steps: 
   for i in range(first_step, steps):
     local = next(loader)
     tokens_since += int(local["segment_ids"].astype(bool).sum()) * jax.process_count()
-    state, metrics = step(state, frozen, train.device_batch(mesh, local))
+    state, metrics = step(state, frozen,
+                          train.device_batch(mesh, local, cfg.train.global_batch_size))
     if pending is not None:
       _log(name, *pending, cfg, writer, steps, t0, first_step)
       pending = None
@@ -135,6 +136,24 @@ def initial_params(cfg: Config, key: jax.Array, mesh) -> tuple[Config, Any]:
     logging.info("imported %s (%s) from %s", model_cfg.arch, src, path)
     return dataclasses.replace(cfg, model=model_cfg), params
   raise ValueError(f"--init_from={src!r}: unknown source kind {kind!r} (expected hf:DIR)")
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+def log_memory_estimate(cfg: Config, mesh) -> dict[str, int]:
+  """Logs the per-device bytes of the DPO stage's weights, trainable part and optimizer state."""
+  opt, _ = train.optimizer(cfg, cfg.train.learning_rate, max(cfg.train.steps, 1))
+  est = train.memory_estimate(cfg, mesh, opt)
+  logging.info("per-device memory estimate (DPO stage, before activations): %s weights %s, "
+               "%s %s, optimizer state %s, total %s",
+               "frozen base" if cfg.lora.enabled else "frozen reference", _mib(est["frozen"]),
+               "LoRA" if cfg.lora.enabled else "policy weights", _mib(est["trainable"]),
+               _mib(est["optimizer"]), _mib(est["total"]))
+  replicated = sharding.replicated_axes(transformer.param_specs(cfg.model), mesh)
+  if replicated:
+    logging.warning("mesh axes that do not divide a parameter dimension leave it replicated: %s",
+                    "; ".join(f"{k}: {v}" for k, v in replicated.items()))
+  return est
 
 
 def run(cfg: Config, mesh=None) -> dict[str, Any]:
@@ -147,15 +166,18 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
   if cfg.model.base_quant != "none" and not cfg.lora.enabled:
     raise ValueError(f"base_quant={cfg.model.base_quant} needs LoRA (lora_rank > 0): a "
                      "quantized base is frozen")
-  pid, nproc = jax.process_index(), jax.process_count()
   key = jax.random.key(cfg.train.seed)
   cfg, params = initial_params(cfg, jax.random.fold_in(key, 0), mesh)
   if writer.enabled:
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
   data = Data(cfg)
-  logging.info("model: %.2fM parameters, mesh %s", transformer.num_params(params) / 1e6,
-               dict(mesh.shape))
+  # Each process loads only the block of the global batch that its own devices hold.
+  pid, nproc = sharding.process_batch_block(mesh, cfg.train.global_batch_size)
+  logging.info("model: %.2fM parameters, mesh %s, %d processes (this one loads batch block "
+               "%d of %d)", transformer.num_params(params) / 1e6, dict(mesh.shape),
+               jax.process_count(), pid, nproc)
+  log_memory_estimate(cfg, mesh)
   summary: dict[str, Any] = {}
 
   if cfg.train.stage in ("sft", "all"):

@@ -225,12 +225,14 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
   if freq_k is None:
     freq_k = jnp.asarray(rope_frequencies(cfg, local=False))
   B, T, D = x_BTD.shape
+  c = sharding.constrain
   h = norm("attn_norm", x_BTD)
   q_BTHk, k_BTKk, v_BTKk = proj("q", h, 1), proj("k", h, 1), proj("v", h, 1)
   if cfg.qk_norm:
     q_BTHk, k_BTKk = norm("q_norm", q_BTHk), norm("k_norm", k_BTKk)
-  q_BTHk = rope(q_BTHk, rope_pos_BT, freq_k)
-  k_BTKk = rope(k_BTKk, rope_pos_BT, freq_k)
+  q_BTHk = c(rope(q_BTHk, rope_pos_BT, freq_k), _ACT_Q)
+  k_BTKk = c(rope(k_BTKk, rope_pos_BT, freq_k), _ACT_KV)
+  v_BTKk = c(v_BTKk, _ACT_KV)
   if cache is not None:
     k_BTKk, v_BTKk, cache = cache(k_BTKk, v_BTKk)
   G = cfg.n_heads // cfg.n_kv_heads
@@ -244,8 +246,8 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
   x_BTD = x_BTD + (norm("post_attn_norm", out_BTD) if cfg.post_norms else out_BTD)
 
   h = norm("mlp_norm", x_BTD)
-  gated = _ACTIVATIONS[cfg.mlp_act](proj("gate", h, 1)) * proj("up", h, 1)
-  out_BTD = proj("down", gated, 1)
+  gated_BTF = c(_ACTIVATIONS[cfg.mlp_act](proj("gate", h, 1)) * proj("up", h, 1), _ACT_MLP)
+  out_BTD = proj("down", gated_BTF, 1)
   x_BTD = x_BTD + (norm("post_mlp_norm", out_BTD) if cfg.post_norms else out_BTD)
   return x_BTD, cache
 
@@ -255,6 +257,14 @@ _ACTIVATIONS: dict[str, Callable] = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
 }
+
+# Logical axes of the activations that get sharding constraints (see models/sharding.py RULES).
+_ACT_RESID = ("batch", "seq", "act_embed")
+_ACT_Q = ("batch", "seq", "act_heads", "head_dim")
+_ACT_KV = ("batch", "seq", "act_kv_heads", "head_dim")
+_ACT_MLP = ("batch", "seq", "act_mlp")
+_ACT_LOGITS = ("batch", "seq", "act_vocab")
+
 _TARGET_ID = {n: i for i, n in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
 
 
@@ -268,10 +278,13 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
   the LoRA input path applies only when `dropout_key` is given.
   """
   dtype = jnp.dtype(cfg.compute_dtype)
-  x_BTD = params["embed"].astype(dtype)[tokens_BT]
+  # Gather the table's fsdp shards first (rows stay split over tensor); a lookup into a table
+  # whose embed dimension is split makes XLA replicate the whole table instead.
+  table_VD = sharding.constrain(params["embed"].astype(dtype), ("vocab", "act_embed"))
+  x_BTD = table_VD[tokens_BT]
   if cfg.embed_scale:
     x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
-  x_BTD = sharding.constrain(x_BTD, ("batch", "seq", "embed"))
+  x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
   index_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
   mask_BTS = attention_mask(segment_ids_BT, segment_ids_BT, index_BT, index_BT)
   lora_layers = None if lora is None else lora["layers"]
@@ -290,7 +303,7 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
       mask = jnp.where(local, local_mask_BTS, mask_BTS)
       freq = jnp.where(local, freq_local, freq_global)
     x, _ = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask, freq_k=freq)
-    return sharding.constrain(x, ("batch", "seq", "embed")), None
+    return sharding.constrain(x, _ACT_RESID), None
 
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
@@ -309,7 +322,7 @@ def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:
     logits = jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(h_BTD.dtype))
   else:
     logits = dense(h_BTD, params["lm_head"], 1)
-  return soft_cap(logits.astype(jnp.float32), cfg.final_softcap)
+  return sharding.constrain(soft_cap(logits.astype(jnp.float32), cfg.final_softcap), _ACT_LOGITS)
 
 
 def num_params(tree) -> int:
