@@ -199,18 +199,19 @@ BENCH_SMALL = Config(
 )
 
 # hh-rlhf-gpt2: a pipeline check on Anthropic HH-RLHF transcripts with the GPT-2 tokenizer
-# (vocab 50,257 padded to 50,304 = 786 * 64). A small model trained from scratch: SFT on the
-# chosen responses, then full-parameter DPO (a LoRA on a barely trained model has little to
-# steer). Prompts keep their last 192 tokens, responses their first 64.
+# (vocab 50,257 padded to 50,304 = 786 * 64). Sized for a couple of shared CPU cores: a small
+# model trained from scratch (SFT on the chosen responses, then full-parameter DPO; a LoRA on a
+# barely trained model has little to steer), the last 64 prompt tokens and the first 32
+# response tokens, batch 8, 10% of prompts held out.
 HH_RLHF_GPT2 = Config(
     model=ModelConfig(vocab_size=50304, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                       head_dim=32, mlp_dim=384, tie_embeddings=True),
     lora=LoraConfig(lora_rank=0),
     data=DataConfig(train_data="../shared/data/hh-rlhf/harmless-base-test.jsonl.gz",
                     tokenizer="../shared/data/tokenizers/gpt2/tokenizer.json",
-                    max_prompt_length=192, max_target_length=64, eval_split=0.1),
-    train=TrainConfig(steps=200, sft_steps=200, learning_rate=3e-4, sft_learning_rate=3e-3,
-                      global_batch_size=16, log_every=20, output_dir="runs/hh-rlhf-gpt2"),
+                    max_prompt_length=64, max_target_length=32, eval_split=0.1),
+    train=TrainConfig(steps=150, sft_steps=100, learning_rate=5e-4, sft_learning_rate=3e-3,
+                      global_batch_size=8, log_every=25, output_dir="runs/hh-rlhf-gpt2"),
 )
 
 PRESETS: dict[str, Config] = {
