@@ -71,7 +71,8 @@ class FormatSpec:
     if self.data_format not in FORMATS:
       raise ValueError(f"data_format must be one of {FORMATS}, got {self.data_format!r}")
     named = [self.prompt_field, self.chosen_field, self.rejected_field]
-    if self.data_format == "columns" and not (self.chosen_field and self.rejected_field):
+    if (self.data_format == "columns" or any(named)) and not (self.chosen_field and
+                                                              self.rejected_field):
       raise ValueError("data_format=columns needs --chosen_field and --rejected_field "
                        "(and --prompt_field unless the data has no prompt)")
     if any(named) and self.data_format not in ("auto", "columns"):

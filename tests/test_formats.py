@@ -75,6 +75,13 @@ def test_explicit_format_overrides_detection(tmp_path):
     list(formats.iter_records(path, formats.FormatSpec("openai")))
 
 
+def test_column_flags_must_name_both_responses():
+  with pytest.raises(ValueError, match="--chosen_field and --rejected_field"):
+    formats.FormatSpec(prompt_field="question")
+  with pytest.raises(ValueError, match="only used with data_format=columns"):
+    formats.FormatSpec("standard", chosen_field="a", rejected_field="b")
+
+
 def test_undetectable_format_says_which_flags(tmp_path):
   path = _write(tmp_path / "d.jsonl", [{"question": "q", "response_j": "a", "response_k": "b"}])
   with pytest.raises(DataError, match=r"d.jsonl:1: cannot detect.*--prompt_field"):
