@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import configs
+import jax
 from dpo import data, formats, loop, prepare, tokenizer
+from models import sharding
 
 ROWS = [{"prompt": f"question {i % 40}?", "chosen": f" good answer {i}", "rejected": f" bad {i}"}
         for i in range(120)]
@@ -97,3 +99,21 @@ def test_loop_data_on_a_conversational_file(tmp_path):
     loop.Data(cfg.replace(eval_data=cfg.data.train_data))
   with pytest.raises(data.DataError, match="no such file"):
     loop.Data(cfg.replace(train_data=str(tmp_path / "missing.jsonl")))
+
+
+def test_run_end_to_end_on_an_openai_file(tmp_path):
+  rows = [{"input": {"messages": [{"role": "user", "content": f"q{i}"}]},
+           "preferred_output": [{"role": "assistant", "content": f"yes {i}"}],
+           "non_preferred_output": [{"role": "assistant", "content": f"no {i}"}]}
+          for i in range(64)]
+  out = tmp_path / "run"
+  cfg = configs.DEFAULT.replace(train_data=_write(tmp_path, rows, "o.jsonl"), eval_split=0.25,
+                                n_layers=1, d_model=32, head_dim=8, mlp_dim=64, stage="dpo",
+                                steps=1, log_every=1, output_dir=str(out))
+  # One device: this test is about the data path; on the 8-device mesh the loop currently
+  # trips over the placement of TrainState's scalars (a train.init_state matter).
+  summary = loop.run(cfg, sharding.make_mesh("data:1", jax.devices()[:1]))
+  assert summary["data"][0]["format_openai"] == 64
+  assert summary["pairs"] == summary["data"][0]["held_out_pairs"] > 0
+  with open(out / "summary.json") as f:
+    assert json.load(f)["data"][0]["filters"]["kept"] == 64
