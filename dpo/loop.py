@@ -168,7 +168,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
 
   if cfg.train.stage in ("sft", "all"):
     opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
-    state = train.init_state(params, opt, cfg.train.seed)
+    state = train.init_state(params, opt, cfg.train.seed, mesh)
     loader = data_lib.Loader(data.sft, cfg.train.global_batch_size, cfg.train.seed + 1, pid, nproc)
     state = _stage("sft", cfg, mesh, train.sft_step, state, None, loader, cfg.train.sft_steps,
                    (opt, sched), writer, pairs=False)
@@ -187,7 +187,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                    ",".join(cfg.lora.lora_targets), transformer.num_params(trainable) / 1e6)
     else:
       frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
-    state = train.init_state(trainable, opt, cfg.train.seed)
+    state = train.init_state(trainable, opt, cfg.train.seed, mesh)
     loader = data_lib.Loader(data.pairs, cfg.train.global_batch_size, cfg.train.seed + 2, pid, nproc)
     state = _stage("dpo", cfg, mesh, train.dpo_step, state, frozen, loader, cfg.train.steps,
                    (opt, sched), writer, pairs=True)
