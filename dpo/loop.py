@@ -7,6 +7,7 @@ makes the device wait. Only process 0 writes files.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -22,7 +23,7 @@ from dpo import data as data_lib
 from dpo import evaluate, formats, prepare, task, train
 from dpo import tokenizer as tokenizer_lib
 from models import lora as lora_lib
-from models import sharding, transformer
+from models import quant, sharding, transformer
 
 
 class MetricsWriter:
@@ -148,6 +149,20 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
   writer.write({"stage": stage, "step": step, **m, "tokens_per_sec": tok_per_s})
 
 
+def initial_params(cfg: Config, key: jax.Array, mesh) -> tuple[Config, Any]:
+  """(config, params): random init, or `--init_from` (hf:DIR replaces the model section)."""
+  src = cfg.train.init_from
+  if not src:
+    return cfg, transformer.init(cfg.model, key, mesh)
+  kind, _, path = src.partition(":")
+  if kind == "hf":
+    from models import hf  # optional-format code stays out of the default path
+    model_cfg, params = hf.load(path, mesh, cfg.model)
+    logging.info("imported %s (%s) from %s", model_cfg.arch, src, path)
+    return dataclasses.replace(cfg, model=model_cfg), params
+  raise ValueError(f"--init_from={src!r}: unknown source kind {kind!r} (expected hf:DIR)")
+
+
 def run(cfg: Config, mesh=None) -> dict[str, Any]:
   """Runs the configured stages and returns the summary (also written to summary.json)."""
   t_start = time.perf_counter()
@@ -155,13 +170,16 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
   mesh = mesh or sharding.make_mesh(cfg.train.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)
+  if cfg.model.base_quant != "none" and not cfg.lora.enabled:
+    raise ValueError(f"base_quant={cfg.model.base_quant} needs LoRA (lora_rank > 0): a "
+                     "quantized base is frozen")
+  pid, nproc = jax.process_index(), jax.process_count()
+  key = jax.random.key(cfg.train.seed)
+  cfg, params = initial_params(cfg, jax.random.fold_in(key, 0), mesh)
   if writer.enabled:
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
   data = Data(cfg)
-  pid, nproc = jax.process_index(), jax.process_count()
-  key = jax.random.key(cfg.train.seed)
-  params = transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh)
   logging.info("model: %.2fM parameters, mesh %s", transformer.num_params(params) / 1e6,
                dict(mesh.shape))
   summary: dict[str, Any] = {"data": data.reports} if data.reports else {}
@@ -175,6 +193,14 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
     params = state.params
 
   if cfg.train.stage in ("dpo", "all"):
+    if cfg.model.base_quant != "none":
+      before_bytes = transformer.nbytes(params)
+      params = quant.quantize_params(cfg.model, params, mesh)
+      after_bytes = transformer.nbytes(params)
+      logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",
+                   cfg.model.base_quant, before_bytes / 2**20, after_bytes / 2**20,
+                   (before_bytes - after_bytes) / 2**20, 100 * (1 - after_bytes / before_bytes))
+      summary["base_bytes"] = {"float32": before_bytes, cfg.model.base_quant: after_bytes}
     if data.held is not None:
       before = evaluate.pair_metrics(cfg, mesh, params, None, params, data.held,
                                      cfg.train.global_batch_size)
@@ -199,6 +225,14 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
       writer.write({"stage": "eval", "step": cfg.train.steps,
                     **{f"eval/{k}": v for k, v in after.items()}})
     summary["skipped_steps"] = int(state.skipped)
+    if cfg.train.export_hf:
+      from models import hf
+      out_hf = cfg.train.export_hf
+      hf.save(out_hf, cfg.model, policy, lora, cfg.lora, source=hf.source_config(cfg.train.init_from))
+      if lora is not None:
+        hf.save_peft(os.path.join(out_hf, "adapter"), cfg.model, lora, cfg.lora,
+                     base_model=cfg.train.init_from.removeprefix("hf:"))
+      logging.info("exported the policy (LoRA merged) to %s", out_hf)
 
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   if writer.enabled:

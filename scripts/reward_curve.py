@@ -27,16 +27,16 @@ def main(argv) -> None:
   logging.set_verbosity(logging.INFO)
   import jax
   from dpo import data as data_lib, evaluate, loop, train
-  from models import lora as lora_lib, sharding, transformer
+  from models import lora as lora_lib, sharding
 
   cfg = launch.config_from_flags()
   mesh = sharding.make_mesh(cfg.train.mesh)
   writer = loop.MetricsWriter(cfg.train.output_dir)
+  key = jax.random.key(cfg.train.seed)
+  cfg, params = loop.initial_params(cfg, jax.random.fold_in(key, 0), mesh)
   data = loop.Data(cfg)
   if data.held is None:
     raise app.UsageError("needs held-out pairs: pass --eval_split or --eval_data")
-  key = jax.random.key(cfg.train.seed)
-  params = transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh)
   batch = cfg.train.global_batch_size
   if cfg.train.stage in ("sft", "all") and cfg.train.sft_steps:
     opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
