@@ -40,7 +40,7 @@ def main(argv) -> None:
   batch = cfg.train.global_batch_size
   if cfg.train.stage in ("sft", "all") and cfg.train.sft_steps:
     opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
-    state = train.init_state(params, opt, cfg.train.seed)
+    state = train.init_state(params, opt, cfg.train.seed, mesh)
     loader = data_lib.Loader(data.sft, batch, cfg.train.seed + 1)
     params = loop._stage("sft", cfg, mesh, train.sft_step, state, None, loader,
                          cfg.train.sft_steps, (opt, sched), writer, pairs=False).params
@@ -50,7 +50,7 @@ def main(argv) -> None:
     trainable = lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
   else:
     frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
-  state = train.init_state(trainable, opt, cfg.train.seed)
+  state = train.init_state(trainable, opt, cfg.train.seed, mesh)
   loader = data_lib.Loader(data.pairs, batch, cfg.train.seed + 2)
   curve = []
   step = 0
