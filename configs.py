@@ -119,9 +119,26 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-  train_data: str = _f("", "Preference JSONL for DPO; empty = the embedded default task.")
-  eval_data: str = _f("", "Held-out preference JSONL; empty = embedded task's held-out pairs.")
-  sft_data: str = _f("", "SFT JSONL ({prompt, completion}); empty = embedded task's SFT data.")
+  train_data: str = _f("", "Preference data for DPO (JSONL or JSON array, gzip ok); empty = "
+                       "the embedded default task.")
+  eval_data: str = _f("", "Held-out preference data (same formats); empty = --eval_split of "
+                      "train_data, or the embedded task's held-out pairs.")
+  sft_data: str = _f("", "SFT JSONL ({prompt, completion}); empty = the chosen responses of "
+                     "train_data, or the embedded task's SFT data.")
+  data_format: str = _f("auto", "auto, standard, conversational, implicit, openai or columns "
+                        "(see dpo/formats.py).")
+  prompt_field: str = _f("", "data_format=columns: the field holding the prompt.")
+  chosen_field: str = _f("", "data_format=columns: the field holding the chosen response.")
+  rejected_field: str = _f("", "data_format=columns: the field holding the rejected response.")
+  chat_template: str = _f("plain", "How chat data is rendered: plain, llama3, chatml (qwen), gemma.")
+  tokenizer: str = _f("", "Hugging Face tokenizer.json (or its directory); empty = bytes.")
+  bos_token: str = _f("", "BOS token text ('none' = no BOS); empty = tokenizer_config.json or "
+                      "GPT-2's <|endoftext|>.")
+  eos_token: str = _f("", "EOS token text; empty = tokenizer_config.json or <|endoftext|>.")
+  pad_token: str = _f("", "PAD token text; empty = tokenizer_config.json, else EOS.")
+  eval_split: float = _f(0.0, "Fraction of train_data prompts held out for evaluation (by hash).")
+  data_cache_dir: str = _f("", "Where tokenised data is cached; empty = <output_dir>/data_cache, "
+                           "'none' = no cache.")
   max_prompt_length: int = _f(512, "Prompt tokens kept (the end of the prompt is kept).")
   max_target_length: int = _f(512, "Completion tokens kept (the start is kept).")
   task_train_pairs: int = _f(4096, "Embedded task: number of training preference pairs.")
@@ -264,7 +281,24 @@ LLAMA3_8B = Config(
     train=TrainConfig(output_dir="runs/llama3-8b", mesh="fsdp:-1"),
 )
 
+# hh-rlhf-gpt2: a pipeline check on Anthropic HH-RLHF transcripts with the GPT-2 tokenizer
+# (vocab 50,257 padded to 50,304 = 786 * 64). Sized for a couple of shared CPU cores: a small
+# model trained from scratch (SFT on the chosen responses, then full-parameter DPO; a LoRA on a
+# barely trained model has little to steer), the last 64 prompt tokens and the first 32
+# response tokens, batch 8, 10% of prompts held out.
+HH_RLHF_GPT2 = Config(
+    model=ModelConfig(vocab_size=50304, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=32, mlp_dim=384, tie_embeddings=True),
+    lora=LoraConfig(lora_rank=0),
+    data=DataConfig(train_data="../shared/data/hh-rlhf/harmless-base-test.jsonl.gz",
+                    tokenizer="../shared/data/tokenizers/gpt2/tokenizer.json",
+                    max_prompt_length=64, max_target_length=32, eval_split=0.1),
+    train=TrainConfig(steps=150, sft_steps=100, learning_rate=5e-4, sft_learning_rate=3e-3,
+                      global_batch_size=8, log_every=25, output_dir="runs/hh-rlhf-gpt2"),
+)
+
 PRESETS: dict[str, Config] = {
+    "hh-rlhf-gpt2": HH_RLHF_GPT2,
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),

@@ -8,6 +8,7 @@ makes the device wait. Only process 0 writes files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -19,8 +20,8 @@ import numpy as np
 
 from configs import Config
 from dpo import data as data_lib
-from dpo import evaluate, task, train
-from dpo.tokenizer import ByteTokenizer
+from dpo import evaluate, formats, prepare, task, train
+from dpo import tokenizer as tokenizer_lib
 from models import lora as lora_lib
 from models import quant, sharding, transformer
 
@@ -45,33 +46,58 @@ def _to_py(tree) -> dict:
 
 
 class Data:
-  """Tokenized SFT, training and held-out arrays for one run."""
+  """Tokenized SFT, training and held-out arrays for one run.
+
+  With --train_data the pairs go through dpo.prepare (any supported format, quality filters,
+  chat template, held-out split, cached tokenisation); SFT then uses --sft_data or, failing
+  that, the chosen rows of the training pairs.
+  """
 
   def __init__(self, cfg: Config, tok=None):
     d, seed = cfg.data, cfg.train.seed
-    self.tok = tok or ByteTokenizer()
+    self.tok = tok or tokenizer_lib.load_tokenizer(d.tokenizer, d.bos_token, d.eos_token,
+                                                   d.pad_token)
     if cfg.model.vocab_size < self.tok.vocab_size:
       raise ValueError(f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                        f"{self.tok.vocab_size} ids")
     self.embedded = not d.train_data
-    sft = data_lib.load_sft_jsonl(d.sft_data) if d.sft_data else task.sft_records(
-        d.task_sft_examples, seed)
-    pairs = data_lib.load_preference_jsonl(d.train_data) if d.train_data else (
-        task.preference_records(d.task_train_pairs, seed))
-    if d.eval_data:
-      held = data_lib.load_preference_jsonl(d.eval_data)
-    elif self.embedded:
-      held = task.preference_records(d.task_eval_pairs, seed, held_out=True)
-    else:
-      held = []
     lens = (d.max_prompt_length, d.max_target_length)
-    self.sft = data_lib.tokenize_sft(sft, self.tok, *lens, what="sft data")
-    self.pairs = data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs")
-    self.held = data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs") if held else None
+    self.reports = []
+    if self.embedded:
+      pairs = task.preference_records(d.task_train_pairs, seed)
+      self.pairs = data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs")
+      held = (data_lib.load_preference_jsonl(d.eval_data) if d.eval_data else
+              task.preference_records(d.task_eval_pairs, seed, held_out=True))
+      self.held = data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs")
+    else:
+      spec = formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field, d.rejected_field)
+      cache_dir = ("" if d.data_cache_dir == "none" else
+                   d.data_cache_dir or os.path.join(cfg.train.output_dir, "data_cache"))
+      prep = functools.partial(prepare.prepare_pairs, tok=self.tok, spec=spec,
+                               template=d.chat_template, max_prompt_length=lens[0],
+                               max_target_length=lens[1], cache_dir=cache_dir)
+      train_prep = prep(d.train_data, eval_split=d.eval_split)
+      self.reports.append(train_prep.report)
+      self.pairs, self.held = train_prep.train, train_prep.held
+      if d.eval_data:
+        if d.eval_split:
+          raise ValueError("give either --eval_data or --eval_split, not both")
+        eval_prep = prep(d.eval_data, eval_split=0.0)
+        self.reports.append(eval_prep.report)
+        self.held = eval_prep.train
+    if d.sft_data:
+      self.sft = data_lib.tokenize_sft(data_lib.load_sft_jsonl(d.sft_data), self.tok, *lens,
+                                       what="sft data")
+    elif self.embedded:
+      self.sft = data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, seed), self.tok,
+                                       *lens, what="sft data")
+    else:  # the chosen row of each training pair is a (prompt, completion) SFT example
+      self.sft = {k: v[:, 0] for k, v in self.pairs.items()}
     self.eval_prompts = task.eval_prompts(d.task_eval_prompts) if self.embedded else []
     logging.info("data: %d SFT examples (T=%d), %d train pairs (T=%d), %d held-out pairs",
-                 len(sft), self.sft["tokens"].shape[-1], len(pairs),
-                 self.pairs["tokens"].shape[-1], len(held))
+                 len(self.sft["tokens"]), self.sft["tokens"].shape[-1],
+                 len(self.pairs["tokens"]), self.pairs["tokens"].shape[-1],
+                 0 if self.held is None else len(self.held["tokens"]))
 
 
 def _check_batch(cfg: Config, mesh) -> None:
@@ -178,7 +204,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                "%d of %d)", transformer.num_params(params) / 1e6, dict(mesh.shape),
                jax.process_count(), pid, nproc)
   log_memory_estimate(cfg, mesh)
-  summary: dict[str, Any] = {}
+  summary: dict[str, Any] = {"data": data.reports} if data.reports else {}
 
   if cfg.train.stage in ("sft", "all"):
     opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
