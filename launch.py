@@ -52,7 +52,11 @@ def main(argv) -> None:
   logging.set_verbosity(logging.INFO)
   from dpo import loop  # imported after flag parsing so JAX starts with the final environment
   cfg = config_from_flags()
-  loop.run(cfg)
+  try:
+    loop.run(cfg)
+  except loop.TrainingStopped as e:
+    logging.error("training stopped: %s", e)
+    raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

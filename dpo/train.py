@@ -51,11 +51,16 @@ def optimizer(cfg: Config, peak_lr: float, total_steps: int) -> tuple[optax.Grad
 
 
 def init_state(params, opt: optax.GradientTransformation, seed: int) -> TrainState:
-  """Optimizer moments are created by jit from the (sharded) params, so they inherit shardings."""
-  opt_state = jax.jit(opt.init)(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                    rng=jax.random.key_data(jax.random.key(seed)),
-                    lr_scale=jnp.ones((), jnp.float32), skipped=jnp.zeros((), jnp.int32))
+  """Every leaf is born on the params' mesh: optimizer moments with their parameter's sharding,
+  scalars (step, counts, the key) replicated, so all inputs of the jitted step share devices."""
+  replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, P())
+  put = lambda x: jax.device_put(x, replicated)
+  opt_sh = optax.tree_map_params(opt, lambda _, p: p.sharding, jax.eval_shape(opt.init, params),
+                                 params, transform_non_params=lambda _: replicated)
+  opt_state = jax.jit(opt.init, out_shardings=opt_sh)(params)
+  return TrainState(step=put(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
+                    rng=put(jax.random.key_data(jax.random.key(seed))),
+                    lr_scale=put(jnp.ones((), jnp.float32)), skipped=put(jnp.zeros((), jnp.int32)))
 
 
 def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
@@ -85,16 +90,20 @@ def dpo_step(cfg: Config, opt, sched, state: TrainState, frozen, batch) -> tuple
 
   def loss_fn(trainable):
     policy_params, lora = (frozen, trainable) if lora_on else (trainable, None)
-    pol, counts = logprobs.pair_logps(
+    pol, counts, pol_logits = logprobs.pair_logps(
         cfg.model, policy_params, batch, lora=lora,
         lora_scale=cfg.lora.scale if lora_on else 1.0,
-        dropout_key=key if lora_on else None, dropout_rate=cfg.lora.lora_dropout)
-    ref, _ = logprobs.pair_logps(cfg.model, frozen, batch)
+        dropout_key=key if lora_on else None, dropout_rate=cfg.lora.lora_dropout,
+        with_logits=True)
+    ref, _, ref_logits = logprobs.pair_logps(cfg.model, frozen, batch, with_logits=True)
     ref = jax.lax.stop_gradient(ref)
     lp = losses.Logps(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
     per_pair, extra = losses.LOSSES["sigmoid"](lp, beta=cfg.train.beta,
                                                label_smoothing=cfg.train.label_smoothing)
-    return per_pair.mean(), {**losses.reward_metrics(lp, cfg.train.beta), **extra}
+    # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
+    kl = logprobs.token_kl(jax.lax.stop_gradient(pol_logits), jax.lax.stop_gradient(ref_logits),
+                           batch["loss_mask"]).sum() / jnp.maximum(counts.sum(), 1.0)
+    return per_pair.mean(), {**losses.reward_metrics(lp, cfg.train.beta), **extra, "kl": kl}
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   return _apply(state, opt, sched, loss, grads, metrics)
