@@ -23,6 +23,29 @@ TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_di
             log_every=1, sft_steps=4, steps=6, checkpoint_every=2, keep_checkpoints=2)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+  """These tests rerun the same tiny programs many times; a persistent compilation cache makes
+  every compile after the first a disk read (the executables are identical, so results are too)."""
+  path = str(tmp_path_factory.mktemp("jax_cache"))
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {n: getattr(jax.config, n) for n in names}
+  for n, v in zip(names, (path, 0, 0)):
+    jax.config.update(n, v)
+  yield path
+  for n, v in old.items():
+    jax.config.update(n, v)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+  """One uninterrupted SFT -> DPO run of the tiny config."""
+  out = tmp_path_factory.mktemp("uninterrupted")
+  loop.run(tiny_cfg(out))
+  return out
+
+
 def tiny_cfg(out, **kw):
   return configs.DEFAULT.replace(**{**TINY, "output_dir": str(out), **kw})
 
@@ -97,10 +120,9 @@ def test_restore_across_meshes(tmp_path):
     checkpoint.load_params(str(tmp_path / "base"), cfg.model.__class__(d_model=64), one)
 
 
-def test_resume_is_bitwise_across_interruptions(tmp_path):
+def test_resume_is_bitwise_across_interruptions(tmp_path, reference_run):
   """Crash in SFT, then in DPO, resume each time: same metrics and final params as one run."""
-  ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
-  loop.run(tiny_cfg(ref_dir))
+  ref_dir, cut_dir = reference_run, tmp_path / "interrupted"
   with pytest.raises(loop.SimulatedCrash):
     loop.run(tiny_cfg(cut_dir, debug_crash_at="sft:3"))  # last checkpoint: sft step 2
   with pytest.raises(loop.SimulatedCrash):
@@ -122,29 +144,26 @@ def test_resume_is_bitwise_across_interruptions(tmp_path):
     assert not any("embed" in e["path"] for e in meta["leaves"])
 
   # A finished run rerun does no training and changes nothing.
-  before = records(ref_dir)
-  loop.run(tiny_cfg(ref_dir))
-  assert records(ref_dir) == before
+  loop.run(tiny_cfg(cut_dir))
+  assert records(cut_dir) == records(ref_dir)
 
 
-def test_stage_handoff_and_export(tmp_path):
-  """--stage=sft, then --stage=dpo --init_from the SFT output, equals --stage=all; the exported
+def test_stage_handoff_and_export(tmp_path, reference_run):
+  """--stage=dpo --init_from=<the SFT output> equals the DPO half of --stage=all; the exported
   policy is base + merged LoRA and loads as --init_from of a later run."""
-  all_dir, sft_dir, dpo_dir = tmp_path / "all", tmp_path / "sft", tmp_path / "dpo"
-  loop.run(tiny_cfg(all_dir, steps=2))
-  loop.run(tiny_cfg(sft_dir, stage="sft"))
-  loop.run(tiny_cfg(dpo_dir, stage="dpo", steps=2,
-                    init_from=str(sft_dir / "checkpoints" / "sft_model")))
+  all_dir, dpo_dir = reference_run, tmp_path / "dpo"
+  sft_model = str(all_dir / "checkpoints" / "sft_model")
+  loop.run(tiny_cfg(dpo_dir, stage="dpo", init_from=sft_model))
   dpo_rows = lambda d: [r for r in records(d) if r["stage"] == "dpo"]
   assert dpo_rows(dpo_dir) == dpo_rows(all_dir)
 
   cfg = tiny_cfg(all_dir)
   mesh = sharding.make_mesh(cfg.train.mesh)
   policy = checkpoint.load_params(str(dpo_dir / "checkpoints" / "policy"), cfg.model, mesh)
-  base = checkpoint.load_params(str(sft_dir / "checkpoints" / "sft_model"), cfg.model, mesh)
+  base = checkpoint.load_params(sft_model, cfg.model, mesh)
   adapters = checkpoint.Manager(dpo_dir / "checkpoints" / "dpo", 2)
   lora_like = lora_lib.init(cfg.model, cfg.lora, jax.random.key(0), mesh)
-  lora, _ = checkpoint.load(adapters.path(2), checkpoint.like_of(lora_like), prefix=".params")
+  lora, _ = checkpoint.load(adapters.path(6), checkpoint.like_of(lora_like), prefix=".params")
   s = cfg.lora.scale
   for name in ("q", "v"):
     a, b = np.asarray(lora["layers"][name]["a"]), np.asarray(lora["layers"][name]["b"])
@@ -160,12 +179,14 @@ def test_stage_handoff_and_export(tmp_path):
   assert summary["skipped_steps"] == 0
 
 
-def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path):
+def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path, compile_cache):
   out = tmp_path / "run"
   flags = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
   cmd = [sys.executable, os.path.join(ROOT, "launch.py"), *flags, "--stage=dpo",
          f"--output_dir={out}"]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_COMPILATION_CACHE_DIR": compile_cache,
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   killed = subprocess.run(cmd + ["--debug_kill_in_save=dpo:4"], env=env, capture_output=True,
                           text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
