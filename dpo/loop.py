@@ -304,7 +304,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
       opt, sched = train.optimizer(cfg, t.sft_learning_rate, t.sft_steps)
       loader = data_lib.Loader(data.sft, t.global_batch_size, t.seed + 1, pid, nproc)
       state = _stage("sft", cfg, mesh, train.sft_step,
-                     lambda: train.init_state(initial_params(), opt, t.seed), None, loader,
+                     lambda: train.init_state(initial_params(), opt, t.seed, mesh), None, loader,
                      t.sft_steps, (opt, sched), writer, pairs=False,
                      ckpts=checkpoint.Manager(os.path.join(ckroot, "sft"), t.keep_checkpoints),
                      meta_extra={"init_from": t.init_from})
@@ -334,7 +334,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
         trainable = lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
       else:
         trainable = jax.tree.map(lambda x: x.copy(), frozen)
-      return train.init_state(trainable, opt, t.seed)
+      return train.init_state(trainable, opt, t.seed, mesh)
 
     loader = data_lib.Loader(data.pairs, t.global_batch_size, t.seed + 2, pid, nproc)
     state = _stage("dpo", cfg, mesh, train.dpo_step, fresh, frozen, loader, t.steps,

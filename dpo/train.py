@@ -50,21 +50,21 @@ def optimizer(cfg: Config, peak_lr: float, total_steps: int) -> tuple[optax.Grad
   return optax.chain(*parts), sched
 
 
-def init_state(params, opt: optax.GradientTransformation, seed: int) -> TrainState:
-  """Every leaf is born on the params' mesh: optimizer moments with their parameter's sharding,
-  scalars (step, counts, the key) replicated, so all inputs of the jitted step share devices."""
-  replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, P())
-  put = lambda x: jax.device_put(x, replicated)
-  opt_sh = optax.tree_map_params(opt, lambda _, p: p.sharding, jax.eval_shape(opt.init, params),
-                                 params, transform_non_params=lambda _: replicated)
+def init_state(params, opt: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
+  """Optimizer moments take their parameter's sharding; scalars (counts) are replicated."""
+  replicated = NamedSharding(mesh, P())
+  opt_sh = optax.tree_map_params(
+      opt, lambda _, sh: sh, jax.eval_shape(opt.init, params),
+      jax.tree.map(lambda x: x.sharding, params), transform_non_params=lambda _: replicated)
   opt_state = jax.jit(opt.init, out_shardings=opt_sh)(params)
-  return TrainState(step=put(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
-                    rng=put(jax.random.key_data(jax.random.key(seed))),
-                    lr_scale=put(jnp.ones((), jnp.float32)), skipped=put(jnp.zeros((), jnp.int32)))
+  rep = lambda x: jax.device_put(x, replicated)
+  return TrainState(step=rep(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
+                    rng=rep(jax.random.key_data(jax.random.key(seed))),
+                    lr_scale=rep(jnp.ones((), jnp.float32)), skipped=rep(jnp.zeros((), jnp.int32)))
 
 
 def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = opt.update(grads, state.opt_state, state.params)
   new_params = jax.tree.map(lambda p, u: p + state.lr_scale * u, state.params, updates)

@@ -91,7 +91,7 @@ def test_restore_across_meshes(tmp_path):
   eight = sharding.make_mesh("data:2,fsdp:2,tensor:2")
   opt, _ = train.optimizer(cfg, 1e-3, 10)
   base1 = transformer.init(cfg.model, jax.random.key(0), one)
-  state1 = train.init_state(lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), one), opt, 0)
+  state1 = train.init_state(lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), one), opt, 0, one)
   # Non-trivial optimizer moments, so the test would notice them being dropped or mixed up.
   state1 = state1._replace(opt_state=jax.tree.map(
       lambda x: x + (0.5 if x.dtype == np.float32 else 3), state1.opt_state))
@@ -104,7 +104,7 @@ def test_restore_across_meshes(tmp_path):
   q1, q8 = base1["layers"]["q"], base8["layers"]["q"]
   assert q8.sharding.shard_shape(q8.shape) != q1.sharding.shard_shape(q1.shape)  # really split
   assert_tree_bitwise(base8, base1)
-  like8 = train.init_state(lora_lib.init(cfg.model, cfg.lora, jax.random.key(9), eight), opt, 0)
+  like8 = train.init_state(lora_lib.init(cfg.model, cfg.lora, jax.random.key(9), eight), opt, 0, eight)
   state8, _ = checkpoint.Manager(tmp_path / "s", 1).restore(3, checkpoint.like_of(like8))
   assert jax.tree.map(lambda x: x.sharding, state8) == jax.tree.map(lambda x: x.sharding, like8)
   assert_tree_bitwise(state8, state1)

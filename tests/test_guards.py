@@ -84,7 +84,7 @@ def test_nonfinite_gradient_skips_update():
   mesh = sharding.make_mesh("data:-1")
   params = {"w": jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
   opt = optax.adam(0.1)
-  state = train.init_state(params, opt, 0)
+  state = train.init_state(params, opt, 0, mesh)
   sched = lambda step: 0.1
   good, m = train._apply(state, opt, sched, jnp.float32(1.0), {"w": jnp.ones(4)}, {})
   assert int(good.skipped) == 0 and not np.array_equal(good.params["w"], params["w"])
