@@ -119,6 +119,8 @@ class TrainConfig:
   kl_spike_factor: float = _f(4.0, "Roll back if KL exceeds this multiple of its mean over the "
                               "last kl_window steps; 0 = off.")
   kl_window: int = _f(20, "Steps in the KL running mean (the factor test waits for a full window).")
+  kl_spike_min: float = _f(0.05, "The factor test ignores KL below this (nats per token), so "
+                          "the early growth of KL from 0 is not taken for a spike.")
   rollback_lr_factor: float = _f(0.1, "Learning-rate multiplier applied at each rollback.")
   max_rollbacks: int = _f(3, "Stop the run after this many KL-spike rollbacks.")
   debug_lr_spike_step: int = _f(0, "Testing: multiply the lr by debug_lr_spike_factor at this "

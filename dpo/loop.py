@@ -127,7 +127,8 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
   meta_extra = meta_extra or {}
   state = fresh()
   like = checkpoint.like_of(state)
-  guard = guards.KLGuard(t.kl_max, t.kl_spike_factor, t.kl_window) if name == "dpo" else None
+  guard = (guards.KLGuard(t.kl_max, t.kl_spike_factor, t.kl_window, t.kl_spike_min)
+           if name == "dpo" else None)
   guarded = guard is not None and guard.enabled
   rollbacks = 0
   start = ckpts.latest()
@@ -172,7 +173,7 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
     meta = {"stage": name, "loader": loader.state(), "rollbacks": rollbacks,
             "kl_history": guard.history if guard is not None else [],
             "lora": bool(cfg.lora.enabled and name == "dpo"), **meta_extra}
-    path = ckpts.save(n, state, meta, kill_mid_write=(n == kill_at))
+    path = ckpts.save(n, state, meta, kill_mid_write=bool(kill_at) and n == kill_at)
     logging.info("%s: checkpoint step %d -> %s", name, n, path)
 
   def rollback(j, reason):
@@ -241,7 +242,7 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
         rollback(*spike)
         continue
       save(i)
-    if i == crash_at:
+    if crash_at and i == crash_at:
       raise SimulatedCrash(f"debug: simulated crash after {name} step {i}")
   return state
 

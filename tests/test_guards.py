@@ -58,6 +58,9 @@ def test_guard_kl_max_and_spike_factor():
   mean = (0.01 + 0.1 + 4.0 * (0.11 / 3) * 0.99) / 3
   assert "recent mean" in g.check(4.0 * mean * 1.01)              # just over 4x the new mean
   assert g.check(float("nan")) is None and len(g.history) == 3    # non-finite: skip's business
+  g = guards.KLGuard(kl_max=0.0, spike_factor=4.0, window=2, spike_min=0.05, history=(1e-3, 1e-3))
+  assert g.check(0.04) is None                                    # 40x the mean, under the floor
+  assert "recent mean" in guards.KLGuard(0.0, 4.0, 2, 0.05, (0.01, 0.01)).check(0.06)
   assert not guards.KLGuard(0.0, 0.0, 5).enabled
 
 
