@@ -116,8 +116,8 @@ class TrainConfig:
                              "at the end. Rerunning with the same output_dir resumes.")
   keep_checkpoints: int = _f(3, "Newest step checkpoints kept per stage.")
   kl_max: float = _f(0.0, "Roll back if the DPO step's token KL(pi||ref) exceeds this; 0 = off.")
-  kl_spike_factor: float = _f(4.0, "Roll back if KL exceeds this multiple of its mean over the "
-                              "last kl_window steps; 0 = off.")
+  kl_spike_factor: float = _f(0.0, "Roll back if KL exceeds this multiple of its mean over the "
+                              "last kl_window steps (e.g. 4); 0 = off.")
   kl_window: int = _f(20, "Steps in the KL running mean (the factor test waits for a full window).")
   kl_spike_min: float = _f(0.05, "The factor test ignores KL below this (nats per token), so "
                           "the early growth of KL from 0 is not taken for a spike.")
