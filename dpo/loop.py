@@ -7,6 +7,7 @@ makes the device wait. Only process 0 writes files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from dpo import data as data_lib
 from dpo import checkpoint, evaluate, guards, task, train
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
-from models import sharding, transformer
+from models import quant, sharding, transformer
 
 
 class MetricsWriter:
@@ -262,6 +263,22 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
   writer.write({"stage": stage, "step": step, **m, "tokens_per_sec": tok_per_s})
 
 
+def initial_params(cfg: Config, key: jax.Array, mesh) -> tuple[Config, Any]:
+  """(config, params): random init, or `--init_from`: hf:DIR (its config replaces the model
+  section) or a dpo-jax params checkpoint (an SFT output, an exported policy)."""
+  src = cfg.train.init_from
+  if not src:
+    return cfg, transformer.init(cfg.model, key, mesh)
+  kind, _, path = src.partition(":")
+  if kind == "hf":
+    from models import hf  # optional-format code stays out of the default path
+    model_cfg, params = hf.load(path, mesh, cfg.model)
+    logging.info("imported %s (%s) from %s", model_cfg.arch, src, path)
+    return dataclasses.replace(cfg, model=model_cfg), params
+  logging.info("init: loading checkpoint %s", src)
+  return cfg, checkpoint.load_params(src, cfg.model, mesh)
+
+
 def run(cfg: Config, mesh=None) -> dict[str, Any]:
   """Runs the configured stages and returns the summary (also written to summary.json).
 
@@ -272,40 +289,41 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
   checkpoint left off, across the SFT -> DPO boundary too.
   """
   t_start = time.perf_counter()
-  t = cfg.train
-  out = t.output_dir
+  out = cfg.train.output_dir
   ckroot = os.path.join(out, "checkpoints")
-  mesh = mesh or sharding.make_mesh(t.mesh)
+  mesh = mesh or sharding.make_mesh(cfg.train.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)
+  if cfg.model.base_quant != "none" and not cfg.lora.enabled:
+    raise ValueError(f"base_quant={cfg.model.base_quant} needs LoRA (lora_rank > 0): a "
+                     "quantized base is frozen")
+  pid, nproc = jax.process_index(), jax.process_count()
+  key = jax.random.key(cfg.train.seed)
+  cfg, params = initial_params(cfg, jax.random.fold_in(key, 0), mesh)
+  t = cfg.train
   if writer.enabled:
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
   data = Data(cfg)
-  pid, nproc = jax.process_index(), jax.process_count()
-  key = jax.random.key(t.seed)
-  n_params = transformer.num_params(transformer.abstract(transformer.param_specs(cfg.model)))
-  logging.info("model: %.2fM parameters, mesh %s", n_params / 1e6, dict(mesh.shape))
+  logging.info("model: %.2fM parameters, mesh %s", transformer.num_params(params) / 1e6,
+               dict(mesh.shape))
   summary: dict[str, Any] = {}
-  params = None
   sft_out = os.path.join(ckroot, "sft_model")
-  reference = t.init_from
-
-  def initial_params():
-    if t.init_from:
-      logging.info("init: loading %s", t.init_from)
-      return checkpoint.load_params(t.init_from, cfg.model, mesh)
-    return transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh)
+  reference = os.path.abspath(t.init_from) if t.init_from and not t.init_from.startswith(
+      "hf:") else t.init_from
 
   if t.stage in ("sft", "all"):
-    reference = sft_out
+    reference = os.path.abspath(sft_out)
     if checkpoint.is_complete(sft_out):
       logging.info("sft: %s exists; stage done", sft_out)
+      params = checkpoint.load_params(sft_out, cfg.model, mesh)
     else:
       opt, sched = train.optimizer(cfg, t.sft_learning_rate, t.sft_steps)
       loader = data_lib.Loader(data.sft, t.global_batch_size, t.seed + 1, pid, nproc)
+      init = params
       state = _stage("sft", cfg, mesh, train.sft_step,
-                     lambda: train.init_state(initial_params(), opt, t.seed, mesh), None, loader,
+                     lambda: train.init_state(jax.tree.map(lambda x: x.copy(), init), opt, t.seed,
+                                              mesh), None, loader,
                      t.sft_steps, (opt, sched), writer, pairs=False,
                      ckpts=checkpoint.Manager(os.path.join(ckroot, "sft"), t.keep_checkpoints),
                      meta_extra={"init_from": t.init_from})
@@ -315,10 +333,18 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
 
   if t.stage in ("dpo", "all"):
     if not reference:
-      reference = os.path.join(ckroot, "dpo_base")
+      reference = os.path.abspath(os.path.join(ckroot, "dpo_base"))
       if not checkpoint.is_complete(reference):
-        checkpoint.save_params(reference, initial_params(), cfg.model, stage="init")
-    frozen = params if params is not None else checkpoint.load_params(reference, cfg.model, mesh)
+        checkpoint.save_params(reference, params, cfg.model, stage="init")
+    if cfg.model.base_quant != "none":
+      before_bytes = transformer.nbytes(params)
+      params = quant.quantize_params(cfg.model, params, mesh)
+      after_bytes = transformer.nbytes(params)
+      logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",
+                   cfg.model.base_quant, before_bytes / 2**20, after_bytes / 2**20,
+                   (before_bytes - after_bytes) / 2**20, 100 * (1 - after_bytes / before_bytes))
+      summary["base_bytes"] = {"float32": before_bytes, cfg.model.base_quant: after_bytes}
+    frozen = params
     if data.held is not None:
       before = evaluate.pair_metrics(cfg, mesh, frozen, None, frozen, data.held,
                                      t.global_batch_size)
@@ -341,13 +367,17 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
     state = _stage("dpo", cfg, mesh, train.dpo_step, fresh, frozen, loader, t.steps,
                    (opt, sched), writer, pairs=True,
                    ckpts=checkpoint.Manager(os.path.join(ckroot, "dpo"), t.keep_checkpoints),
-                   meta_extra={"reference": os.path.abspath(reference)})
+                   meta_extra={"reference": reference})
     policy, lora = (frozen, state.params) if cfg.lora.enabled else (state.params, None)
-    merged = lora_lib.merge(frozen, lora, cfg.lora) if lora is not None else policy
     policy_out = os.path.join(ckroot, "policy")
-    checkpoint.save_params(policy_out, merged, cfg.model, stage="dpo", step=int(state.step),
-                           reference=os.path.abspath(reference))
-    logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
+    if cfg.model.base_quant == "none":
+      merged = lora_lib.merge(frozen, lora, cfg.lora) if lora is not None else policy
+      checkpoint.save_params(policy_out, merged, cfg.model, stage="dpo", step=int(state.step),
+                             reference=reference)
+      logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
+    else:
+      logging.info("dpo: base_quant=%s; no merged policy export (the adapters are in %s)",
+                   cfg.model.base_quant, os.path.join(ckroot, "dpo"))
     if data.held is not None:
       after = evaluate.pair_metrics(cfg, mesh, policy, lora, frozen, data.held,
                                     t.global_batch_size)
@@ -356,6 +386,14 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                     **{f"eval/{k}": v for k, v in after.items()}})
     summary["skipped_steps"] = int(state.skipped)
     summary["lr_scale"] = float(state.lr_scale)
+    if t.export_hf:
+      from models import hf
+      out_hf = t.export_hf
+      hf.save(out_hf, cfg.model, policy, lora, cfg.lora, source=hf.source_config(t.init_from))
+      if lora is not None:
+        hf.save_peft(os.path.join(out_hf, "adapter"), cfg.model, lora, cfg.lora,
+                     base_model=t.init_from.removeprefix("hf:"))
+      logging.info("exported the policy (LoRA merged) to %s", out_hf)
 
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   if writer.enabled:

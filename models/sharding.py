@@ -32,6 +32,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "lora_rank": (),
     "norm": (),
+    "qblocks": ("fsdp",),  # NF4 blocks of a quantized matrix (models/quant.py)
 }
 
 
