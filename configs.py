@@ -166,11 +166,30 @@ class TrainConfig:
   log_every: int = _f(10, "Log one line and one metrics.jsonl record every N steps.")
   output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
   mesh: str = _f("data:-1", "Mesh axis sizes, e.g. data:2,fsdp:2,tensor:2 (one may be -1).")
-  init_from: str = _f("", "Start from a checkpoint instead of random init: hf:DIR reads a "
-                          "Hugging Face directory (config.json + *.safetensors); its config "
-                          "replaces the model section.")
+  init_from: str = _f("", "Start from a checkpoint instead of random init: a dpo-jax params "
+                          "checkpoint (an SFT output or exported policy), or hf:DIR, a Hugging Face "
+                          "directory (config.json + *.safetensors) whose config replaces the model "
+                          "section. For --stage=dpo it is both the initial policy and the reference.")
   export_hf: str = _f("", "After DPO, write the policy (LoRA merged) as a Hugging Face directory "
                           "here, plus the LoRA factors alone in PEFT layout under DIR/adapter.")
+  checkpoint_every: int = _f(100, "Save a checkpoint every N steps (and at the end); 0 = only "
+                             "at the end. Rerunning with the same output_dir resumes.")
+  keep_checkpoints: int = _f(3, "Newest step checkpoints kept per stage.")
+  kl_max: float = _f(0.0, "Roll back if the DPO step's token KL(pi||ref) exceeds this; 0 = off.")
+  kl_spike_factor: float = _f(0.0, "Roll back if KL exceeds this multiple of its mean over the "
+                              "last kl_window steps (e.g. 4); 0 = off.")
+  kl_window: int = _f(20, "Steps in the KL running mean (the factor test waits for a full window).")
+  kl_spike_min: float = _f(0.05, "The factor test ignores KL below this (nats per token), so "
+                          "the early growth of KL from 0 is not taken for a spike.")
+  rollback_lr_factor: float = _f(0.1, "Learning-rate multiplier applied at each rollback.")
+  max_rollbacks: int = _f(3, "Stop the run after this many KL-spike rollbacks.")
+  debug_lr_spike_step: int = _f(0, "Testing: multiply the lr by debug_lr_spike_factor at this "
+                                "DPO step (once, before any rollback); 0 = off.")
+  debug_lr_spike_factor: float = _f(1000.0, "Testing: lr multiplier of debug_lr_spike_step.")
+  debug_nan_step: int = _f(0, "Testing: make this DPO step's loss NaN (NaN loss mask); 0 = off.")
+  debug_crash_at: str = _f("", "Testing: raise SimulatedCrash after STAGE:STEP, e.g. dpo:30.")
+  debug_kill_in_save: str = _f("", "Testing: SIGKILL the process midway through the save of "
+                               "STAGE:STEP, e.g. dpo:20.")
 
   def __post_init__(self):
     if self.stage not in ("sft", "dpo", "all"):
@@ -181,6 +200,13 @@ class TrainConfig:
       raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
     if self.global_batch_size <= 0 or self.steps < 0 or self.sft_steps < 0:
       raise ValueError("global_batch_size must be > 0 and steps, sft_steps >= 0")
+    if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_rollbacks < 0:
+      raise ValueError("checkpoint_every must be >= 0, keep_checkpoints >= 1, max_rollbacks >= 0")
+    for name in ("debug_crash_at", "debug_kill_in_save"):
+      value = getattr(self, name)
+      stage, _, step = value.partition(":")
+      if value and (stage not in ("sft", "dpo") or not step.isdigit()):
+        raise ValueError(f"{name} must look like sft:N or dpo:N, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,11 @@ def main(argv) -> None:
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
   from dpo import loop
-  loop.run(cfg)
+  try:
+    loop.run(cfg)
+  except loop.TrainingStopped as e:
+    logging.error("training stopped: %s", e)
+    raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

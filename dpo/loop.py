@@ -20,7 +20,7 @@ import numpy as np
 
 from configs import Config
 from dpo import data as data_lib
-from dpo import evaluate, formats, prepare, task, train
+from dpo import checkpoint, evaluate, formats, guards, prepare, task, train
 from dpo import tokenizer as tokenizer_lib
 from models import lora as lora_lib
 from models import quant, sharding, transformer
@@ -39,6 +39,23 @@ class MetricsWriter:
     if self.enabled:
       with open(self.path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+  def truncate_after(self, stage: str, step: int) -> None:
+    """Drops the records a resumed run will write again: this stage's after `step`, other
+    records of the same or a later stage at or after `step`, all records of later stages."""
+    if not (self.enabled and os.path.exists(self.path)):
+      return
+    order = lambda name: 0 if name == "sft" else 1  # sft, then dpo and its evaluations
+    cur = order(stage)
+    with open(self.path) as f:
+      records = [json.loads(line) for line in f if line.strip()]
+    keep = [r for r in records
+            if order(r.get("stage")) < cur or (order(r.get("stage")) == cur and (
+                r["step"] <= step if r.get("stage") == stage else r["step"] < step))]
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, self.path)
 
 
 def _to_py(tree) -> dict:
@@ -107,32 +124,153 @@ def _check_batch(cfg: Config, mesh) -> None:
                      f"data x fsdp mesh size {shards}")
 
 
-def _stage(name: str, cfg: Config, mesh, step_fn, state, frozen, loader, steps: int, sched,
-           writer: MetricsWriter, pairs: bool) -> train.TrainState:
-  """Runs `steps` updates, logging every log_every steps; returns the final state."""
-  if steps == 0:
+class SimulatedCrash(RuntimeError):
+  """Raised by --debug_crash_at: the process dies after a given step (tests resume)."""
+
+
+class TrainingStopped(RuntimeError):
+  """The run cannot continue (e.g. more KL-spike rollbacks than --max_rollbacks)."""
+
+
+def _debug_step(value: str, stage: str) -> int:
+  """'dpo:30' -> 30 for stage dpo, 0 otherwise (flag format checked in TrainConfig)."""
+  name, _, step = value.partition(":")
+  return int(step) if value and name == stage else 0
+
+
+def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: int, sched,
+           writer: MetricsWriter, pairs: bool, ckpts: checkpoint.Manager,
+           meta_extra: dict | None = None) -> train.TrainState:
+  """Runs the stage's updates up to `steps` and returns the final state.
+
+  Resumes from the newest complete checkpoint in `ckpts`; saves every checkpoint_every steps and
+  at the end. `fresh()` builds the stage's initial state (also the rollback target before the
+  first checkpoint). Metrics are read one step late (step i+1 is dispatched before step i's
+  metrics are fetched), for logging and, in DPO, for the KL guard. A checkpoint first settles
+  the pending step, so the guard's history it records is the same whether the run continues or
+  is resumed from it, which keeps interrupted and uninterrupted runs bitwise identical.
+  """
+  t = cfg.train
+  meta_extra = meta_extra or {}
+  state = fresh()
+  like = checkpoint.like_of(state)
+  guard = (guards.KLGuard(t.kl_max, t.kl_spike_factor, t.kl_window, t.kl_spike_min)
+           if name == "dpo" else None)
+  guarded = guard is not None and guard.enabled
+  rollbacks = 0
+  start = ckpts.latest()
+  if start is not None:
+    state, meta = ckpts.restore(start, like)
+    for k, v in meta_extra.items():
+      if meta.get(k) != v:
+        raise checkpoint.CheckpointError(
+            f"{ckpts.path(start)}: {k} is {meta.get(k)!r} but this run has {v!r}; use a fresh "
+            f"--output_dir or the original settings")
+    loader.restore(meta["loader"])
+    rollbacks = meta["rollbacks"]
+    if guard is not None:
+      guard.history = list(meta["kl_history"])
+    writer.truncate_after(name, start)
+    logging.info("%s: resumed from %s (step %d of %d)", name, ckpts.path(start), start, steps)
+  i = int(state.step)
+  if i >= steps:
     return state
   batch_ndim = 3 if pairs else 2
   step = train.jit_step(step_fn, cfg, *sched, mesh, state, frozen, batch_ndim)
-  log_every = max(cfg.train.log_every, 1)
-  pending = None
+  log_every = max(t.log_every, 1)
+  crash_at, kill_at = _debug_step(t.debug_crash_at, name), _debug_step(t.debug_kill_in_save, name)
   t0 = time.perf_counter()
   tokens_since, t_last = 0, t0
-  first_step = int(state.step)
-  for i in range(first_step, steps):
+  first_step = i
+  pending = None  # (step, metrics, tokens/s or None): the dispatched step not yet read
+
+  def settle():
+    """Reads the pending step: KL guard first, then the log line. Returns a spike reason."""
+    nonlocal pending
+    if pending is None:
+      return None
+    j, metrics, tps = pending
+    pending = None
+    reason = guard.check(float(metrics["kl"])) if guarded else None
+    if reason is None and tps is not None:
+      _log(name, j, metrics, tps, cfg, writer, steps, t0, first_step)
+    return reason and (j, reason)
+
+  def save(n):
+    meta = {"stage": name, "loader": loader.state(), "rollbacks": rollbacks,
+            "kl_history": guard.history if guard is not None else [],
+            "lora": bool(cfg.lora.enabled and name == "dpo"), **meta_extra}
+    path = ckpts.save(n, state, meta, kill_mid_write=bool(kill_at) and n == kill_at)
+    logging.info("%s: checkpoint step %d -> %s", name, n, path)
+
+  def rollback(j, reason):
+    """The state measured at step j (params after update j - 1) spiked: restore the newest
+    checkpoint before it, cut the learning rate, and continue."""
+    nonlocal state, rollbacks, i
+    if rollbacks >= t.max_rollbacks:
+      raise TrainingStopped(
+          f"{name}: KL spike at step {j} ({reason}) after {rollbacks} rollbacks already "
+          f"(--max_rollbacks={t.max_rollbacks}); stopping. Lower the learning rate, or raise "
+          f"--kl_max / --kl_spike_factor if this KL is expected.")
+    rollbacks += 1
+    lr_scale = float(state.lr_scale) * t.rollback_lr_factor
+    dropped = ckpts.delete_from(j - 1)
+    target = ckpts.latest(before=j - 1)
+    if target is None:
+      state, meta = fresh(), {"loader": {"epoch": 0, "index": 0}, "kl_history": []}
+    else:
+      state, meta = ckpts.restore(target, like)
+    loader.restore(meta["loader"])
+    guard.history = list(meta["kl_history"])
+    state = state._replace(lr_scale=jax.device_put(np.float32(lr_scale), like.lr_scale.sharding))
+    i = int(state.step)
+    logging.warning("%s: KL SPIKE at step %d: %s. ROLLBACK %d/%d to step %d%s; learning-rate "
+                    "scale now %.3g", name, j, reason, rollbacks, t.max_rollbacks, i,
+                    f" (dropped checkpoints {dropped})" if dropped else "", lr_scale)
+    writer.write({"stage": name, "step": j, "event": "rollback", "reason": reason, "to_step": i,
+                  "lr_scale": lr_scale, "rollbacks": rollbacks})
+    save(i)  # the lowered rate survives a crash before the next regular checkpoint
+
+  while True:
+    if i >= steps:
+      spike = settle()
+      if spike:
+        rollback(*spike)
+        continue
+      break
     local = next(loader)
+    if name == "dpo" and t.debug_nan_step == i + 1:
+      logging.warning("debug: NaN loss mask at %s step %d", name, i + 1)
+      local = {**local, "loss_mask": local["loss_mask"] * np.float32("nan")}
+    lr_scale = None
+    if name == "dpo" and t.debug_lr_spike_step == i + 1 and rollbacks == 0:
+      logging.warning("debug: learning rate x%g at %s step %d", t.debug_lr_spike_factor, name, i + 1)
+      lr_scale = state.lr_scale
+      state = state._replace(lr_scale=jax.device_put(lr_scale * t.debug_lr_spike_factor,
+                                                     lr_scale.sharding))
     tokens_since += int(local["segment_ids"].astype(bool).sum()) * jax.process_count()
-    state, metrics = step(state, frozen,
-                          train.device_batch(mesh, local, cfg.train.global_batch_size))
-    if pending is not None:
-      _log(name, *pending, cfg, writer, steps, t0, first_step)
-      pending = None
-    if (i + 1) % log_every == 0 or i + 1 == steps:
+    state, metrics = step(state, frozen, train.device_batch(mesh, local, cfg.train.global_batch_size))
+    if lr_scale is not None:
+      state = state._replace(lr_scale=lr_scale)
+    i += 1
+    spike = settle()
+    tps = None
+    if i % log_every == 0 or i == steps:
       now = time.perf_counter()
-      pending = (i + 1, metrics, tokens_since / max(now - t_last, 1e-9))
-      tokens_since, t_last = 0, now
-  if pending is not None:
-    _log(name, *pending, cfg, writer, steps, t0, first_step)
+      tps, tokens_since, t_last = tokens_since / max(now - t_last, 1e-9), 0, now
+    pending = (i, metrics, tps)
+    if spike:
+      rollback(*spike)
+      pending = None
+      continue
+    if (t.checkpoint_every and i % t.checkpoint_every == 0) or i == steps:
+      spike = settle()
+      if spike:
+        rollback(*spike)
+        continue
+      save(i)
+    if crash_at and i == crash_at:
+      raise SimulatedCrash(f"debug: simulated crash after {name} step {i}")
   return state
 
 
@@ -141,9 +279,10 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
   elapsed = time.perf_counter() - t0
   eta = elapsed / max(step - first_step, 1) * (steps - step)
   if stage == "dpo":
-    logging.info("dpo %5d/%d  loss %.4f  acc %.3f  margin %+.4f  |g| %.3f  lr %.2e  "
-                 "%.0f tok/s  eta %.0fs", step, steps, m["loss"], m["rewards/accuracies"],
-                 m["rewards/margins"], m["grad_norm"], m["learning_rate"], tok_per_s, eta)
+    logging.info("dpo %5d/%d  loss %.4f  acc %.3f  margin %+.4f  kl %.4f  |g| %.3f  lr %.2e  "
+                 "skipped %d  %.0f tok/s  eta %.0fs", step, steps, m["loss"],
+                 m["rewards/accuracies"], m["rewards/margins"], m["kl"], m["grad_norm"],
+                 m["learning_rate"], m["skipped_steps"], tok_per_s, eta)
   else:
     logging.info("sft %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", step, steps,
                  m["loss"], m["grad_norm"], m["learning_rate"], tok_per_s, eta)
@@ -151,7 +290,8 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
 
 
 def initial_params(cfg: Config, key: jax.Array, mesh) -> tuple[Config, Any]:
-  """(config, params): random init, or `--init_from` (hf:DIR replaces the model section)."""
+  """(config, params): random init, or `--init_from`: hf:DIR (its config replaces the model
+  section) or a dpo-jax params checkpoint (an SFT output, an exported policy)."""
   src = cfg.train.init_from
   if not src:
     return cfg, transformer.init(cfg.model, key, mesh)
@@ -161,7 +301,10 @@ def initial_params(cfg: Config, key: jax.Array, mesh) -> tuple[Config, Any]:
     model_cfg, params = hf.load(path, mesh, cfg.model)
     logging.info("imported %s (%s) from %s", model_cfg.arch, src, path)
     return dataclasses.replace(cfg, model=model_cfg), params
-  raise ValueError(f"--init_from={src!r}: unknown source kind {kind!r} (expected hf:DIR)")
+  logging.info("init: loading checkpoint %s", src)
+  return cfg, checkpoint.load_params(src, cfg.model, mesh)
+
+
 def _mib(n: int) -> str:
   return f"{n / 2**20:.2f} MiB"
 
@@ -183,9 +326,17 @@ def log_memory_estimate(cfg: Config, mesh) -> dict[str, int]:
 
 
 def run(cfg: Config, mesh=None) -> dict[str, Any]:
-  """Runs the configured stages and returns the summary (also written to summary.json)."""
+  """Runs the configured stages and returns the summary (also written to summary.json).
+
+  Everything resumable lives under <output_dir>/checkpoints/: step checkpoints in sft/ and dpo/,
+  the SFT output `sft_model` (the DPO stage's initial policy and frozen reference), `dpo_base`
+  (the random base of a --stage=dpo run without --init_from, written once), and the exported
+  policy `policy` (LoRA merged). Rerunning the same command continues where the last complete
+  checkpoint left off, across the SFT -> DPO boundary too.
+  """
   t_start = time.perf_counter()
   out = cfg.train.output_dir
+  ckroot = os.path.join(out, "checkpoints")
   mesh = mesh or sharding.make_mesh(cfg.train.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)
@@ -194,6 +345,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                      "quantized base is frozen")
   key = jax.random.key(cfg.train.seed)
   cfg, params = initial_params(cfg, jax.random.fold_in(key, 0), mesh)
+  t = cfg.train
   if writer.enabled:
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
@@ -205,16 +357,34 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                jax.process_count(), pid, nproc)
   log_memory_estimate(cfg, mesh)
   summary: dict[str, Any] = {"data": data.reports} if data.reports else {}
+  sft_out = os.path.join(ckroot, "sft_model")
+  reference = os.path.abspath(t.init_from) if t.init_from and not t.init_from.startswith(
+      "hf:") else t.init_from
 
-  if cfg.train.stage in ("sft", "all"):
-    opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
-    state = train.init_state(params, opt, cfg.train.seed, mesh)
-    loader = data_lib.Loader(data.sft, cfg.train.global_batch_size, cfg.train.seed + 1, pid, nproc)
-    state = _stage("sft", cfg, mesh, train.sft_step, state, None, loader, cfg.train.sft_steps,
-                   (opt, sched), writer, pairs=False)
-    params = state.params
+  if t.stage in ("sft", "all"):
+    reference = os.path.abspath(sft_out)
+    if checkpoint.is_complete(sft_out):
+      logging.info("sft: %s exists; stage done", sft_out)
+      params = checkpoint.load_params(sft_out, cfg.model, mesh)
+    else:
+      opt, sched = train.optimizer(cfg, t.sft_learning_rate, t.sft_steps)
+      loader = data_lib.Loader(data.sft, t.global_batch_size, t.seed + 1, pid, nproc)
+      init = params
+      state = _stage("sft", cfg, mesh, train.sft_step,
+                     lambda: train.init_state(jax.tree.map(lambda x: x.copy(), init), opt, t.seed,
+                                              mesh), None, loader,
+                     t.sft_steps, (opt, sched), writer, pairs=False,
+                     ckpts=checkpoint.Manager(os.path.join(ckroot, "sft"), t.keep_checkpoints),
+                     meta_extra={"init_from": t.init_from})
+      params = state.params
+      checkpoint.save_params(sft_out, params, cfg.model, stage="sft", step=int(state.step))
+      logging.info("sft: model -> %s", sft_out)
 
-  if cfg.train.stage in ("dpo", "all"):
+  if t.stage in ("dpo", "all"):
+    if not reference:
+      reference = os.path.abspath(os.path.join(ckroot, "dpo_base"))
+      if not checkpoint.is_complete(reference):
+        checkpoint.save_params(reference, params, cfg.model, stage="init")
     if cfg.model.base_quant != "none":
       before_bytes = transformer.nbytes(params)
       params = quant.quantize_params(cfg.model, params, mesh)
@@ -223,37 +393,55 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                    cfg.model.base_quant, before_bytes / 2**20, after_bytes / 2**20,
                    (before_bytes - after_bytes) / 2**20, 100 * (1 - after_bytes / before_bytes))
       summary["base_bytes"] = {"float32": before_bytes, cfg.model.base_quant: after_bytes}
+    frozen = params
     if data.held is not None:
-      before = evaluate.pair_metrics(cfg, mesh, params, None, params, data.held,
-                                     cfg.train.global_batch_size)
+      before = evaluate.pair_metrics(cfg, mesh, frozen, None, frozen, data.held,
+                                     t.global_batch_size)
       summary["reference_perplexity"] = before["perplexity"]
-    opt, sched = train.optimizer(cfg, cfg.train.learning_rate, cfg.train.steps)
+    opt, sched = train.optimizer(cfg, t.learning_rate, t.steps)
     if cfg.lora.enabled:
-      frozen = params
-      trainable = lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
+      specs = lora_lib.lora_specs(cfg.model, cfg.lora)
       logging.info("LoRA: rank %d on %s, %.3fM trainable parameters", cfg.lora.lora_rank,
-                   ",".join(cfg.lora.lora_targets), transformer.num_params(trainable) / 1e6)
-    else:
-      frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
-    state = train.init_state(trainable, opt, cfg.train.seed, mesh)
-    loader = data_lib.Loader(data.pairs, cfg.train.global_batch_size, cfg.train.seed + 2, pid, nproc)
-    state = _stage("dpo", cfg, mesh, train.dpo_step, state, frozen, loader, cfg.train.steps,
-                   (opt, sched), writer, pairs=True)
+                   ",".join(cfg.lora.lora_targets),
+                   transformer.num_params(transformer.abstract(specs)) / 1e6)
+
+    def fresh():
+      if cfg.lora.enabled:
+        trainable = lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
+      else:
+        trainable = jax.tree.map(lambda x: x.copy(), frozen)
+      return train.init_state(trainable, opt, t.seed, mesh)
+
+    loader = data_lib.Loader(data.pairs, t.global_batch_size, t.seed + 2, pid, nproc)
+    state = _stage("dpo", cfg, mesh, train.dpo_step, fresh, frozen, loader, t.steps,
+                   (opt, sched), writer, pairs=True,
+                   ckpts=checkpoint.Manager(os.path.join(ckroot, "dpo"), t.keep_checkpoints),
+                   meta_extra={"reference": reference})
     policy, lora = (frozen, state.params) if cfg.lora.enabled else (state.params, None)
+    policy_out = os.path.join(ckroot, "policy")
+    if cfg.model.base_quant == "none":
+      merged = lora_lib.merge(frozen, lora, cfg.lora) if lora is not None else policy
+      checkpoint.save_params(policy_out, merged, cfg.model, stage="dpo", step=int(state.step),
+                             reference=reference)
+      logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
+    else:
+      logging.info("dpo: base_quant=%s; no merged policy export (the adapters are in %s)",
+                   cfg.model.base_quant, os.path.join(ckroot, "dpo"))
     if data.held is not None:
       after = evaluate.pair_metrics(cfg, mesh, policy, lora, frozen, data.held,
-                                    cfg.train.global_batch_size)
+                                    t.global_batch_size)
       summary.update(after)
-      writer.write({"stage": "eval", "step": cfg.train.steps,
+      writer.write({"stage": "eval", "step": t.steps,
                     **{f"eval/{k}": v for k, v in after.items()}})
     summary["skipped_steps"] = int(state.skipped)
-    if cfg.train.export_hf:
+    summary["lr_scale"] = float(state.lr_scale)
+    if t.export_hf:
       from models import hf
-      out_hf = cfg.train.export_hf
-      hf.save(out_hf, cfg.model, policy, lora, cfg.lora, source=hf.source_config(cfg.train.init_from))
+      out_hf = t.export_hf
+      hf.save(out_hf, cfg.model, policy, lora, cfg.lora, source=hf.source_config(t.init_from))
       if lora is not None:
         hf.save_peft(os.path.join(out_hf, "adapter"), cfg.model, lora, cfg.lora,
-                     base_model=cfg.train.init_from.removeprefix("hf:"))
+                     base_model=t.init_from.removeprefix("hf:"))
       logging.info("exported the policy (LoRA merged) to %s", out_hf)
 
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)

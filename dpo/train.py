@@ -106,16 +106,20 @@ def dpo_step(cfg: Config, opt, sched, state: TrainState, frozen, batch) -> tuple
 
   def loss_fn(trainable):
     policy_params, lora = (frozen, trainable) if lora_on else (trainable, None)
-    pol, counts = logprobs.pair_logps(
+    pol, counts, pol_logits = logprobs.pair_logps(
         cfg.model, policy_params, batch, lora=lora,
         lora_scale=cfg.lora.scale if lora_on else 1.0,
-        dropout_key=key if lora_on else None, dropout_rate=cfg.lora.lora_dropout)
-    ref, _ = logprobs.pair_logps(cfg.model, frozen, batch)
+        dropout_key=key if lora_on else None, dropout_rate=cfg.lora.lora_dropout,
+        with_logits=True)
+    ref, _, ref_logits = logprobs.pair_logps(cfg.model, frozen, batch, with_logits=True)
     ref = jax.lax.stop_gradient(ref)
     lp = losses.Logps(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
     per_pair, extra = losses.LOSSES["sigmoid"](lp, beta=cfg.train.beta,
                                                label_smoothing=cfg.train.label_smoothing)
-    return per_pair.mean(), {**losses.reward_metrics(lp, cfg.train.beta), **extra}
+    # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
+    kl = logprobs.token_kl(jax.lax.stop_gradient(pol_logits), jax.lax.stop_gradient(ref_logits),
+                           batch["loss_mask"]).sum() / jnp.maximum(counts.sum(), 1.0)
+    return per_pair.mean(), {**losses.reward_metrics(lp, cfg.train.beta), **extra, "kl": kl}
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   return _apply(state, opt, sched, loss, grads, metrics)

@@ -1,0 +1,141 @@
+"""Training guards: the in-step non-finite skip, the KL measure, and the KL-spike rollback."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import configs
+from dpo import checkpoint, guards, logprobs, loop, train
+from models import sharding
+
+TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+            max_prompt_length=16, max_target_length=16, task_train_pairs=64,
+            task_sft_examples=64, task_eval_pairs=0, task_eval_prompts=0, global_batch_size=8,
+            log_every=1, stage="dpo", steps=8, checkpoint_every=2, keep_checkpoints=5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+  """Persistent compilation cache: the runs below share their (identical) step programs."""
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {n: getattr(jax.config, n) for n in names}
+  for n, v in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
+    jax.config.update(n, v)
+  yield
+  for n, v in old.items():
+    jax.config.update(n, v)
+
+
+def tiny_cfg(out, **kw):
+  return configs.DEFAULT.replace(**{**TINY, "output_dir": str(out), **kw})
+
+
+def records(out):
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+# --- KLGuard ---------------------------------------------------------------------------------------
+
+def test_guard_kl_max_and_spike_factor():
+  g = guards.KLGuard(kl_max=1.0, spike_factor=0.0, window=3)
+  assert g.check(0.5) is None and g.check(1.5).startswith("kl 1.5 > kl_max 1")
+  assert g.history == [0.5]  # a spike does not join the history
+
+  g = guards.KLGuard(kl_max=0.0, spike_factor=4.0, window=3)
+  # Until the window is full only kl_max could fire: growth from KL = 0 is not a spike.
+  for kl in (0.0, 0.01, 0.1):
+    assert g.check(kl) is None
+  mean = (0.0 + 0.01 + 0.1) / 3
+  assert g.check(4.0 * mean * 0.99) is None                       # just under 4x the mean
+  mean = (0.01 + 0.1 + 4.0 * (0.11 / 3) * 0.99) / 3
+  assert "recent mean" in g.check(4.0 * mean * 1.01)              # just over 4x the new mean
+  assert g.check(float("nan")) is None and len(g.history) == 3    # non-finite: skip's business
+  g = guards.KLGuard(kl_max=0.0, spike_factor=4.0, window=2, spike_min=0.05, history=(1e-3, 1e-3))
+  assert g.check(0.04) is None                                    # 40x the mean, under the floor
+  assert "recent mean" in guards.KLGuard(0.0, 4.0, 2, 0.05, (0.01, 0.01)).check(0.06)
+  assert not guards.KLGuard(0.0, 0.0, 5).enabled
+
+
+# --- the KL measure --------------------------------------------------------------------------------
+
+def test_token_kl_matches_numpy():
+  rng = np.random.default_rng(0)
+  p, q = rng.normal(size=(2, 3, 5, 7)), rng.normal(size=(2, 3, 5, 7))
+  mask = (rng.random((2, 3, 5)) < 0.6).astype(np.float32)
+  got = logprobs.token_kl(jnp.asarray(p), jnp.asarray(q), jnp.asarray(mask))
+  want = np.zeros((2, 3))
+  for i in np.ndindex(2, 3):
+    for t in range(1, 5):  # token t is scored by the distribution at t - 1
+      lp = p[i][t - 1] - np.log(np.exp(p[i][t - 1]).sum())
+      lq = q[i][t - 1] - np.log(np.exp(q[i][t - 1]).sum())
+      want[i] += mask[i][t] * (np.exp(lp) * (lp - lq)).sum()
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  assert np.asarray(logprobs.token_kl(jnp.asarray(p), jnp.asarray(p), jnp.asarray(mask))).max() < 1e-6
+
+
+# --- non-finite skip ------------------------------------------------------------------------------
+
+def test_nonfinite_gradient_skips_update():
+  mesh = sharding.make_mesh("data:-1")
+  params = {"w": jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
+  opt = optax.adam(0.1)
+  state = train.init_state(params, opt, 0, mesh)
+  sched = lambda step: 0.1
+  good, m = train._apply(state, opt, sched, jnp.float32(1.0), {"w": jnp.ones(4)}, {})
+  assert int(good.skipped) == 0 and not np.array_equal(good.params["w"], params["w"])
+  for loss, g in ((jnp.float32(jnp.nan), jnp.ones(4)), (jnp.float32(1.0), jnp.array([1, jnp.inf, 0, 0.]))):
+    bad, m = train._apply(state, opt, sched, loss, {"w": g}, {})
+    assert int(bad.step) == 1 and int(bad.skipped) == 1 and int(m["skipped_steps"]) == 1
+    np.testing.assert_array_equal(bad.params["w"], params["w"])
+    jax.tree.map(np.testing.assert_array_equal, bad.opt_state, state.opt_state)
+
+
+def test_injected_nan_is_skipped_and_counted(tmp_path):
+  summary = loop.run(tiny_cfg(tmp_path, steps=4, debug_nan_step=2, kl_spike_factor=0.0))
+  rows = {r["step"]: r for r in records(tmp_path) if r["stage"] == "dpo"}
+  assert math.isnan(rows[2]["loss"]) and [rows[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+  assert all(math.isfinite(rows[s]["loss"]) for s in (1, 3, 4))
+  assert summary["skipped_steps"] == 1
+  cfg = tiny_cfg(tmp_path)
+  policy = checkpoint.load_params(str(tmp_path / "checkpoints" / "policy"), cfg.model,
+                                  sharding.make_mesh(cfg.train.mesh))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(policy))
+
+
+# --- KL-spike rollback ----------------------------------------------------------------------------
+
+def test_injected_kl_spike_rolls_back_and_cuts_lr(tmp_path):
+  # KL stays below 1e-4 over these steps; the lr x1000 update at step 5 lifts it above 1e-2.
+  summary = loop.run(tiny_cfg(tmp_path, kl_max=1e-3, kl_spike_factor=0.0, debug_lr_spike_step=5))
+  rows = [r for r in records(tmp_path) if r["stage"] == "dpo"]
+  events = [r for r in rows if r.get("event") == "rollback"]
+  assert len(events) == 1
+  ev = events[0]
+  # The state after step 5 is measured in step 6's metrics: the newest checkpoint before it is 4.
+  assert ev["step"] == 6 and ev["to_step"] == 4 and ev["lr_scale"] == pytest.approx(0.1)
+  pos = rows.index(ev)
+  before = {r["step"]: r for r in rows[:pos]}
+  after = {r["step"]: r for r in rows[pos + 1:]}
+  assert sorted(after) == [5, 6, 7, 8]
+  # Step 5 again starts from the restored step-4 params on the same batch: same loss and KL
+  # bit for bit, at a tenth of the scheduled learning rate (the first time it had x1000).
+  for k in ("loss", "kl", "rewards/margins"):
+    assert after[5][k] == before[5][k]
+  assert after[5]["learning_rate"] == pytest.approx(before[5]["learning_rate"] / 1000 * 0.1)
+  assert after[6]["kl"] < 1e-3 and summary["lr_scale"] == pytest.approx(0.1)
+  meta = checkpoint.read_meta(str(tmp_path / "checkpoints" / "dpo" / "step_00000008"))
+  assert meta["rollbacks"] == 1
+
+
+def test_too_many_rollbacks_stop_the_run(tmp_path):
+  with pytest.raises(loop.TrainingStopped, match="max_rollbacks=1"):
+    loop.run(tiny_cfg(tmp_path, steps=6, kl_max=1e-12, kl_spike_factor=0.0, max_rollbacks=1))
+  assert len([r for r in records(tmp_path) if r.get("event") == "rollback"]) == 1
