@@ -7,6 +7,7 @@ makes the device wait. Only process 0 writes files.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import numpy as np
 
 from configs import Config
 from dpo import data as data_lib
-from dpo import evaluate, task, train
+from dpo import evaluate, reference, task, train
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -81,8 +82,11 @@ def _check_batch(cfg: Config, mesh) -> None:
 
 
 def _stage(name: str, cfg: Config, mesh, step_fn, state, frozen, loader, steps: int, sched,
-           writer: MetricsWriter, pairs: bool) -> train.TrainState:
-  """Runs `steps` updates, logging every log_every steps; returns the final state."""
+           writer: MetricsWriter, pairs: bool, update_frozen=None) -> train.TrainState:
+  """Runs `steps` updates, logging every log_every steps; returns the final state.
+
+  update_frozen(step, state, frozen) -> frozen runs after each step (TR-DPO reference updates).
+  """
   if steps == 0:
     return state
   batch_ndim = 3 if pairs else 2
@@ -96,6 +100,8 @@ def _stage(name: str, cfg: Config, mesh, step_fn, state, frozen, loader, steps: 
     local = next(loader)
     tokens_since += int(local["segment_ids"].astype(bool).sum()) * jax.process_count()
     state, metrics = step(state, frozen, train.device_batch(mesh, local))
+    if update_frozen is not None:
+      frozen = update_frozen(i + 1, state, frozen)
     if pending is not None:
       _log(name, *pending, cfg, writer, steps, t0, first_step)
       pending = None
@@ -161,13 +167,23 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                    ",".join(cfg.lora.lora_targets), transformer.num_params(trainable) / 1e6)
     else:
       frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
+    frozen = reference.initial_frozen(cfg, frozen, trainable)
     state = train.init_state(trainable, opt, cfg.train.seed)
-    loader = data_lib.Loader(data.pairs, cfg.train.global_batch_size, cfg.train.seed + 2, pid, nproc)
+    pairs = data.pairs
+    if cfg.loss.precompute_ref:
+      ref_arrays, summary["ref_cache"] = reference.cached(cfg, mesh, frozen, pairs, data.tok)
+      pairs = {**pairs, **ref_arrays}
+    loader = data_lib.Loader(pairs, cfg.train.global_batch_size, cfg.train.seed + 2, pid, nproc)
+    t_dpo = time.perf_counter()
     state = _stage("dpo", cfg, mesh, train.dpo_step, state, frozen, loader, cfg.train.steps,
-                   (opt, sched), writer, pairs=True)
-    policy, lora = (frozen, state.params) if cfg.lora.enabled else (state.params, None)
+                   (opt, sched), writer, pairs=True,
+                   update_frozen=functools.partial(reference.maybe_update, cfg))
+    summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
+    # Held-out rewards are measured against the SFT model (`params`) for every loss and
+    # reference scheme, so runs stay comparable (TR-DPO moves the training reference).
+    policy, lora = (params, state.params) if cfg.lora.enabled else (state.params, None)
     if data.held is not None:
-      after = evaluate.pair_metrics(cfg, mesh, policy, lora, frozen, data.held,
+      after = evaluate.pair_metrics(cfg, mesh, policy, lora, params, data.held,
                                     cfg.train.global_batch_size)
       summary.update(after)
       writer.write({"stage": "eval", "step": cfg.train.steps,
