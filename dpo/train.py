@@ -55,9 +55,17 @@ def optimizer(cfg: Config, peak_lr: float, total_steps: int) -> tuple[optax.Grad
 def init_state(params, opt: optax.GradientTransformation, seed: int) -> TrainState:
   """Optimizer moments are created by jit from the (sharded) params, so they inherit shardings."""
   opt_state = jax.jit(opt.init)(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                    rng=jax.random.key_data(jax.random.key(seed)),
-                    lr_scale=jnp.ones((), jnp.float32), skipped=jnp.zeros((), jnp.int32))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                     rng=jax.random.key_data(jax.random.key(seed)),
+                     lr_scale=jnp.ones((), jnp.float32), skipped=jnp.zeros((), jnp.int32))
+  # Scalars (step, rng, optimizer counts) live replicated on the params' mesh, so a jitted step
+  # sees one device set.
+  leaf_sh = jax.tree.leaves(params)[0].sharding
+  if isinstance(leaf_sh, NamedSharding):
+    rep = NamedSharding(leaf_sh.mesh, P())
+    state = jax.tree.map(
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, rep), state)
+  return state
 
 
 def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
