@@ -128,8 +128,12 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
   writer.write({"stage": stage, "step": step, **m, "tokens_per_sec": tok_per_s})
 
 
-def run(cfg: Config, mesh=None) -> dict[str, Any]:
-  """Runs the configured stages and returns the summary (also written to summary.json)."""
+def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
+  """Runs the configured stages and returns the summary (also written to summary.json).
+
+  init_params: the starting model (e.g. an SFT model shared by several DPO runs); default a
+  fresh init from the seed.
+  """
   t_start = time.perf_counter()
   out = cfg.train.output_dir
   mesh = mesh or sharding.make_mesh(cfg.train.mesh)
@@ -141,7 +145,8 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
   data = Data(cfg)
   pid, nproc = jax.process_index(), jax.process_count()
   key = jax.random.key(cfg.train.seed)
-  params = transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh)
+  params = (init_params if init_params is not None
+            else transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh))
   logging.info("model: %.2fM parameters, mesh %s", transformer.num_params(params) / 1e6,
                dict(mesh.shape))
   summary: dict[str, Any] = {}
