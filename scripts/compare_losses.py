@@ -1,6 +1,6 @@
 """Held-out reward accuracy of every loss type on the embedded default task.
 
-    python scripts/compare_losses.py --steps=100 --out=runs/compare_losses
+    python scripts/compare_losses.py --steps=40 --sft_steps=300 --out=runs/compare_losses
 
 One SFT stage (the default preset's) is trained once and shared; then each loss type runs the
 DPO stage from it with everything else at the preset's values, and the held-out metrics are
@@ -41,10 +41,12 @@ def sft_model(cfg: configs.Config, mesh):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--steps", type=int, default=configs.DEFAULT.train.steps)
+  ap.add_argument("--sft_steps", type=int, default=configs.DEFAULT.train.sft_steps)
   ap.add_argument("--losses", default=",".join(configs.LOSS_TYPES))
   ap.add_argument("--out", default="runs/compare_losses")
   args = ap.parse_args()
-  base = configs.DEFAULT.replace(steps=args.steps, output_dir=os.path.join(args.out, "sft"))
+  base = configs.DEFAULT.replace(steps=args.steps, sft_steps=args.sft_steps,
+                                output_dir=os.path.join(args.out, "sft"))
   mesh = sharding.make_mesh(base.train.mesh)
   t0 = time.perf_counter()
   params = sft_model(base, mesh)
@@ -52,7 +54,7 @@ def main():
   for loss in args.losses.split(","):
     cfg = base.replace(stage="dpo", loss_type=(loss,), output_dir=os.path.join(args.out, loss))
     s = loop.run(cfg, mesh, init_params=params)
-    row = {"loss_type": loss, "steps": args.steps, **{k: s[k] for k in (
+    row = {"loss_type": loss, "sft_steps": args.sft_steps, "steps": args.steps, **{k: s[k] for k in (
         "reward_accuracy", "reward_margin", "perplexity", "reference_perplexity",
         "skipped_steps", "dpo_time_s")}}
     print(json.dumps(row), flush=True)
