@@ -153,7 +153,7 @@ def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
 
   if cfg.train.stage in ("sft", "all"):
     opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
-    state = train.init_state(params, opt, cfg.train.seed)
+    state = train.init_state(params, opt, cfg.train.seed, mesh)
     loader = data_lib.Loader(data.sft, cfg.train.global_batch_size, cfg.train.seed + 1, pid, nproc)
     state = _stage("sft", cfg, mesh, train.sft_step, state, None, loader, cfg.train.sft_steps,
                    (opt, sched), writer, pairs=False)
@@ -173,7 +173,7 @@ def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
     else:
       frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
     frozen = reference.initial_frozen(cfg, frozen, trainable)
-    state = train.init_state(trainable, opt, cfg.train.seed)
+    state = train.init_state(trainable, opt, cfg.train.seed, mesh)
     pairs = data.pairs
     if cfg.loss.precompute_ref:
       ref_arrays, summary["ref_cache"] = reference.cached(cfg, mesh, frozen, pairs, data.tok)

@@ -60,7 +60,7 @@ def main():
     plain = {k: v[rows] for k, v in data.pairs.items()}
     batches.append((train.device_batch(mesh, plain),
                     train.device_batch(mesh, {**plain, **{k: v[rows] for k, v in ref_arrays.items()}})))
-  state = train.init_state(trainable, opt, 0)
+  state = train.init_state(trainable, opt, 0, mesh)
   times = {"in_step": [], "precomputed": []}
   cpu = {"in_step": [], "precomputed": []}
   for variant, idx in (("in_step", 0), ("precomputed", 1)):  # compile both

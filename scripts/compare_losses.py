@@ -30,7 +30,7 @@ def sft_model(cfg: configs.Config, mesh):
   data = loop.Data(cfg)
   params = transformer.init(cfg.model, jax.random.fold_in(jax.random.key(cfg.train.seed), 0), mesh)
   opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
-  state = train.init_state(params, opt, cfg.train.seed)
+  state = train.init_state(params, opt, cfg.train.seed, mesh)
   loader = data_lib.Loader(data.sft, cfg.train.global_batch_size, cfg.train.seed + 1)
   writer = loop.MetricsWriter(cfg.train.output_dir)
   state = loop._stage("sft", cfg, mesh, train.sft_step, state, None, loader,

@@ -41,7 +41,7 @@ def setup():
 def _run_steps(cfg, mesh, frozen, trainable, arrays, n_steps):
   """Losses of n_steps un-donated dpo_steps over the first batches of `arrays`."""
   opt, sched = train.optimizer(cfg, cfg.train.learning_rate, cfg.train.steps)
-  state = train.init_state(trainable, opt, cfg.train.seed)
+  state = train.init_state(trainable, opt, cfg.train.seed, mesh)
   step = jax.jit(functools.partial(train.dpo_step, cfg, opt, sched))
   bs = cfg.train.global_batch_size
   out = []
