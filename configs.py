@@ -209,12 +209,83 @@ class TrainConfig:
         raise ValueError(f"{name} must look like sft:N or dpo:N, got {value!r}")
 
 
+LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "bco_pair",
+              "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",
+              "sigmoid_norm", "sft", "simpo", "cpo", "orpo")
+REFERENCE_FREE_LOSSES = ("sft", "simpo", "cpo", "orpo")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+  """The preference objective (dpo/losses.py) and how the reference model is handled.
+
+  `beta` and `label_smoothing` stay in TrainConfig. Defaults are the papers' values; modifiers
+  default to off (rpo_alpha 0, wpo False, reverse_kl, ld_alpha 1, ref_update none).
+  """
+  loss_type: tuple[str, ...] = _f(("sigmoid",), f"Comma-separated losses, from {LOSS_TYPES}.")
+  loss_weights: tuple[float, ...] = _f((), "Weights of loss_type's losses (empty = all 1.0).")
+  rpo_alpha: float = _f(0.0, "RPO: add alpha * mean NLL of the chosen completion (Pang et al. "
+                        "2024 use 1.0); 0 disables.")
+  wpo: bool = _f(False, "WPO: weight each pair by its (clamped) length-normalised policy "
+                 "probability (Zhou et al. 2024).")
+  f_divergence: str = _f("reverse_kl", f"f-DPO divergence (Wang et al. 2024), from {F_DIVERGENCES}.")
+  f_alpha: float = _f(0.5, "Alpha of the alpha-divergence f-DPO variant, in (0, 1].")
+  ld_alpha: float = _f(1.0, "LD-DPO (Liu et al. 2024): weight of log-probs past the pair's shared "
+                       "length; 1.0 disables, values in (0, 1) desensitise to length.")
+  discopop_tau: float = _f(0.05, "DiscoPOP temperature of the log-ratio modulation (Lu et al. 2024).")
+  simpo_beta: float = _f(2.0, "SimPO reward scale beta on average log-probs (Meng et al. 2024).")
+  simpo_gamma: float = _f(1.0, "SimPO target reward margin gamma (Meng et al. 2024: gamma/beta=0.5).")
+  cpo_alpha: float = _f(1.0, "CPO weight of the NLL term on the chosen completion (Xu et al. 2024).")
+  orpo_lambda: float = _f(0.1, "ORPO weight lambda of the odds-ratio term (Hong et al. 2024).")
+  ref_update: str = _f("none", "TR-DPO reference updates (Gorbatovski et al. 2024): none, soft "
+                       "(ref <- a*policy + (1-a)*ref) or hard (ref <- policy).")
+  ref_update_alpha: float = _f(0.6, "TR-DPO soft-update mixing weight alpha.")
+  ref_update_every: int = _f(512, "TR-DPO: update the reference every N DPO steps.")
+  precompute_ref: bool = _f(False, "Compute reference log-probs of the training pairs once "
+                            "(cached on disk) and skip the reference forward in each step.")
+  ref_cache_dir: str = _f("", "Where precomputed reference log-probs live; empty = "
+                          "<output_dir>/ref_cache.")
+
+  def __post_init__(self):
+    bad = [t for t in self.loss_type if t not in LOSS_TYPES]
+    if bad or not self.loss_type:
+      raise ValueError(f"unknown loss_type {bad or '(empty)'}; choose from {LOSS_TYPES}")
+    if self.loss_weights and len(self.loss_weights) != len(self.loss_type):
+      raise ValueError(f"loss_weights {self.loss_weights} must have one weight per loss_type "
+                       f"{self.loss_type}")
+    if self.f_divergence not in F_DIVERGENCES:
+      raise ValueError(f"f_divergence must be one of {F_DIVERGENCES}, got {self.f_divergence!r}")
+    if not 0.0 < self.f_alpha <= 1.0:
+      raise ValueError(f"f_alpha must be in (0, 1], got {self.f_alpha}")
+    if not 0.0 <= self.ld_alpha <= 1.0:
+      raise ValueError(f"ld_alpha must be in [0, 1], got {self.ld_alpha}")
+    if self.ref_update not in ("none", "soft", "hard"):
+      raise ValueError(f"ref_update must be none, soft or hard, got {self.ref_update!r}")
+    if not 0.0 < self.ref_update_alpha <= 1.0 or self.ref_update_every < 1:
+      raise ValueError("ref_update_alpha must be in (0, 1] and ref_update_every >= 1")
+    if self.precompute_ref and self.ref_update != "none":
+      raise ValueError("precompute_ref cannot be combined with ref_update: the reference changes")
+    if self.precompute_ref and self.reference_free:
+      raise ValueError(f"precompute_ref is pointless for reference-free losses {self.loss_type}")
+
+  @property
+  def weights(self) -> tuple[float, ...]:
+    return self.loss_weights or (1.0,) * len(self.loss_type)
+
+  @property
+  def reference_free(self) -> bool:
+    """True when no selected loss reads the reference: the reference forward is skipped."""
+    return all(t in REFERENCE_FREE_LOSSES for t in self.loss_type)
+
+
 @dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
   lora: LoraConfig = LoraConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
+  loss: LossConfig = LossConfig()
 
   def replace(self, **flat) -> "Config":
     """Returns a copy with flat field overrides routed to their section."""
@@ -227,8 +298,9 @@ class Config:
     return dataclasses.asdict(self)
 
 
-SECTIONS = ("model", "lora", "data", "train")
-_SECTION_TYPES = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS = ("model", "lora", "data", "train", "loss")
+_SECTION_TYPES = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig,
+                  "loss": LossConfig}
 _FIELD_SECTION = {f.name: s for s, t in _SECTION_TYPES.items() for f in dataclasses.fields(t)}
 assert len(_FIELD_SECTION) == sum(len(dataclasses.fields(t)) for t in _SECTION_TYPES.values()), (
     "config field names must be unique across sections")

@@ -54,10 +54,12 @@ FLAGS = flags.FLAGS
 def config_from_flags() -> configs.Config:
   cfg = configs.get_config(FLAGS.config)
   overrides = {}
-  for name, *_ in configs.flag_fields():
+  for name, ftype, *_ in configs.flag_fields():
     value = FLAGS[name].value
     if value is not None:
-      overrides[name] = tuple(value) if isinstance(value, list) else value
+      if isinstance(value, list):  # list flags arrive as strings; convert to the element type
+        value = tuple(typing.get_args(ftype)[0](v) for v in value)
+      overrides[name] = value
   return cfg.replace(**overrides)
 
 

@@ -7,6 +7,8 @@ axis and returns summed log-probs and token counts, prompt and padding positions
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -58,3 +60,52 @@ def pair_logps(cfg: ModelConfig, params, batch, lora=None, lora_scale=1.0, dropo
 
   return jax.vmap(one, in_axes=(1, 1, 1, 1, None if keys is None else 0), out_axes=1)(
       batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"], keys)
+
+
+class PairStats(NamedTuple):
+  """Per-sequence statistics of the chosen (index 0) and rejected (index 1) completions."""
+  logps: jax.Array         # [B, 2] summed log-probs, nats
+  tokens: jax.Array        # [B, 2] scored-token counts
+  shared_logps: jax.Array  # [B, 2] log-probs of each completion's first min(|y_w|, |y_l|) tokens
+  wpo_logw: jax.Array | None  # [B, 2] mean over tokens of log p(y_t) - log sum_v p(v)^2, or None
+
+
+def wpo_token_logw(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+  """[B, T] log(p(y_t) / sum_v p(v)^2) per token, the WPO weight-alignment term (Zhou et al.
+  2024, "WPO", weight alignment); position 0 is 0."""
+  logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+  return jnp.pad(picked - jax.nn.logsumexp(2.0 * logp, axis=-1), ((0, 0), (1, 0)))
+
+
+def pair_stats(cfg: ModelConfig, params, batch, lora=None, lora_scale=1.0, dropout_key=None,
+               dropout_rate=0.0, wpo: bool = False, with_logits: bool = False):
+  """Like `pair_logps`, plus the shared-length split (LD-DPO) and optionally WPO log-weights.
+
+  Returns PairStats, or (PairStats, logits [B, 2, T, V] or None) when called with with_logits
+  set (the logits feed the in-step KL measure).
+
+  One forward per side (vmap over the pair axis), then per-token reductions: the shared-length
+  sum keeps completion tokens whose rank within their completion is <= min(|y_w|, |y_l|).
+  """
+  keys = None if dropout_key is None else jax.random.split(dropout_key, 2)
+
+  def one(tokens, positions, segment_ids, key):
+    logits = transformer.forward(cfg, params, tokens, positions, segment_ids, lora=lora,
+                                 lora_scale=lora_scale, dropout_key=key, dropout_rate=dropout_rate)
+    lp = token_logps(logits, tokens)
+    return (lp, (wpo_token_logw(logits, tokens) if wpo else jnp.zeros_like(lp)),
+            logits if with_logits else None)
+
+  lp_B2T, logw_B2T, logits_B2TV = jax.vmap(
+      one, in_axes=(1, 1, 1, None if keys is None else 0), out_axes=1)(
+          batch["tokens"], batch["positions"], batch["segment_ids"], keys)
+  mask_B2T = batch["loss_mask"].astype(jnp.float32)
+  lp_B2T, logw_B2T = lp_B2T * mask_B2T, logw_B2T * mask_B2T
+  tokens_B2 = mask_B2T.sum(-1)
+  rank_B2T = jnp.cumsum(mask_B2T, axis=-1)
+  shared_B1 = tokens_B2.min(axis=1, keepdims=True)
+  shared_B2 = (lp_B2T * (rank_B2T <= shared_B1[..., None])).sum(-1)
+  logw = logw_B2T.sum(-1) / jnp.maximum(tokens_B2, 1.0) if wpo else None
+  stats = PairStats(lp_B2T.sum(-1), tokens_B2, shared_B2, logw)
+  return (stats, logits_B2TV) if with_logits else stats

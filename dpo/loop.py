@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import functools
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import numpy as np
 
 from configs import Config
 from dpo import data as data_lib
-from dpo import checkpoint, evaluate, formats, guards, prepare, task, train
+from dpo import checkpoint, evaluate, formats, guards, prepare, reference, task, train
 from dpo import tokenizer as tokenizer_lib
 from models import lora as lora_lib
 from models import quant, sharding, transformer
@@ -140,7 +141,7 @@ def _debug_step(value: str, stage: str) -> int:
 
 def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: int, sched,
            writer: MetricsWriter, pairs: bool, ckpts: checkpoint.Manager,
-           meta_extra: dict | None = None) -> train.TrainState:
+           meta_extra: dict | None = None, update_frozen=None) -> train.TrainState:
   """Runs the stage's updates up to `steps` and returns the final state.
 
   Resumes from the newest complete checkpoint in `ckpts`; saves every checkpoint_every steps and
@@ -149,6 +150,7 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
   metrics are fetched), for logging and, in DPO, for the KL guard. A checkpoint first settles
   the pending step, so the guard's history it records is the same whether the run continues or
   is resumed from it, which keeps interrupted and uninterrupted runs bitwise identical.
+  update_frozen(step, state, frozen) -> frozen runs after each step (TR-DPO reference updates).
   """
   t = cfg.train
   meta_extra = meta_extra or {}
@@ -191,7 +193,7 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
       return None
     j, metrics, tps = pending
     pending = None
-    reason = guard.check(float(metrics["kl"])) if guarded else None
+    reason = guard.check(float(metrics["kl"])) if guarded and "kl" in metrics else None
     if reason is None and tps is not None:
       _log(name, j, metrics, tps, cfg, writer, steps, t0, first_step)
     return reason and (j, reason)
@@ -253,6 +255,8 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
     if lr_scale is not None:
       state = state._replace(lr_scale=lr_scale)
     i += 1
+    if update_frozen is not None:
+      frozen = update_frozen(i, state, frozen)
     spike = settle()
     tps = None
     if i % log_every == 0 or i == steps:
@@ -281,7 +285,7 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
   if stage == "dpo":
     logging.info("dpo %5d/%d  loss %.4f  acc %.3f  margin %+.4f  kl %.4f  |g| %.3f  lr %.2e  "
                  "skipped %d  %.0f tok/s  eta %.0fs", step, steps, m["loss"],
-                 m["rewards/accuracies"], m["rewards/margins"], m["kl"], m["grad_norm"],
+                 m["rewards/accuracies"], m["rewards/margins"], m.get("kl", float("nan")), m["grad_norm"],
                  m["learning_rate"], m["skipped_steps"], tok_per_s, eta)
   else:
     logging.info("sft %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", step, steps,
@@ -325,14 +329,15 @@ def log_memory_estimate(cfg: Config, mesh) -> dict[str, int]:
   return est
 
 
-def run(cfg: Config, mesh=None) -> dict[str, Any]:
+def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
   """Runs the configured stages and returns the summary (also written to summary.json).
 
   Everything resumable lives under <output_dir>/checkpoints/: step checkpoints in sft/ and dpo/,
   the SFT output `sft_model` (the DPO stage's initial policy and frozen reference), `dpo_base`
   (the random base of a --stage=dpo run without --init_from, written once), and the exported
   policy `policy` (LoRA merged). Rerunning the same command continues where the last complete
-  checkpoint left off, across the SFT -> DPO boundary too.
+  checkpoint left off, across the SFT -> DPO boundary too. `init_params` replaces the starting
+  model (e.g. one SFT model shared by several DPO runs; see dpo/compare_losses.py).
   """
   t_start = time.perf_counter()
   out = cfg.train.output_dir
@@ -344,7 +349,8 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
     raise ValueError(f"base_quant={cfg.model.base_quant} needs LoRA (lora_rank > 0): a "
                      "quantized base is frozen")
   key = jax.random.key(cfg.train.seed)
-  cfg, params = initial_params(cfg, jax.random.fold_in(key, 0), mesh)
+  cfg, params = ((cfg, init_params) if init_params is not None
+                 else initial_params(cfg, jax.random.fold_in(key, 0), mesh))
   t = cfg.train
   if writer.enabled:
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -358,11 +364,11 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
   log_memory_estimate(cfg, mesh)
   summary: dict[str, Any] = {"data": data.reports} if data.reports else {}
   sft_out = os.path.join(ckroot, "sft_model")
-  reference = os.path.abspath(t.init_from) if t.init_from and not t.init_from.startswith(
+  reference_path = os.path.abspath(t.init_from) if t.init_from and not t.init_from.startswith(
       "hf:") else t.init_from
 
   if t.stage in ("sft", "all"):
-    reference = os.path.abspath(sft_out)
+    reference_path = os.path.abspath(sft_out)
     if checkpoint.is_complete(sft_out):
       logging.info("sft: %s exists; stage done", sft_out)
       params = checkpoint.load_params(sft_out, cfg.model, mesh)
@@ -381,10 +387,10 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
       logging.info("sft: model -> %s", sft_out)
 
   if t.stage in ("dpo", "all"):
-    if not reference:
-      reference = os.path.abspath(os.path.join(ckroot, "dpo_base"))
-      if not checkpoint.is_complete(reference):
-        checkpoint.save_params(reference, params, cfg.model, stage="init")
+    if not reference_path:
+      reference_path = os.path.abspath(os.path.join(ckroot, "dpo_base"))
+      if not checkpoint.is_complete(reference_path):
+        checkpoint.save_params(reference_path, params, cfg.model, stage="init")
     if cfg.model.base_quant != "none":
       before_bytes = transformer.nbytes(params)
       params = quant.quantize_params(cfg.model, params, mesh)
@@ -393,9 +399,8 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                    cfg.model.base_quant, before_bytes / 2**20, after_bytes / 2**20,
                    (before_bytes - after_bytes) / 2**20, 100 * (1 - after_bytes / before_bytes))
       summary["base_bytes"] = {"float32": before_bytes, cfg.model.base_quant: after_bytes}
-    frozen = params
     if data.held is not None:
-      before = evaluate.pair_metrics(cfg, mesh, frozen, None, frozen, data.held,
+      before = evaluate.pair_metrics(cfg, mesh, params, None, params, data.held,
                                      t.global_batch_size)
       summary["reference_perplexity"] = before["perplexity"]
     opt, sched = train.optimizer(cfg, t.learning_rate, t.steps)
@@ -405,30 +410,42 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                    ",".join(cfg.lora.lora_targets),
                    transformer.num_params(transformer.abstract(specs)) / 1e6)
 
-    def fresh():
+    def fresh_trainable():
       if cfg.lora.enabled:
-        trainable = lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
-      else:
-        trainable = jax.tree.map(lambda x: x.copy(), frozen)
-      return train.init_state(trainable, opt, t.seed, mesh)
+        return lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
+      return jax.tree.map(lambda x: x.copy(), params)
 
-    loader = data_lib.Loader(data.pairs, t.global_batch_size, t.seed + 2, pid, nproc)
+    def fresh():
+      return train.init_state(fresh_trainable(), opt, t.seed, mesh)
+
+    tr_dpo_lora = cfg.lora.enabled and cfg.loss.ref_update != "none"
+    frozen = reference.initial_frozen(cfg, params, fresh_trainable() if tr_dpo_lora else None)
+    pairs = data.pairs
+    if cfg.loss.precompute_ref:
+      ref_arrays, summary["ref_cache"] = reference.cached(cfg, mesh, frozen, pairs, data.tok)
+      pairs = {**pairs, **ref_arrays}
+    loader = data_lib.Loader(pairs, t.global_batch_size, t.seed + 2, pid, nproc)
+    t_dpo = time.perf_counter()
     state = _stage("dpo", cfg, mesh, train.dpo_step, fresh, frozen, loader, t.steps,
                    (opt, sched), writer, pairs=True,
                    ckpts=checkpoint.Manager(os.path.join(ckroot, "dpo"), t.keep_checkpoints),
-                   meta_extra={"reference": reference})
-    policy, lora = (frozen, state.params) if cfg.lora.enabled else (state.params, None)
+                   meta_extra={"reference": reference_path},
+                   update_frozen=functools.partial(reference.maybe_update, cfg))
+    summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
+    # Held-out rewards are measured against the SFT model (`params`) for every loss and
+    # reference scheme, so runs stay comparable (TR-DPO moves the training reference).
+    policy, lora = (params, state.params) if cfg.lora.enabled else (state.params, None)
     policy_out = os.path.join(ckroot, "policy")
     if cfg.model.base_quant == "none":
-      merged = lora_lib.merge(frozen, lora, cfg.lora) if lora is not None else policy
+      merged = lora_lib.merge(params, lora, cfg.lora) if lora is not None else policy
       checkpoint.save_params(policy_out, merged, cfg.model, stage="dpo", step=int(state.step),
-                             reference=reference)
+                             reference=reference_path)
       logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
     else:
       logging.info("dpo: base_quant=%s; no merged policy export (the adapters are in %s)",
                    cfg.model.base_quant, os.path.join(ckroot, "dpo"))
     if data.held is not None:
-      after = evaluate.pair_metrics(cfg, mesh, policy, lora, frozen, data.held,
+      after = evaluate.pair_metrics(cfg, mesh, policy, lora, params, data.held,
                                     t.global_batch_size)
       summary.update(after)
       writer.write({"stage": "eval", "step": t.steps,

@@ -4,6 +4,8 @@
   * LoRA on:  the base weights. Policy = base + LoRA delta; reference = the same base with the
     delta switched off. There is no second copy of the base.
   * LoRA off: the reference copy. Policy = state.params (all weights train); reference = frozen.
+  A `Frozen(params, ref_lora)` adds a frozen LoRA copy for TR-DPO with LoRA: the reference is then
+  base + ref_lora (dpo/reference.py updates it every k steps; a plain pytree means ref_lora=None).
 SFT trains all weights and has no frozen part.
 
 Guards that need no Python live inside the step: a non-finite loss or gradient leaves params and
@@ -99,27 +101,69 @@ def _step_key(state: TrainState) -> jax.Array:
   return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
 
+class Frozen(NamedTuple):
+  """What the DPO step reads but never trains (see the module docstring)."""
+  params: Any           # base weights (LoRA on) or the reference copy (LoRA off)
+  ref_lora: Any = None  # TR-DPO with LoRA: a frozen LoRA copy; reference = params + ref_lora
+
+
+def _split_frozen(frozen) -> tuple[Any, Any]:
+  return (frozen.params, frozen.ref_lora) if isinstance(frozen, Frozen) else (frozen, None)
+
+
+def reference_stats(cfg: Config, frozen, batch, with_logits: bool = False):
+  """Reference statistics of a pair batch (no dropout, no gradient); with_logits also returns
+  the reference logits [B, 2, T, V] (else None)."""
+  base, ref_lora = _split_frozen(frozen)
+  out = logprobs.pair_stats(cfg.model, base, batch, lora=ref_lora,
+                            lora_scale=cfg.lora.scale if ref_lora is not None else 1.0,
+                            with_logits=with_logits)
+  return jax.lax.stop_gradient(out)
+
+
 def dpo_step(cfg: Config, opt, sched, state: TrainState, frozen, batch) -> tuple[TrainState, dict]:
-  """One DPO update. batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]."""
+  """One preference update with the configured loss combination (cfg.loss).
+
+  batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
+  ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
+  runs. Reference-free losses run no reference forward either.
+  """
   lora_on = cfg.lora.enabled
+  lc = cfg.loss
   key = _step_key(state)
+  base, _ = _split_frozen(frozen)
+  ref_logits = None
+  if lc.reference_free:
+    ref = None
+  elif "ref_logps" in batch:
+    ref = (batch["ref_logps"], batch["ref_shared_logps"])
+  else:
+    stats, ref_logits = reference_stats(cfg, frozen, batch, with_logits=True)
+    ref = (stats.logps, stats.shared_logps)
+
+  def ld(total, shared):
+    return total if lc.ld_alpha == 1.0 else losses.length_desensitised(total, shared, lc.ld_alpha)
 
   def loss_fn(trainable):
-    policy_params, lora = (frozen, trainable) if lora_on else (trainable, None)
-    pol, counts, pol_logits = logprobs.pair_logps(
+    policy_params, lora = (base, trainable) if lora_on else (trainable, None)
+    pol, pol_logits = logprobs.pair_stats(
         cfg.model, policy_params, batch, lora=lora,
         lora_scale=cfg.lora.scale if lora_on else 1.0,
-        dropout_key=key if lora_on else None, dropout_rate=cfg.lora.lora_dropout,
-        with_logits=True)
-    ref, _, ref_logits = logprobs.pair_logps(cfg.model, frozen, batch, with_logits=True)
-    ref = jax.lax.stop_gradient(ref)
-    lp = losses.Logps(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
-    per_pair, extra = losses.LOSSES["sigmoid"](lp, beta=cfg.train.beta,
-                                               label_smoothing=cfg.train.label_smoothing)
-    # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
-    kl = logprobs.token_kl(jax.lax.stop_gradient(pol_logits), jax.lax.stop_gradient(ref_logits),
-                           batch["loss_mask"]).sum() / jnp.maximum(counts.sum(), 1.0)
-    return per_pair.mean(), {**losses.reward_metrics(lp, cfg.train.beta), **extra, "kl": kl}
+        dropout_key=key if lora_on else None, dropout_rate=cfg.lora.lora_dropout, wpo=lc.wpo,
+        with_logits=True)  # unused logits are dead code under jit
+    pol_lp = ld(pol.logps, pol.shared_logps)
+    ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(*ref)
+    lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],
+                      pol.tokens[:, 0], pol.tokens[:, 1])
+    loss, extra = losses.combined(lp, lc.loss_type, lc.weights, losses.hyperparameters(cfg),
+                                  lc.rpo_alpha, pol.wpo_logw)
+    metrics = {**losses.reward_metrics(lp, cfg.train.beta), **extra}
+    if ref_logits is not None:
+      # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
+      # Only available when the reference runs in the step (not precomputed, not ref-free).
+      kl = logprobs.token_kl(jax.lax.stop_gradient(pol_logits), ref_logits, batch["loss_mask"])
+      metrics["kl"] = kl.sum() / jnp.maximum(pol.tokens.sum(), 1.0)
+    return loss, metrics
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   return _apply(state, opt, sched, loss, grads, metrics)
@@ -156,8 +200,13 @@ def jit_step(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state: Trai
 
 def jit_step_with_shardings(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state_sh,
                             frozen_sh, batch_ndim: int):
-  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays)."""
-  batch_sh = batch_sharding(mesh, batch_ndim)
+  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays).
+
+  The batch sharding is a prefix spec: dim 0 of every batch array (tokens [B, 2, T], precomputed
+  ref_logps [B, 2], ...) over (data, fsdp), whatever its rank.
+  """
+  del batch_ndim
+  batch_sh = NamedSharding(mesh, P(sharding.RULES["batch"]))
   replicated = NamedSharding(mesh, P())
   return jax.jit(with_mesh(mesh, functools.partial(step_fn, cfg, opt, sched)),
                  in_shardings=(state_sh, frozen_sh, batch_sh),

@@ -64,3 +64,34 @@ def test_padding_and_prompt_tokens_do_not_count():
   changed["tokens"][pad] = 7  # different padding content
   again, _ = logprobs.pair_logps(CFG, params, changed)
   np.testing.assert_allclose(np.asarray(base), np.asarray(again), atol=1e-5)
+
+
+def test_pair_stats_shared_length_and_wpo_match_numpy():
+  """pair_stats: sums equal pair_logps; the LD-DPO shared-length split and WPO log-weights match
+  numpy computed from the logits."""
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  params = transformer.init(CFG, jax.random.key(0), mesh)
+  batch = _pair_batch(np.random.default_rng(3), B=4)
+  st = jax.jit(lambda p, b: logprobs.pair_stats(CFG, p, b, wpo=True))(params, batch)
+  logps, counts = logprobs.pair_logps(CFG, params, batch)
+  np.testing.assert_allclose(np.asarray(st.logps), np.asarray(logps), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(st.tokens), np.asarray(counts))
+  mask = batch["loss_mask"]
+  shared_len = mask.sum(-1).min(-1)
+  for j in range(2):
+    logits = np.asarray(transformer.forward(
+        CFG, params, batch["tokens"][:, j], batch["positions"][:, j], batch["segment_ids"][:, j]),
+        np.float64)[:, :-1]
+    logp = logits - (np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                     + logits.max(-1, keepdims=True))
+    tok = batch["tokens"][:, j, 1:]
+    per = np.take_along_axis(logp, tok[..., None], -1)[..., 0]
+    logw_t = per - np.log((np.exp(logp) ** 2).sum(-1))
+    m = mask[:, j, 1:]
+    for b in range(4):
+      scored = np.flatnonzero(m[b])[:int(shared_len[b])]  # the first shared_len completion tokens
+      np.testing.assert_allclose(float(st.shared_logps[b, j]), per[b, scored].sum(), rtol=1e-5,
+                                 atol=1e-4)
+      np.testing.assert_allclose(float(st.wpo_logw[b, j]), (logw_t[b] * m[b]).sum() / m[b].sum(),
+                                 rtol=1e-5, atol=1e-4)
+  assert logprobs.pair_stats(CFG, params, batch).wpo_logw is None

@@ -1,0 +1,147 @@
+"""Reference-model handling: precomputed reference log-probs and TR-DPO reference updates.
+
+Precomputation (`--precompute_ref`): the reference never changes during plain DPO, so its
+log-probs of every training pair are computed once, stored under a key that fingerprints the
+pair arrays, the tokenizer, the model config and the reference weights, and fed to `dpo_step`
+with each batch (which then runs no reference forward). A cache whose key does not match is
+never read: the key is the file name and is checked again inside the file.
+
+TR-DPO (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good Alignment", sec. 3):
+every k steps the reference becomes alpha * policy + (1 - alpha) * reference (soft) or the policy
+(hard). With LoRA the reference is base + a frozen LoRA copy, updated factor-wise: the hard
+update is exact; the soft update mixes the A and B factors, which is not the same as mixing the
+deltas A @ B (a product of mixes), but it keeps the reference a rank-r adapter on the base.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import Config
+from dpo import train
+
+CACHE_VERSION = 1
+_REF_KEYS = ("ref_logps", "ref_shared_logps")
+
+
+def _host(x) -> np.ndarray:
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def fingerprint(cfg: Config, arrays: dict, tok, frozen) -> str:
+  """sha256 over the pair arrays, the tokenizer, the model config and the reference weights."""
+  h = hashlib.sha256()
+  h.update(f"v{CACHE_VERSION}".encode())
+  for k in sorted(arrays):
+    if k in _REF_KEYS:
+      continue
+    a = np.ascontiguousarray(arrays[k])
+    h.update(f"{k}:{a.dtype}:{a.shape}".encode())
+    h.update(a.tobytes())
+  h.update(f"tokenizer:{type(tok).__module__}.{type(tok).__name__}:{tok.vocab_size}".encode())
+  for attr in ("pad_id", "bos_id", "eos_id"):
+    h.update(f"{attr}={getattr(tok, attr, None)}".encode())
+  h.update(repr(cfg.model).encode())
+  base, ref_lora = train._split_frozen(frozen)
+  h.update(f"lora_scale={cfg.lora.scale if ref_lora is not None else 1.0}".encode())
+  for path, leaf in jax.tree_util.tree_leaves_with_path((base, ref_lora)):
+    a = _host(leaf)
+    h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
+    h.update(np.ascontiguousarray(a).tobytes())
+  return h.hexdigest()
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _ref_batch(cfg: Config, frozen, batch):
+  stats = train.reference_stats(cfg, frozen, batch)
+  return stats.logps, stats.shared_logps
+
+
+def compute(cfg: Config, mesh, frozen, arrays: dict, batch_size: int) -> dict[str, np.ndarray]:
+  """{ref_logps, ref_shared_logps}: [N, 2] float32 reference statistics of every pair."""
+  n = len(arrays["tokens"])
+  keys = ("tokens", "positions", "segment_ids", "loss_mask")
+  out = {k: [] for k in _REF_KEYS}
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size) % n  # the last batch wraps; extra rows dropped
+    batch = train.device_batch(mesh, {k: arrays[k][idx] for k in keys})
+    lps, shared = jax.device_get(_ref_batch(cfg, frozen, batch))
+    keep = min(batch_size, n - start)
+    out["ref_logps"].append(lps[:keep])
+    out["ref_shared_logps"].append(shared[:keep])
+  return {k: np.concatenate(v).astype(np.float32) for k, v in out.items()}
+
+
+def cached(cfg: Config, mesh, frozen, arrays: dict, tok) -> tuple[dict[str, np.ndarray], dict]:
+  """Loads the reference statistics for `arrays` from the cache, or computes and stores them.
+
+  Returns (arrays {ref_logps, ref_shared_logps}, info {path, hit, fingerprint, seconds}).
+  """
+  t0 = time.perf_counter()
+  key = fingerprint(cfg, arrays, tok, frozen)
+  cache_dir = cfg.loss.ref_cache_dir or os.path.join(cfg.train.output_dir, "ref_cache")
+  path = os.path.join(cache_dir, f"ref_logps-{key[:32]}.npz")
+  n = len(arrays["tokens"])
+  if os.path.exists(path):
+    with np.load(path) as f:
+      stored_key = str(f["fingerprint"])
+      if stored_key != key:
+        raise ValueError(f"{path}: fingerprint field {stored_key[:16]}... does not match the "
+                         f"data/tokenizer/reference ({key[:16]}...); delete the file")
+      result = {k: f[k] for k in _REF_KEYS}
+    if result["ref_logps"].shape != (n, 2):
+      raise ValueError(f"{path}: field ref_logps has shape {result['ref_logps'].shape}, "
+                       f"expected ({n}, 2)")
+    hit = True
+  else:
+    result = compute(cfg, mesh, frozen, arrays, cfg.train.global_batch_size)
+    hit = False
+    if jax.process_index() == 0:
+      os.makedirs(cache_dir, exist_ok=True)
+      tmp = path + ".tmp.npz"
+      np.savez(tmp, fingerprint=np.asarray(key), **result)
+      os.replace(tmp, path)  # write, then rename: a reader never sees a partial cache
+  info = {"path": path, "hit": hit, "fingerprint": key,
+          "seconds": round(time.perf_counter() - t0, 2)}
+  logging.info("reference log-probs: %s %s (%.1fs)", "loaded" if hit else "computed", path,
+               info["seconds"])
+  return result, info
+
+
+# --- TR-DPO ---------------------------------------------------------------------------------------
+
+@jax.jit
+def _mix(alpha, new, old):
+  # alpha is traced, so alpha = 1 (hard update) still yields fresh buffers, never aliases of the
+  # policy's (which the next step donates).
+  return jax.tree.map(lambda n, o: (alpha * n + (1 - alpha) * o).astype(o.dtype), new, old)
+
+
+def initial_frozen(cfg: Config, base, trainable) -> train.Frozen:
+  """The DPO stage's frozen part: with LoRA and TR-DPO, a copy of the initial adapter rides along."""
+  if cfg.lora.enabled and cfg.loss.ref_update != "none":
+    return train.Frozen(base, jax.tree.map(lambda x: x.copy(), trainable))
+  return train.Frozen(base, None)
+
+
+def maybe_update(cfg: Config, step: int, state: train.TrainState, frozen: train.Frozen) -> train.Frozen:
+  """TR-DPO: after every ref_update_every-th step, mix the policy into the reference."""
+  lc = cfg.loss
+  if lc.ref_update == "none" or step % lc.ref_update_every:
+    return frozen
+  alpha = jnp.float32(1.0 if lc.ref_update == "hard" else lc.ref_update_alpha)
+  if cfg.lora.enabled:
+    return frozen._replace(ref_lora=_mix(alpha, state.params, frozen.ref_lora))
+  return frozen._replace(params=_mix(alpha, state.params, frozen.params))
+

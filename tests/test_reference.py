@@ -1,0 +1,161 @@
+"""dpo/reference.py: precomputed reference log-probs (cache, fingerprint, equality with the
+in-step reference), TR-DPO updates, and the reference-free path of dpo_step."""
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import configs
+from dpo import data as data_lib
+from dpo import reference, task, train
+from dpo.tokenizer import ByteTokenizer
+from models import lora as lora_lib
+from models import sharding, transformer
+
+TINY = configs.Config(
+    model=configs.ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                              mlp_dim=64),
+    lora=configs.LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0),
+    data=configs.DataConfig(max_prompt_length=24, max_target_length=24),
+    train=configs.TrainConfig(global_batch_size=8, steps=3, learning_rate=1e-2, warmup_ratio=0.0),
+)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  mesh = sharding.make_mesh("data:-1")
+  tok = ByteTokenizer()
+  arrays = data_lib.tokenize_pairs(task.preference_records(24, 0), tok, 24, 24)
+  params = transformer.init(TINY.model, jax.random.key(0), mesh)
+  lora = lora_lib.init(TINY.model, TINY.lora, jax.random.key(1), mesh)
+  # a non-zero B so the adapter changes the model
+  lora = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(2), x.shape), lora)
+  return mesh, tok, arrays, params, lora
+
+
+def _run_steps(cfg, mesh, frozen, trainable, arrays, n_steps):
+  """Losses of n_steps un-donated dpo_steps over the first batches of `arrays`."""
+  opt, sched = train.optimizer(cfg, cfg.train.learning_rate, cfg.train.steps)
+  state = train.init_state(trainable, opt, cfg.train.seed, mesh)
+  step = jax.jit(functools.partial(train.dpo_step, cfg, opt, sched))
+  bs = cfg.train.global_batch_size
+  out = []
+  for i in range(n_steps):
+    batch = train.device_batch(mesh, {k: v[i * bs:(i + 1) * bs] for k, v in arrays.items()})
+    state, m = step(state, frozen, batch)
+    out.append(jax.device_get(m))
+  return out
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_precomputed_equals_in_step(setup, tmp_path, lora_rank):
+  mesh, tok, arrays, params, lora = setup
+  cfg = TINY.replace(lora_rank=lora_rank, ref_cache_dir=str(tmp_path), ld_alpha=0.5,
+                     loss_type=("sigmoid", "ipo"))
+  trainable = lora if lora_rank else jax.tree.map(lambda x: x + 0.0, params)
+  frozen = train.Frozen(params)
+  ref_arrays, info = reference.cached(cfg, mesh, frozen, arrays, tok)
+  assert not info["hit"] and os.path.exists(info["path"])
+  assert ref_arrays["ref_logps"].shape == (len(arrays["tokens"]), 2)
+  in_step = _run_steps(cfg, mesh, frozen, trainable, arrays, 2)
+  pre = _run_steps(cfg, mesh, frozen, trainable, {**arrays, **ref_arrays}, 2)
+  for a, b in zip(in_step, pre):
+    for k in ("loss", "rewards/margins", "rewards/accuracies", "grad_norm"):
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  again, info2 = reference.cached(cfg, mesh, frozen, arrays, tok)
+  assert info2["hit"] and info2["path"] == info["path"]
+  np.testing.assert_array_equal(again["ref_logps"], ref_arrays["ref_logps"])
+
+
+def test_fingerprint_changes_with_data_tokenizer_and_weights(setup):
+  mesh, tok, arrays, params, _ = setup
+  frozen = train.Frozen(params)
+  key = reference.fingerprint(TINY, arrays, tok, frozen)
+  assert key == reference.fingerprint(TINY, dict(arrays), tok, frozen)
+  tokens = arrays["tokens"].copy()
+  tokens[0, 0, -1] ^= 1
+  assert key != reference.fingerprint(TINY, {**arrays, "tokens": tokens}, tok, frozen)
+  bumped = jax.tree.map(lambda x: x, params)
+  bumped["final_norm"] = params["final_norm"] + 1e-3
+  assert key != reference.fingerprint(TINY, arrays, tok, train.Frozen(bumped))
+
+  class OtherTok(ByteTokenizer):
+    pass
+  assert key != reference.fingerprint(TINY, arrays, OtherTok(), frozen)
+
+
+def test_stale_cache_is_rejected(setup, tmp_path):
+  mesh, tok, arrays, params, _ = setup
+  cfg = TINY.replace(ref_cache_dir=str(tmp_path))
+  _, info = reference.cached(cfg, mesh, train.Frozen(params), arrays, tok)
+  with np.load(info["path"]) as f:
+    body = {k: f[k] for k in f.files}
+  body["fingerprint"] = np.asarray("0" * 64)
+  with open(info["path"], "wb") as f:
+    np.savez(f, **body)
+  with pytest.raises(ValueError, match="fingerprint"):
+    reference.cached(cfg, mesh, train.Frozen(params), arrays, tok)
+
+
+def test_tr_dpo_updates(setup):
+  mesh, _, _, params, lora = setup
+  cfg = TINY.replace(ref_update="soft", ref_update_alpha=0.25, ref_update_every=4)
+  zero = jax.tree.map(jnp.zeros_like, lora)
+  frozen = reference.initial_frozen(cfg, params, zero)
+  assert frozen.ref_lora is not None
+  state = train.TrainState(jnp.int32(4), lora, None, None, None, None)
+  assert reference.maybe_update(cfg, 3, state, frozen) is frozen  # not a multiple of k
+  soft = reference.maybe_update(cfg, 4, state, frozen)
+  for got, new in zip(jax.tree.leaves(soft.ref_lora), jax.tree.leaves(lora)):
+    np.testing.assert_allclose(np.asarray(got), 0.25 * np.asarray(new), rtol=1e-6, atol=1e-7)
+  assert soft.params is params  # with LoRA the base never changes
+  hard = reference.maybe_update(cfg.replace(ref_update="hard"), 8, state, frozen)
+  for got, new in zip(jax.tree.leaves(hard.ref_lora), jax.tree.leaves(lora)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(new))
+    ptr = lambda a: a.addressable_shards[0].data.unsafe_buffer_pointer()
+    assert ptr(got) != ptr(new)  # a fresh buffer: the policy's is donated by the next step
+  # Full fine-tuning: the reference copy itself is mixed.
+  full = TINY.replace(lora_rank=0, ref_update="soft", ref_update_alpha=0.5, ref_update_every=1)
+  other = jax.tree.map(lambda x: x + 1.0, params)
+  mixed = reference.maybe_update(full, 1, state._replace(params=other),
+                                 reference.initial_frozen(full, params, other))
+  np.testing.assert_allclose(np.asarray(mixed.params["final_norm"]),
+                             np.asarray(params["final_norm"]) + 0.5, rtol=1e-6)
+
+
+def test_reference_lora_copy_is_the_reference(setup):
+  """With ref_lora equal to the policy adapter (no dropout), policy == reference: DPO loss ln 2."""
+  mesh, _, arrays, params, lora = setup
+  frozen = train.Frozen(params, jax.tree.map(lambda x: x + 0.0, lora))
+  m = _run_steps(TINY, mesh, frozen, lora, arrays, 1)[0]
+  np.testing.assert_allclose(m["loss"], math.log(2.0), rtol=1e-5)
+  m = _run_steps(TINY, mesh, train.Frozen(params), lora, arrays, 1)[0]
+  assert abs(m["loss"] - math.log(2.0)) > 1e-4  # base-only reference differs from the policy
+
+
+def test_reference_free_runs_no_reference_forward(setup):
+  """Full fine-tuning with a reference-free loss: frozen=None would fail if a reference ran."""
+  mesh, _, arrays, params, _ = setup
+  for loss in ("simpo", "cpo", "orpo", "sft"):
+    cfg = TINY.replace(lora_rank=0, loss_type=(loss,))
+    m = _run_steps(cfg, mesh, None, jax.tree.map(lambda x: x + 0.0, params), arrays, 1)[0]
+    assert np.isfinite(m["loss"])
+  with pytest.raises(Exception):
+    _run_steps(TINY.replace(lora_rank=0), mesh, None, jax.tree.map(lambda x: x + 0.0, params),
+               arrays, 1)
+
+
+def test_config_rejects_bad_combinations():
+  with pytest.raises(ValueError, match="unknown loss_type"):
+    configs.LossConfig(loss_type=("dpo",))
+  with pytest.raises(ValueError, match="one weight per"):
+    configs.LossConfig(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,))
+  with pytest.raises(ValueError, match="precompute_ref"):
+    configs.LossConfig(precompute_ref=True, ref_update="soft")
+  with pytest.raises(ValueError, match="reference-free"):
+    configs.LossConfig(precompute_ref=True, loss_type=("simpo",))
