@@ -108,6 +108,14 @@ class TrainConfig:
   label_smoothing: float = _f(0.0, "Conservative-DPO label noise eps in [0, 0.5).")
   seed: int = _f(0, "Seed for init, data order and dropout.")
   log_every: int = _f(10, "Log one line and one metrics.jsonl record every N steps.")
+  eval_every: int = _f(200, "Run the alignment evaluation every N DPO steps (and at the end); "
+                       "0 = only at the end.")
+  eval_temperature: float = _f(1.0, "Evaluation sampling temperature (0 = greedy).")
+  eval_top_k: int = _f(0, "Evaluation top-k filter (0 = off).")
+  eval_top_p: float = _f(1.0, "Evaluation nucleus (top-p) filter (1.0 = off).")
+  eval_max_new_tokens: int = _f(0, "Tokens sampled per eval response (0 = max_target_length).")
+  eval_batch_size: int = _f(128, "Prompts per sampling batch during evaluation.")
+  eval_show: int = _f(4, "Sampled responses printed side by side at the end of a run.")
   output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
   mesh: str = _f("data:-1", "Mesh axis sizes, e.g. data:2,fsdp:2,tensor:2 (one may be -1).")
 
@@ -120,6 +128,10 @@ class TrainConfig:
       raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
     if self.global_batch_size <= 0 or self.steps < 0 or self.sft_steps < 0:
       raise ValueError("global_batch_size must be > 0 and steps, sft_steps >= 0")
+    if self.eval_every < 0 or self.eval_batch_size <= 0 or self.eval_max_new_tokens < 0:
+      raise ValueError("eval_every, eval_max_new_tokens must be >= 0 and eval_batch_size > 0")
+    if self.eval_temperature < 0 or self.eval_top_k < 0 or not 0 < self.eval_top_p <= 1:
+      raise ValueError("need eval_temperature >= 0, eval_top_k >= 0, eval_top_p in (0, 1]")
 
 
 @dataclass(frozen=True)

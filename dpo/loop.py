@@ -67,7 +67,12 @@ class Data:
     self.sft = data_lib.tokenize_sft(sft, self.tok, *lens, what="sft data")
     self.pairs = data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs")
     self.held = data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs") if held else None
-    self.eval_prompts = task.eval_prompts(d.task_eval_prompts) if self.embedded else []
+    if self.embedded:
+      self.eval_prompts = task.eval_prompts(d.task_eval_prompts)
+    else:  # sample on the held-out pairs' prompts (first task_eval_prompts distinct ones)
+      self.eval_prompts = list(dict.fromkeys(r.prompt for r in held))[:d.task_eval_prompts]
+    # The ground-truth reward exists only for the embedded task; otherwise win rate is n/a.
+    self.reward_fn = task.true_reward if self.embedded else None
     logging.info("data: %d SFT examples (T=%d), %d train pairs (T=%d), %d held-out pairs",
                  len(sft), self.sft["tokens"].shape[-1], len(pairs),
                  self.pairs["tokens"].shape[-1], len(held))
@@ -81,8 +86,12 @@ def _check_batch(cfg: Config, mesh) -> None:
 
 
 def _stage(name: str, cfg: Config, mesh, step_fn, state, frozen, loader, steps: int, sched,
-           writer: MetricsWriter, pairs: bool) -> train.TrainState:
-  """Runs `steps` updates, logging every log_every steps; returns the final state."""
+           writer: MetricsWriter, pairs: bool, eval_fn=None) -> train.TrainState:
+  """Runs `steps` updates, logging every log_every steps; returns the final state.
+
+  `eval_fn(step, state)`, if given, runs after every eval_every-th step except the last (the
+  caller evaluates the final state itself).
+  """
   if steps == 0:
     return state
   batch_ndim = 3 if pairs else 2
@@ -103,6 +112,15 @@ def _stage(name: str, cfg: Config, mesh, step_fn, state, frozen, loader, steps: 
       now = time.perf_counter()
       pending = (i + 1, metrics, tokens_since / max(now - t_last, 1e-9))
       tokens_since, t_last = 0, now
+    every = cfg.train.eval_every
+    if eval_fn is not None and every and (i + 1) % every == 0 and i + 1 < steps:
+      if pending is not None:
+        _log(name, *pending, cfg, writer, steps, t0, first_step)
+        pending = None
+      t_eval = time.perf_counter()
+      eval_fn(i + 1, state)
+      t0 += time.perf_counter() - t_eval  # keep evaluation time out of the step-rate ETA
+      t_last += time.perf_counter() - t_eval
   if pending is not None:
     _log(name, *pending, cfg, writer, steps, t0, first_step)
   return state
@@ -120,6 +138,19 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
     logging.info("sft %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", step, steps,
                  m["loss"], m["grad_norm"], m["learning_rate"], tok_per_s, eta)
   writer.write({"stage": stage, "step": step, **m, "tokens_per_sec": tok_per_s})
+
+
+def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: MetricsWriter):
+  t = time.perf_counter()
+  metrics, examples = evaluator(policy, lora)
+  metrics["eval_time_s"] = round(time.perf_counter() - t, 2)
+  writer.write({"stage": "eval", "step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+  f = lambda k: "n/a" if metrics.get(k) is None else f"{metrics[k]:.3f}"
+  logging.info("eval  %5d  win %s  reward %s vs %s  KL/seq %s  KL/tok %s  acc %s  margin %s  "
+               "ppl %s  (%.1fs)", step, f("win_rate"), f("policy_true_reward"),
+               f("reference_true_reward"), f("kl_per_sequence"), f("kl_per_token"),
+               f("reward_accuracy"), f("reward_margin"), f("perplexity"), metrics["eval_time_s"])
+  return metrics, examples
 
 
 def run(cfg: Config, mesh=None) -> dict[str, Any]:
@@ -163,16 +194,20 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
       frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
     state = train.init_state(trainable, opt, cfg.train.seed)
     loader = data_lib.Loader(data.pairs, cfg.train.global_batch_size, cfg.train.seed + 2, pid, nproc)
+    evaluator = evaluate.Evaluator(cfg, mesh, data.tok, data.eval_prompts, frozen, data.held,
+                                   data.reward_fn)
+    split = lambda p: (frozen, p) if cfg.lora.enabled else (p, None)
+
+    def eval_fn(step, st):
+      return _evaluate(evaluator, *split(st.params), step, writer)
+
     state = _stage("dpo", cfg, mesh, train.dpo_step, state, frozen, loader, cfg.train.steps,
-                   (opt, sched), writer, pairs=True)
-    policy, lora = (frozen, state.params) if cfg.lora.enabled else (state.params, None)
-    if data.held is not None:
-      after = evaluate.pair_metrics(cfg, mesh, policy, lora, frozen, data.held,
-                                    cfg.train.global_batch_size)
-      summary.update(after)
-      writer.write({"stage": "eval", "step": cfg.train.steps,
-                    **{f"eval/{k}": v for k, v in after.items()}})
+                   (opt, sched), writer, pairs=True, eval_fn=eval_fn)
+    final, examples = eval_fn(cfg.train.steps, state)
+    summary.update(final)
     summary["skipped_steps"] = int(state.skipped)
+    if writer.enabled:
+      print(evaluate.report(final, examples, cfg.train.eval_show), flush=True)
 
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   if writer.enabled:
