@@ -98,8 +98,8 @@ def sample(cfg: Config, mesh, scfg: sampler.SamplingConfig, params, lora,
            prompts: Sequence[Sequence[int]], key: jax.Array) -> list[list[int]]:
   """One completion (token ids, EOS included if emitted) per prompt, in batches.
 
-  Row i of the whole prompt list always gets the key fold_in(key, i), so a prompt's sample does
-  not depend on the batch size.
+  Chunk c (rows c * eval_batch_size onward) samples with fold_in(key, its first row), so
+  results are reproducible given the key and eval_batch_size, whatever the device count.
   """
   bs = cfg.train.eval_batch_size
   lora_scale = cfg.lora.scale if lora is not None else 1.0
