@@ -1,0 +1,95 @@
+"""LoRA: zero-B identity, merge == base + delta, dropout only in training, sharding follows base."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from configs import LoraConfig, ModelConfig
+from models import lora as lora_lib
+from models import sharding, transformer
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                  mlp_dim=48, init_std=0.2)
+ALL = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.5, lora_targets=(
+    "q", "k", "v", "o", "gate", "up", "down"))
+
+
+@pytest.fixture(scope="module")
+def mesh1():
+  return sharding.make_mesh("data:1", jax.devices()[:1])
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 64, (2, 9)).astype(np.int32)
+  return tokens, np.tile(np.arange(9, dtype=np.int32), (2, 1)), np.ones((2, 9), np.int32)
+
+
+def _randomize_b(lora, key):
+  leaves, tree = jax.tree.flatten(lora)
+  keys = jax.random.split(key, len(leaves))
+  return tree.unflatten([0.1 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def test_shapes_follow_base_specs():
+  specs = lora_lib.lora_specs(CFG, ALL)["layers"]
+  assert specs["q"]["a"].shape == (2, 32, 4) and specs["q"]["b"].shape == (2, 4, 4, 8)
+  assert specs["o"]["a"].shape == (2, 4, 8, 4) and specs["o"]["b"].shape == (2, 4, 32)
+  assert specs["down"]["a"].axes == ("layers", "mlp", "lora_rank")
+  assert specs["down"]["b"].axes == ("layers", "lora_rank", "embed")
+
+
+def test_zero_b_is_exactly_base(mesh1):
+  params = transformer.init(CFG, jax.random.key(0), mesh1)
+  lora = lora_lib.init(CFG, ALL, jax.random.key(1), mesh1)
+  assert all(float(jnp.abs(ab["b"]).max()) == 0.0 for ab in lora["layers"].values())
+  args = _inputs()
+  base = transformer.forward(CFG, params, *args)
+  with_lora = transformer.forward(CFG, params, *args, lora=lora, lora_scale=ALL.scale)
+  np.testing.assert_array_equal(np.asarray(base), np.asarray(with_lora))
+
+
+def test_merge_equals_base_plus_delta(mesh1):
+  params = transformer.init(CFG, jax.random.key(0), mesh1)
+  lora = _randomize_b(lora_lib.init(CFG, ALL, jax.random.key(1), mesh1), jax.random.key(2))
+  args = _inputs()
+  adapted = transformer.forward(CFG, params, *args, lora=lora, lora_scale=ALL.scale)
+  merged = transformer.forward(CFG, lora_lib.merge(params, lora, ALL), *args)
+  base = transformer.forward(CFG, params, *args)
+  assert np.abs(np.asarray(adapted) - np.asarray(base)).max() > 1e-2
+  np.testing.assert_allclose(np.asarray(adapted), np.asarray(merged), atol=1e-4, rtol=1e-4)
+  # The merged q weight is W + scale * A @ B, written out with numpy.
+  a, b = (np.asarray(lora["layers"]["q"][k]) for k in ("a", "b"))
+  want = np.asarray(params["layers"]["q"]) + ALL.scale * np.einsum("ldr,lrhk->ldhk", a, b)
+  np.testing.assert_allclose(np.asarray(lora_lib.merge(params, lora, ALL)["layers"]["q"]), want,
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_only_with_key(mesh1):
+  params = transformer.init(CFG, jax.random.key(0), mesh1)
+  lora = _randomize_b(lora_lib.init(CFG, ALL, jax.random.key(1), mesh1), jax.random.key(2))
+  args = _inputs()
+  run = lambda key: np.asarray(transformer.forward(
+      CFG, params, *args, lora=lora, lora_scale=ALL.scale, dropout_key=key,
+      dropout_rate=ALL.lora_dropout))
+  assert np.array_equal(run(None), run(None))
+  a, b = run(jax.random.key(3)), run(jax.random.key(4))
+  assert not np.allclose(a, run(None)) and not np.allclose(a, b)
+  np.testing.assert_array_equal(a, run(jax.random.key(3)))
+
+
+def test_factor_shardings_follow_base():
+  mesh = sharding.make_mesh("fsdp:2,tensor:4", jax.devices()[:8])
+  lora = lora_lib.init(CFG, ALL, jax.random.key(1), mesh)
+  base = transformer.shardings(transformer.param_specs(CFG), mesh)["layers"]
+  assert base["q"].spec == P(None, "fsdp", "tensor", None)
+  assert lora["layers"]["q"]["a"].sharding.spec == P(None, "fsdp", None)
+  assert lora["layers"]["q"]["b"].sharding.spec == P(None, None, "tensor", None)
+  assert lora["layers"]["down"]["a"].sharding.spec == P(None, "tensor", None)
+
+
+def test_bad_targets_rejected():
+  with pytest.raises(ValueError, match="lora_targets"):
+    LoraConfig(lora_targets=("q", "qkv"))
