@@ -174,11 +174,19 @@ def flag_fields():
 # random init (SFT) and the LoRA-only DPO stage has a few hundred steps, not an epoch over a
 # large set; everything else keeps the recipe defaults (beta, batch 16, rank 16 / alpha 32 on q,v,
 # dropout 0.05, warmup 0.1, clip 1.0).
+#
+# DPO stage (measured with the sampler's true-reward evaluation, seed 0, SFT 600 steps): LoRA lr
+# 2e-3 drives the policy far from the reference (held-out chosen perplexity 1.4 -> 29) and it
+# samples broken text; 2e-4 reaches win rate 0.71 at step 100 (KL 0.04 nats/token) and 0.82 at
+# step 200 of 300 (KL 0.44 nats/token, text starting to degrade). 200 steps at 2e-4 keeps most
+# of the gain with a smaller KL and a shorter job. eval_every 100 (field default 200) so the
+# default job also shows one mid-run evaluation.
 DEFAULT = Config(
     model=ModelConfig(),
     data=DataConfig(max_prompt_length=40, max_target_length=56),
-    train=TrainConfig(steps=300, sft_steps=600, learning_rate=2e-3, sft_learning_rate=3e-3,
-                      global_batch_size=16, log_every=20, output_dir="runs/default"),
+    train=TrainConfig(steps=200, sft_steps=600, learning_rate=2e-4, sft_learning_rate=3e-3,
+                      global_batch_size=16, log_every=20, eval_every=100,
+                      output_dir="runs/default"),
 )
 
 # bench-small: the workload in shared/BENCHMARKS.md (vocab 8192, d 512, 8 layers, 8/4 heads,
