@@ -173,7 +173,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
 
   if cfg.train.stage in ("sft", "all"):
     opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
-    state = train.init_state(params, opt, cfg.train.seed)
+    state = train.init_state(params, opt, cfg.train.seed, mesh)
     loader = data_lib.Loader(data.sft, cfg.train.global_batch_size, cfg.train.seed + 1, pid, nproc)
     state = _stage("sft", cfg, mesh, train.sft_step, state, None, loader, cfg.train.sft_steps,
                    (opt, sched), writer, pairs=False)
@@ -192,7 +192,7 @@ def run(cfg: Config, mesh=None) -> dict[str, Any]:
                    ",".join(cfg.lora.lora_targets), transformer.num_params(trainable) / 1e6)
     else:
       frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
-    state = train.init_state(trainable, opt, cfg.train.seed)
+    state = train.init_state(trainable, opt, cfg.train.seed, mesh)
     loader = data_lib.Loader(data.pairs, cfg.train.global_batch_size, cfg.train.seed + 2, pid, nproc)
     evaluator = evaluate.Evaluator(cfg, mesh, data.tok, data.eval_prompts, frozen, data.held,
                                    data.reward_fn)

@@ -50,16 +50,21 @@ def optimizer(cfg: Config, peak_lr: float, total_steps: int) -> tuple[optax.Grad
   return optax.chain(*parts), sched
 
 
-def init_state(params, opt: optax.GradientTransformation, seed: int) -> TrainState:
-  """Optimizer moments are created by jit from the (sharded) params, so they inherit shardings."""
-  opt_state = jax.jit(opt.init)(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                    rng=jax.random.key_data(jax.random.key(seed)),
-                    lr_scale=jnp.ones((), jnp.float32), skipped=jnp.zeros((), jnp.int32))
+def init_state(params, opt: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
+  """Optimizer moments take their parameter's sharding; scalars (counts) are replicated."""
+  replicated = NamedSharding(mesh, P())
+  opt_sh = optax.tree_map_params(
+      opt, lambda _, sh: sh, jax.eval_shape(opt.init, params),
+      jax.tree.map(lambda x: x.sharding, params), transform_non_params=lambda _: replicated)
+  opt_state = jax.jit(opt.init, out_shardings=opt_sh)(params)
+  rep = lambda x: jax.device_put(x, replicated)
+  return TrainState(step=rep(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
+                    rng=rep(jax.random.key_data(jax.random.key(seed))),
+                    lr_scale=rep(jnp.ones((), jnp.float32)), skipped=rep(jnp.zeros((), jnp.int32)))
 
 
 def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = opt.update(grads, state.opt_state, state.params)
   new_params = jax.tree.map(lambda p, u: p + state.lr_scale * u, state.params, updates)

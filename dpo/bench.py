@@ -1,0 +1,133 @@
+"""Benchmark the jitted DPO step: pairs/s, tokens/s and model-FLOP utilisation.
+
+    python -m dpo.bench                      # bench-small (LoRA) and bench-small-full
+    python -m dpo.bench --presets=bench-small --steps=10 --rounds=3
+
+Utilisation is achieved model FLOP/s over the float32 matmul peak measured in the same process
+(a jitted 2048 x 2048 x 2048 matmul). The model FLOPs per step use the formula of
+shared/BENCHMARKS.md so figures compare across systems:
+
+    FLOPs = 6 * N * T + 12 * n_layers * seq_len^2 * d_model * sequences
+
+with N the layer matrices plus the LM head (embedding excluded), T the tokens per step (chosen +
+rejected), and `sequences` = 2 * pairs. This is the nominal training cost of the policy; the
+reference forward, LoRA's smaller backward and masked attention are not counted separately, as
+in the peers' figures.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import time
+
+from absl import app, flags
+
+flags.DEFINE_list("presets", ["bench-small", "bench-small-full"], "configs.py presets to time.")
+flags.DEFINE_integer("steps", 10, "Timed steps per round (after warm-up).")
+flags.DEFINE_integer("warmup", 3, "Untimed steps per round.")
+flags.DEFINE_integer("rounds", 3, "Rounds; the median round is reported.")
+FLAGS = flags.FLAGS
+
+
+def matmul_peak(n: int = 2048, reps: int = 20) -> float:
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, a).block_until_ready()
+  best = math.inf
+  for _ in range(3):
+    t = time.perf_counter()
+    for _ in range(reps):
+      out = f(a, a)
+    out.block_until_ready()
+    best = min(best, (time.perf_counter() - t) / reps)
+  return 2 * n ** 3 / best
+
+
+def model_flops(cfg, pairs: int, seq_len: int) -> float:
+  m = cfg.model
+  per_layer = (m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+               + 3 * m.d_model * m.mlp_dim)
+  n = m.n_layers * per_layer + m.d_model * m.vocab_size
+  tokens = 2 * pairs * seq_len
+  return 6 * n * tokens + 12 * m.n_layers * seq_len ** 2 * m.d_model * 2 * pairs
+
+
+def synthetic_batch(cfg, pairs: int, rng):
+  import numpy as np
+  P, C = cfg.data.max_prompt_length, cfg.data.max_target_length
+  T = P + C
+  tokens = rng.integers(0, cfg.model.vocab_size, (pairs, 2, T)).astype(np.int32)
+  tokens[:, 1, :P] = tokens[:, 0, :P]  # shared prompt
+  positions = np.broadcast_to(np.arange(T, dtype=np.int32), (pairs, 2, T)).copy()
+  loss_mask = np.zeros((pairs, 2, T), np.float32)
+  loss_mask[:, :, P:] = 1.0
+  return {"tokens": tokens, "positions": positions,
+          "segment_ids": np.ones((pairs, 2, T), np.int32), "loss_mask": loss_mask}
+
+
+def time_preset(name: str) -> dict:
+  import jax
+  import numpy as np
+  import configs
+  from dpo import train
+  from models import lora as lora_lib
+  from models import sharding, transformer
+
+  cfg = configs.get_config(name)
+  mesh = sharding.make_mesh(cfg.train.mesh)
+  pairs = cfg.train.global_batch_size
+  base = transformer.init(cfg.model, jax.random.key(0), mesh)
+  opt, sched = train.optimizer(cfg, cfg.train.learning_rate, 1000)
+  if cfg.lora.enabled:
+    frozen, trainable = base, lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), mesh)
+  else:
+    frozen, trainable = base, jax.tree.map(lambda x: x.copy(), base)
+  state = train.init_state(trainable, opt, 0, mesh)
+  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen, 3)
+  batch = train.device_batch(mesh, synthetic_batch(cfg, pairs, np.random.default_rng(0)))
+  rounds = []
+  first_loss = None
+  for _ in range(FLAGS.rounds):
+    for _ in range(FLAGS.warmup):
+      state, m = step(state, frozen, batch)
+      if first_loss is None:
+        first_loss = float(m["loss"])
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(FLAGS.steps):
+      t = time.perf_counter()
+      state, m = step(state, frozen, batch)
+      jax.block_until_ready(m)
+      times.append(time.perf_counter() - t)
+    rounds.append(statistics.median(times))
+  step_time = statistics.median(rounds)
+  seq_len = cfg.data.max_prompt_length + cfg.data.max_target_length
+  return {"preset": name, "lora": cfg.lora.enabled, "step_time": step_time,
+          "pairs_per_s": pairs / step_time, "tokens_per_s": 2 * pairs * seq_len / step_time,
+          "flops": model_flops(cfg, pairs, seq_len), "first_loss": first_loss}
+
+
+def main(argv):
+  del argv
+  import jax
+  peak = matmul_peak()
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; float32 2048^3 matmul "
+        f"peak {peak / 1e9:.1f} GFLOP/s")
+  print(f"{'preset':<18} {'variant':<8} {'step s':>8} {'pairs/s':>8} {'tokens/s':>9} "
+        f"{'GFLOP':>7} {'util':>7} {'loss@1':>9}")
+  for name in FLAGS.presets:
+    r = time_preset(name)
+    util = r["flops"] / r["step_time"] / peak
+    print(f"{name:<18} {'LoRA' if r['lora'] else 'full FT':<8} {r['step_time']:8.3f} "
+          f"{r['pairs_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['flops'] / 1e9:7.1f} "
+          f"{100 * util:6.1f}% {r['first_loss']:9.6f}")
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  print(f"peak RSS of this process (all presets): {rss:.0f} MiB")
+
+
+if __name__ == "__main__":
+  app.run(main)
