@@ -25,6 +25,9 @@ def _f(default: Any, help: str, **kw) -> Any:
   return field(default=default, metadata={"help": help, **kw})
 
 
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int = _f(264, "Vocabulary size (model rows; >= tokenizer vocab).")
@@ -40,6 +43,28 @@ class ModelConfig:
   init_std: float = _f(0.02, "Stddev of the normal initializer for matrices.")
   compute_dtype: str = _f("float32", "Matmul dtype: float32 or bfloat16 (params stay float32).")
   remat: bool = _f(False, "Rematerialize each layer in the backward pass (saves activations).")
+  # Architecture switches (one model definition; Hugging Face families differ only here).
+  arch: str = _f("llama", f"Hugging Face model_type written on export, from {ARCHS}.")
+  mlp_act: str = _f("silu", "Gated-MLP activation: silu (SwiGLU), gelu_tanh or gelu (GeGLU).")
+  qkv_bias: bool = _f(False, "Biases on the q, k and v projections (Qwen2).")
+  qk_norm: bool = _f(False, "RMSNorm over head_dim on queries and keys before RoPE (Qwen3, Gemma 3).")
+  norm_plus_one: bool = _f(False, "RMSNorm scales by (1 + w) instead of w (Gemma).")
+  post_norms: bool = _f(False, "Extra RMSNorm on the attention and MLP outputs (Gemma 2/3).")
+  embed_scale: bool = _f(False, "Multiply token embeddings by sqrt(d_model) (Gemma).")
+  attn_softcap: float = _f(0.0, "Attention logit soft-cap c: c * tanh(s / c); 0 disables.")
+  final_softcap: float = _f(0.0, "Final logit soft-cap; 0 disables.")
+  query_scale: float = _f(0.0, "Attention scores are scaled by query_scale**-0.5; 0 = head_dim.")
+  sliding_window: int = _f(0, "Local layers attend to the last N keys only; 0 = all layers global.")
+  sliding_pattern: int = _f(1, "With sliding_window: layer i is global iff (i + 1) % N == 0 "
+                               "(1 = every layer local, 2 = Gemma 2, 6 = Gemma 3).")
+  rope_local_theta: float = _f(0.0, "RoPE base of local (sliding) layers; 0 = as global layers.")
+  rope_scaling: str = _f("none", "RoPE frequency scaling of global layers: none, linear or llama3.")
+  rope_factor: float = _f(1.0, "RoPE scaling factor (linear, llama3).")
+  rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: low-frequency factor.")
+  rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: high-frequency factor.")
+  rope_original_max_len: int = _f(8192, "llama3 RoPE scaling: original context length.")
+  base_quant: str = _f("none", "Store the frozen base quantized: none, int8 (per-channel absmax) "
+                               "or nf4 (64-element blocks, QLoRA code book). Needs LoRA.")
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -48,6 +73,20 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     if self.compute_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+    choices = {"arch": ARCHS, "mlp_act": ("silu", "gelu_tanh", "gelu"),
+               "rope_scaling": ("none", "linear", "llama3"), "base_quant": ("none", "int8", "nf4")}
+    for name, allowed in choices.items():
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+    if self.sliding_window < 0 or self.sliding_pattern < 1:
+      raise ValueError("sliding_window must be >= 0 and sliding_pattern >= 1")
+
+  def layer_is_local(self) -> tuple[bool, ...]:
+    """Per layer: True where attention is restricted to the sliding window."""
+    if not self.sliding_window:
+      return (False,) * self.n_layers
+    return tuple((i + 1) % self.sliding_pattern != 0 or self.sliding_pattern == 1
+                 for i in range(self.n_layers))
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -80,9 +119,26 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-  train_data: str = _f("", "Preference JSONL for DPO; empty = the embedded default task.")
-  eval_data: str = _f("", "Held-out preference JSONL; empty = embedded task's held-out pairs.")
-  sft_data: str = _f("", "SFT JSONL ({prompt, completion}); empty = embedded task's SFT data.")
+  train_data: str = _f("", "Preference data for DPO (JSONL or JSON array, gzip ok); empty = "
+                       "the embedded default task.")
+  eval_data: str = _f("", "Held-out preference data (same formats); empty = --eval_split of "
+                      "train_data, or the embedded task's held-out pairs.")
+  sft_data: str = _f("", "SFT JSONL ({prompt, completion}); empty = the chosen responses of "
+                     "train_data, or the embedded task's SFT data.")
+  data_format: str = _f("auto", "auto, standard, conversational, implicit, openai or columns "
+                        "(see dpo/formats.py).")
+  prompt_field: str = _f("", "data_format=columns: the field holding the prompt.")
+  chosen_field: str = _f("", "data_format=columns: the field holding the chosen response.")
+  rejected_field: str = _f("", "data_format=columns: the field holding the rejected response.")
+  chat_template: str = _f("plain", "How chat data is rendered: plain, llama3, chatml (qwen), gemma.")
+  tokenizer: str = _f("", "Hugging Face tokenizer.json (or its directory); empty = bytes.")
+  bos_token: str = _f("", "BOS token text ('none' = no BOS); empty = tokenizer_config.json or "
+                      "GPT-2's <|endoftext|>.")
+  eos_token: str = _f("", "EOS token text; empty = tokenizer_config.json or <|endoftext|>.")
+  pad_token: str = _f("", "PAD token text; empty = tokenizer_config.json, else EOS.")
+  eval_split: float = _f(0.0, "Fraction of train_data prompts held out for evaluation (by hash).")
+  data_cache_dir: str = _f("", "Where tokenised data is cached; empty = <output_dir>/data_cache, "
+                           "'none' = no cache.")
   max_prompt_length: int = _f(512, "Prompt tokens kept (the end of the prompt is kept).")
   max_target_length: int = _f(512, "Completion tokens kept (the start is kept).")
   task_train_pairs: int = _f(4096, "Embedded task: number of training preference pairs.")
@@ -118,6 +174,11 @@ class TrainConfig:
   eval_show: int = _f(4, "Sampled responses printed side by side at the end of a run.")
   output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
   mesh: str = _f("data:-1", "Mesh axis sizes, e.g. data:2,fsdp:2,tensor:2 (one may be -1).")
+  init_from: str = _f("", "Start from a checkpoint instead of random init: hf:DIR reads a "
+                          "Hugging Face directory (config.json + *.safetensors); its config "
+                          "replaces the model section.")
+  export_hf: str = _f("", "After DPO, write the policy (LoRA merged) as a Hugging Face directory "
+                          "here, plus the LoRA factors alone in PEFT layout under DIR/adapter.")
 
   def __post_init__(self):
     if self.stage not in ("sft", "dpo", "all"):
@@ -202,10 +263,72 @@ BENCH_SMALL = Config(
                       output_dir="runs/bench-small"),
 )
 
+# Real model sizes, from each model's published config.json on the Hugging Face Hub (numbers
+# only). They describe the architecture; weights come from --init_from=hf:DIR, whose config.json
+# then replaces this section. Used for compile-only sharding checks and quantized-base memory.
+LLAMA_3_2_1B = ModelConfig(
+    arch="llama", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+    head_dim=64, mlp_dim=8192, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True,
+    rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+    rope_original_max_len=8192, compute_dtype="bfloat16")
+LLAMA_3_1_8B = dataclasses.replace(
+    LLAMA_3_2_1B, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+    mlp_dim=14336, tie_embeddings=False, rope_factor=8.0)
+QWEN_2_5_0_5B = ModelConfig(
+    arch="qwen2", vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
+    head_dim=64, mlp_dim=4864, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True,
+    qkv_bias=True, compute_dtype="bfloat16")
+QWEN_2_5_7B = dataclasses.replace(
+    QWEN_2_5_0_5B, vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+    head_dim=128, mlp_dim=18944, tie_embeddings=False)
+GEMMA_2_2B = ModelConfig(
+    arch="gemma2", vocab_size=256000, d_model=2304, n_layers=26, n_heads=8, n_kv_heads=4,
+    head_dim=256, mlp_dim=9216, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True,
+    mlp_act="gelu_tanh", norm_plus_one=True, post_norms=True, embed_scale=True,
+    attn_softcap=50.0, final_softcap=30.0, query_scale=256.0, sliding_window=4096,
+    sliding_pattern=2, compute_dtype="bfloat16")
+
+# Real-size runs: LoRA on every projection, recipe learning rate, a sequence budget that fits.
+_REAL = Config(
+    lora=LoraConfig(lora_rank=16, lora_alpha=32.0, lora_dropout=0.05,
+                    lora_targets=("q", "k", "v", "o", "gate", "up", "down")),
+    data=DataConfig(max_prompt_length=512, max_target_length=512),
+    train=TrainConfig(stage="dpo", learning_rate=1e-5))
+
+# llama3-8b: the Llama 3.1 8B shape for the compile-only sharding check (dpo/compile_check.py):
+# bfloat16 matmuls and per-layer remat, as needed to fit; recipe LoRA (q, v) and lengths.
+LLAMA3_8B = Config(
+    model=dataclasses.replace(LLAMA_3_1_8B, remat=True),
+    train=TrainConfig(output_dir="runs/llama3-8b", mesh="fsdp:-1"),
+)
+
+# hh-rlhf-gpt2: a pipeline check on Anthropic HH-RLHF transcripts with the GPT-2 tokenizer
+# (vocab 50,257 padded to 50,304 = 786 * 64). Sized for a couple of shared CPU cores: a small
+# model trained from scratch (SFT on the chosen responses, then full-parameter DPO; a LoRA on a
+# barely trained model has little to steer), the last 64 prompt tokens and the first 32
+# response tokens, batch 8, 10% of prompts held out.
+HH_RLHF_GPT2 = Config(
+    model=ModelConfig(vocab_size=50304, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=32, mlp_dim=384, tie_embeddings=True),
+    lora=LoraConfig(lora_rank=0),
+    data=DataConfig(train_data="../shared/data/hh-rlhf/harmless-base-test.jsonl.gz",
+                    tokenizer="../shared/data/tokenizers/gpt2/tokenizer.json",
+                    max_prompt_length=64, max_target_length=32, eval_split=0.1),
+    train=TrainConfig(steps=150, sft_steps=100, learning_rate=5e-4, sft_learning_rate=3e-3,
+                      global_batch_size=8, log_every=25, output_dir="runs/hh-rlhf-gpt2"),
+)
+
 PRESETS: dict[str, Config] = {
+    "hh-rlhf-gpt2": HH_RLHF_GPT2,
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),
+    **{name: dataclasses.replace(_REAL, model=m, train=dataclasses.replace(
+        _REAL.train, output_dir=f"runs/{name}"))
+       for name, m in {"llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B,
+                       "qwen2.5-0.5b": QWEN_2_5_0_5B, "qwen2.5-7b": QWEN_2_5_7B,
+                       "gemma2-2b": GEMMA_2_2B}.items()},
+    "llama3-8b": LLAMA3_8B,
 }
 
 

@@ -2,6 +2,9 @@
 
 Flags are generated from the config dataclasses in configs.py: every field is a flag of the same
 name. `--config` picks a preset; a flag given on the command line overrides the preset's value.
+Multi-host: one process per host with `--distributed=auto` (TPU pods, SLURM) or
+`--distributed=explicit --coordinator_address=HOST:PORT --num_processes=N --process_id=i`;
+see WORKSPACE.md, "Sharding and multi-host".
 """
 
 from __future__ import annotations
@@ -13,6 +16,17 @@ from absl import app, flags, logging
 import configs
 
 flags.DEFINE_string("config", "default", f"Preset from configs.py: {sorted(configs.PRESETS)}.")
+# Per-process settings, not part of the experiment's config (they differ between processes).
+flags.DEFINE_enum("distributed", "off", ["off", "auto", "explicit"],
+                  "Multi-process mode: off; auto = jax.distributed.initialize() detects the "
+                  "cluster (TPU pod, SLURM, ...); explicit = the three flags below.")
+flags.DEFINE_string("coordinator_address", "", "HOST:PORT of process 0 (--distributed=explicit).")
+flags.DEFINE_integer("num_processes", None, "Total processes, one per host (explicit mode).")
+flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+flags.DEFINE_integer("heartbeat_timeout_seconds", 100,
+                     "A process silent this long is declared dead and the others exit.")
+flags.DEFINE_integer("initialization_timeout", 300,
+                     "Seconds to wait for all processes to join before failing.")
 
 
 def _define_config_flags() -> None:
@@ -50,8 +64,15 @@ def config_from_flags() -> configs.Config:
 def main(argv) -> None:
   del argv
   logging.set_verbosity(logging.INFO)
-  from dpo import loop  # imported after flag parsing so JAX starts with the final environment
   cfg = config_from_flags()
+  from dpo import distributed  # imported after flag parsing so JAX starts with the final environment
+  distributed.initialize(FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes,
+                         FLAGS.process_id, FLAGS.heartbeat_timeout_seconds,
+                         FLAGS.initialization_timeout)
+  import jax
+  if jax.process_index() != 0:
+    logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
+  from dpo import loop
   loop.run(cfg)
 
 

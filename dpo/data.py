@@ -102,15 +102,20 @@ class TruncationStats:
 
 
 def encode_prompt(tok, prompt: str, max_len: int, stats: TruncationStats) -> list[int]:
-  ids = [tok.bos_id] + tok.encode(prompt)
+  """BOS (unless the tokenizer has none) + prompt ids, keeping the end when too long."""
+  bos = [] if tok.bos_id is None else [tok.bos_id]
+  ids = bos + tok.encode(prompt)
   if len(ids) > max_len:
     stats.prompts_truncated += 1
-    ids = [tok.bos_id] + ids[len(ids) - max_len + 1:]
+    ids = bos + ids[len(ids) - max_len + len(bos):]
   return ids
 
 
 def encode_completion(tok, completion: str, max_len: int, stats: TruncationStats) -> list[int]:
-  ids = tok.encode(completion) + [tok.eos_id]
+  """Completion ids + EOS (not doubled when a chat template already ends with the EOS token)."""
+  ids = tok.encode(completion)
+  if not ids or ids[-1] != tok.eos_id:
+    ids.append(tok.eos_id)
   if len(ids) > max_len:
     stats.completions_truncated += 1
     ids = ids[:max_len]

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import Config
 from dpo import data as data_lib
@@ -31,13 +32,19 @@ from dpo import logprobs, train
 from models import sampler
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
 def _pair_stats(cfg: Config, policy_params, lora, ref_params, batch):
   lora_scale = cfg.lora.scale if lora is not None else 1.0
   pol, counts = logprobs.pair_logps(cfg.model, policy_params, batch, lora=lora,
                                     lora_scale=lora_scale)
   ref, _ = logprobs.pair_logps(cfg.model, ref_params, batch)
   return pol, ref, counts
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_pair_stats(cfg: Config, mesh):
+  # Outputs replicated so that every process can read them (multi-host).
+  return jax.jit(train.with_mesh(mesh, functools.partial(_pair_stats, cfg)),
+                 out_shardings=NamedSharding(mesh, P()))
 
 
 def pair_metrics(cfg: Config, mesh, policy_params, lora, ref_params, arrays: dict,
@@ -47,8 +54,9 @@ def pair_metrics(cfg: Config, mesh, policy_params, lora, ref_params, arrays: dic
   pol, ref, counts = [], [], []
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size) % n
-    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()})
-    p, r, c = jax.device_get(_pair_stats(cfg, policy_params, lora, ref_params, batch))
+    # Every process holds all held-out pairs, so each passes the whole batch.
+    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()}, batch_size)
+    p, r, c = jax.device_get(_jitted_pair_stats(cfg, mesh)(policy_params, lora, ref_params, batch))
     keep = slice(0, min(batch_size, n - start))
     pol.append(p[keep]); ref.append(r[keep]); counts.append(c[keep])
   pol, ref, counts = np.concatenate(pol), np.concatenate(ref), np.concatenate(counts)

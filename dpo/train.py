@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -50,17 +51,32 @@ def optimizer(cfg: Config, peak_lr: float, total_steps: int) -> tuple[optax.Grad
   return optax.chain(*parts), sched
 
 
-def init_state(params, opt: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
-  """Optimizer moments take their parameter's sharding; scalars (counts) are replicated."""
+def opt_state_shardings(opt: optax.GradientTransformation, params, param_shardings, mesh: Mesh):
+  """Shardings for `opt.init(params)`: every params-shaped part (Adam moments) takes the
+  matching parameter's sharding; everything else (step counts) is replicated.
+
+  Needed because jit does not propagate input shardings to freshly created zeros: a bare
+  `jit(opt.init)` puts the moments on one device.
+  """
+  abstract_state = jax.eval_shape(opt.init, params)
   replicated = NamedSharding(mesh, P())
-  opt_sh = optax.tree_map_params(
-      opt, lambda _, sh: sh, jax.eval_shape(opt.init, params),
-      jax.tree.map(lambda x: x.sharding, params), transform_non_params=lambda _: replicated)
-  opt_state = jax.jit(opt.init, out_shardings=opt_sh)(params)
-  rep = lambda x: jax.device_put(x, replicated)
-  return TrainState(step=rep(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
-                    rng=rep(jax.random.key_data(jax.random.key(seed))),
-                    lr_scale=rep(jnp.ones((), jnp.float32)), skipped=rep(jnp.zeros((), jnp.int32)))
+  return optax.tree_map_params(opt, lambda _, sh: sh, abstract_state, param_shardings,
+                               transform_non_params=lambda _: replicated)
+
+
+def init_state(params, opt: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
+  """Optimizer moments take their parameter's sharding; scalars (counts) are replicated.
+
+  Scalars are placed from host numpy values so that every process of a multi-host run provides
+  its (identical) copy.
+  """
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  opt_state = jax.jit(opt.init, out_shardings=opt_state_shardings(opt, params, param_sh, mesh))(
+      params)
+  rep = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+  return TrainState(step=rep(np.zeros((), np.int32)), params=params, opt_state=opt_state,
+                    rng=rep(np.asarray(jax.random.key_data(jax.random.key(seed)))),
+                    lr_scale=rep(np.ones((), np.float32)), skipped=rep(np.zeros((), np.int32)))
 
 
 def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
@@ -131,14 +147,60 @@ def jit_step(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state: Trai
   """jit(step) with explicit in/out shardings taken from the live state, state donated."""
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
+  return jit_step_with_shardings(step_fn, cfg, opt, sched, mesh, state_sh, frozen_sh, batch_ndim)
+
+
+def jit_step_with_shardings(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state_sh,
+                            frozen_sh, batch_ndim: int):
+  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays)."""
   batch_sh = batch_sharding(mesh, batch_ndim)
   replicated = NamedSharding(mesh, P())
-  return jax.jit(functools.partial(step_fn, cfg, opt, sched),
+  return jax.jit(with_mesh(mesh, functools.partial(step_fn, cfg, opt, sched)),
                  in_shardings=(state_sh, frozen_sh, batch_sh),
                  out_shardings=(state_sh, replicated), donate_argnums=(0,))
 
 
-def device_batch(mesh: Mesh, local: dict) -> dict:
-  """Global arrays from this process's slice of the batch."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v)
-          for k, v in local.items()}
+def with_mesh(mesh: Mesh, fn: Callable) -> Callable:
+  """`fn` traced with `mesh` as the abstract mesh, so `sharding.constrain` takes effect."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
+def device_batch(mesh: Mesh, local: dict, global_batch: int | None = None) -> dict:
+  """Global arrays from this process's rows of the batch.
+
+  `local` holds the rows this process's devices own (see `sharding.process_batch_block`);
+  `global_batch` is the number of rows over all processes. When `global_batch` equals the local
+  row count, every process passes the same full batch (as evaluation does).
+  """
+  def one(v):
+    shape = None if global_batch is None else (global_batch, *v.shape[1:])
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v, shape)
+  return {k: one(v) for k, v in local.items()}
+
+
+def memory_estimate(cfg: Config, mesh: Mesh, opt: optax.GradientTransformation) -> dict[str, int]:
+  """Per-device bytes of the DPO stage's persistent arrays, from abstract shapes and shardings.
+
+  frozen: base weights (LoRA on) or the reference copy (LoRA off); trainable: LoRA factors or the
+  policy weights; optimizer: the optimizer state of the trainable part. Activations are not
+  counted here; `dpo.compile_check` reports the compiler's full figure.
+  """
+  from models import lora as lora_lib, transformer  # local: train stays importable standalone
+  specs = transformer.param_specs(cfg.model)
+  base_abs, base_sh = transformer.abstract(specs), transformer.shardings(specs, mesh)
+  if cfg.lora.enabled:
+    lspecs = lora_lib.lora_specs(cfg.model, cfg.lora)
+    train_abs, train_sh = transformer.abstract(lspecs), transformer.shardings(lspecs, mesh)
+  else:
+    train_abs, train_sh = base_abs, base_sh
+  opt_abs = jax.eval_shape(opt.init, train_abs)
+  opt_sh = opt_state_shardings(opt, train_abs, train_sh, mesh)
+  out = {"frozen": sharding.shard_bytes(base_abs, base_sh),
+         "trainable": sharding.shard_bytes(train_abs, train_sh),
+         "optimizer": sharding.shard_bytes(opt_abs, opt_sh)}
+  out["total"] = sum(out.values())
+  return out

@@ -17,12 +17,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# logical axis -> mesh axes (tuple, possibly empty). FSDP shards the embed dimension of every
-# weight; tensor parallelism shards heads, kv heads, the MLP hidden dimension and the vocabulary.
+# logical axis -> mesh axes (tuple, possibly empty).
+#   data:   pure data parallelism. Weights replicated; the batch is split; gradients all-reduced.
+#   fsdp:   data parallelism that also splits every weight (and its optimizer moments and LoRA
+#           factors) along the embed dimension; XLA all-gathers a layer's weights just before use
+#           and reduce-scatters its gradients.
+#   tensor: Megatron-style tensor parallelism. Heads, kv heads, the MLP hidden dimension and the
+#           vocabulary are split, so q/k/v/gate/up are column-parallel and o/down row-parallel.
+# Weight axes and activation axes have separate names ("embed" vs "act_embed") because the two
+# are split differently: weights split their embed dimension over fsdp, while activations are
+# already split over fsdp along the batch and keep the residual stream whole on each device.
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
-    "pair": (),
-    "seq": (),
+    # weights
     "layers": (),
     "embed": ("fsdp",),
     "heads": ("tensor",),
@@ -32,13 +38,28 @@ RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "lora_rank": (),
     "norm": (),
+    "qblocks": ("fsdp",),  # NF4 blocks of a quantized matrix (models/quant.py)
+    # activations and inputs
+    "batch": ("data", "fsdp"),
+    "pair": (),
+    "seq": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
 }
 
 
 def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
-  """Parses 'data:2,fsdp:2,tensor:2' (one size may be -1) into sizes for all MESH_AXES."""
+  """Parses 'data:2,fsdp:2,tensor:2' (one size may be -1) into sizes for all MESH_AXES.
+
+  Axes left out have size 1. The product of the sizes must equal `n_devices`.
+  """
   sizes = {a: 1 for a in MESH_AXES}
   seen = set()
+  if not spec.strip():
+    raise ValueError(f"--mesh is empty; give e.g. data:-1 or data:2,fsdp:2,tensor:2")
   for part in filter(None, (p.strip() for p in spec.split(","))):
     name, sep, value = part.partition(":")
     if not sep or name not in MESH_AXES or name in seen:
@@ -65,7 +86,14 @@ def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
 
 
 def make_mesh(spec: str = "data:-1", devices: Sequence[jax.Device] | None = None) -> Mesh:
-  devices = list(jax.devices() if devices is None else devices)
+  """A (data, fsdp, tensor) mesh over all devices of all processes (or the given ones).
+
+  Devices are ordered by (process, id), so `tensor` (the innermost axis) stays inside a host
+  where it can, and the batch axes (data, fsdp) run across hosts: each process then holds a
+  contiguous block of the global batch (see `process_batch_block`).
+  """
+  devices = sorted(jax.devices() if devices is None else devices,
+                   key=lambda d: (d.process_index, d.id))
   sizes = parse_mesh_spec(spec, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
@@ -102,8 +130,68 @@ def named(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = 
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-  """Activation sharding constraint by logical axes; a no-op outside a mesh context."""
+  """Activation sharding constraint by logical axes.
+
+  Takes effect while tracing under `jax.set_mesh(mesh)` (the jitted steps in dpo/train.py and
+  dpo/evaluate.py trace that way); outside a mesh context it is the identity, so the model also
+  runs unsharded (tests, single-device scripts).
+  """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def shard_bytes(abstract_tree, sharding_tree) -> int:
+  """Bytes one device holds of a pytree of arrays / ShapeDtypeStructs under the given shardings.
+
+  With the shardings of this module every device holds equally sized shards, so this is the
+  per-device figure (not an average).
+  """
+  leaves = jax.tree.leaves(abstract_tree)
+  shards = jax.tree.leaves(sharding_tree, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+  if len(leaves) != len(shards):
+    raise ValueError(f"{len(leaves)} arrays but {len(shards)} shardings")
+  return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x, s in zip(leaves, shards))
+
+
+def process_batch_block(mesh: Mesh, global_batch: int) -> tuple[int, int]:
+  """(block index, block count): which contiguous block of the global batch this process loads.
+
+  The batch is split over (data, fsdp). A process loads exactly the rows its own devices hold;
+  processes whose devices hold the same rows (e.g. when `tensor` spans hosts) load the same block.
+  """
+  sh = NamedSharding(mesh, P(RULES["batch"]))
+  rows: set[int] = set()
+  for d, index in sh.devices_indices_map((global_batch,)).items():
+    if d.process_index == jax.process_index():
+      rows.update(range(*index[0].indices(global_batch)))
+  start, size = min(rows), len(rows)
+  if rows != set(range(start, start + size)) or start % size or global_batch % size:
+    raise ValueError(f"mesh {dict(mesh.shape)} gives process {jax.process_index()} batch rows "
+                     f"{sorted(rows)}, not one aligned contiguous block; put the axes that span "
+                     "hosts first (data, fsdp)")
+  return start // size, global_batch // size
+
+
+def replicated_axes(specs, mesh: Mesh) -> dict[str, str]:
+  """{param path: 'logical->mesh axes dropped'} for rules the mesh cannot apply (size mismatch).
+
+  `specs` is a pytree of objects with `.shape` and `.axes` (models/transformer.ParamSpec).
+  """
+  out = {}
+  leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda s: hasattr(s, "axes"))
+  for path, s in leaves:
+    full = logical_to_spec(s.axes)
+    kept = logical_to_spec(s.axes, s.shape, mesh)
+    dropped = []
+    for name, want, got in zip(s.axes, full, kept):
+      want = () if want is None else (want,) if isinstance(want, str) else want
+      got = () if got is None else (got,) if isinstance(got, str) else got
+      lost = [m for m in want if m not in got and mesh.shape[m] > 1]
+      if lost:
+        dropped.append(f"{name}->{'+'.join(lost)}")
+    if dropped:
+      out[jax.tree_util.keystr(path)] = ",".join(dropped)
+  return out

@@ -19,10 +19,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from configs import ModelConfig
-from models import sharding
+from models import quant, sharding
 
 
 class ParamSpec(NamedTuple):
@@ -41,21 +42,33 @@ class ParamSpec(NamedTuple):
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
   D, L, H, K, Hd, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                           cfg.mlp_dim, cfg.vocab_size)
+  # With (1 + w) norms (Gemma) the identity scale is w = 0.
+  norm_init = "zeros" if cfg.norm_plus_one else "ones"
   layer = {
-      "attn_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+      "attn_norm": ParamSpec((L, D), ("layers", "norm"), norm_init),
       "q": ParamSpec((L, D, H, Hd), ("layers", "embed", "heads", "head_dim"), "normal", 1),
       "k": ParamSpec((L, D, K, Hd), ("layers", "embed", "kv_heads", "head_dim"), "normal", 1),
       "v": ParamSpec((L, D, K, Hd), ("layers", "embed", "kv_heads", "head_dim"), "normal", 1),
       "o": ParamSpec((L, H, Hd, D), ("layers", "heads", "head_dim", "embed"), "normal", 2),
-      "mlp_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+      "mlp_norm": ParamSpec((L, D), ("layers", "norm"), norm_init),
       "gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal", 1),
       "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal", 1),
       "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal", 1),
   }
+  if cfg.qkv_bias:
+    layer["q_bias"] = ParamSpec((L, H, Hd), ("layers", "heads", "head_dim"), "zeros")
+    layer["k_bias"] = ParamSpec((L, K, Hd), ("layers", "kv_heads", "head_dim"), "zeros")
+    layer["v_bias"] = ParamSpec((L, K, Hd), ("layers", "kv_heads", "head_dim"), "zeros")
+  if cfg.qk_norm:
+    layer["q_norm"] = ParamSpec((L, Hd), ("layers", "norm"), norm_init)
+    layer["k_norm"] = ParamSpec((L, Hd), ("layers", "norm"), norm_init)
+  if cfg.post_norms:
+    layer["post_attn_norm"] = ParamSpec((L, D), ("layers", "norm"), norm_init)
+    layer["post_mlp_norm"] = ParamSpec((L, D), ("layers", "norm"), norm_init)
   specs = {
       "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
       "layers": layer,
-      "final_norm": ParamSpec((D,), ("norm",), "ones"),
+      "final_norm": ParamSpec((D,), ("norm",), norm_init),
   }
   if not cfg.tie_embeddings:
     specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "normal", 1)
@@ -97,32 +110,68 @@ def init(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
 
 # --- forward -------------------------------------------------------------------------------------
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+  """x / rms(x) * w (or * (1 + w) for Gemma), computed in float32."""
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale).astype(x.dtype)
+  scale = scale.astype(jnp.float32)
+  return (y * (1.0 + scale if plus_one else scale)).astype(x.dtype)
 
 
-def rope(x_BTHK: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig, local: bool) -> np.ndarray:
+  """Inverse frequencies [head_dim / 2] (float32) of global or local (sliding) layers.
+
+  Base theta ** (-2i / head_dim). Global layers apply `rope_scaling`: "linear" divides every
+  frequency by the factor; "llama3" divides low frequencies by the factor, keeps high ones and
+  interpolates in between by wavelength (Llama 3.1 model card / reference rope code). Local
+  layers with their own base (`rope_local_theta`, Gemma 3) are never scaled.
+  """
+  half = cfg.head_dim // 2
+  exponent = np.arange(half, dtype=np.float64) / half
+  if local and cfg.rope_local_theta:
+    return (cfg.rope_local_theta ** -exponent).astype(np.float32)
+  freq = cfg.rope_theta ** -exponent
+  if cfg.rope_scaling == "linear":
+    freq = freq / cfg.rope_factor
+  elif cfg.rope_scaling == "llama3":
+    wavelen = 2 * np.pi / freq
+    long_wave = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+    short_wave = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+              / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+    mid = (1 - smooth) * freq / cfg.rope_factor + smooth * freq
+    freq = np.where(wavelen > long_wave, freq / cfg.rope_factor,
+                    np.where(wavelen < short_wave, freq, mid))
+  return freq.astype(np.float32)
+
+
+def rope(x_BTHK: jax.Array, positions_BT: jax.Array, freq_k: jax.Array) -> jax.Array:
   """Rotary embedding, rotate-half convention (pairs dimension i with i + head_dim/2)."""
-  half = x_BTHK.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_BTk = positions_BT[..., None].astype(jnp.float32) * freq
+  angle_BTk = positions_BT[..., None].astype(jnp.float32) * freq_k
   sin, cos = jnp.sin(angle_BTk)[:, :, None, :], jnp.cos(angle_BTk)[:, :, None, :]
   x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTHK.dtype)
 
 
-def attention_mask(q_segment_BT, kv_segment_BS, q_index_BT, kv_index_BS) -> jax.Array:
+def attention_mask(q_segment_BT, kv_segment_BS, q_index_BT, kv_index_BS, window: int = 0) -> jax.Array:
   """[B, T, S] boolean: causal by slot index, same segment, and never a padding key (segment 0).
 
   Padding, packed sequences and (later) shared-prefix layouts are all expressed through the
-  segment ids and slot indices passed here; the attention itself never changes.
+  segment ids and slot indices passed here; the attention itself never changes. `window` > 0
+  keeps only the last `window` keys (q_index - kv_index < window): sliding-window layers.
   """
   causal = q_index_BT[:, :, None] >= kv_index_BS[:, None, :]
   same = q_segment_BT[:, :, None] == kv_segment_BS[:, None, :]
-  return causal & same & (kv_segment_BS[:, None, :] != 0)
+  mask = causal & same & (kv_segment_BS[:, None, :] != 0)
+  if window:
+    mask &= q_index_BT[:, :, None] - kv_index_BS[:, None, :] < window
+  return mask
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(x / cap) (Gemma 2 logit soft-capping); identity for cap = 0."""
+  return cap * jnp.tanh(x / cap) if cap else x
 
 
 class Lora(NamedTuple):
@@ -134,8 +183,14 @@ class Lora(NamedTuple):
   rate: float
 
 
-def dense(x: jax.Array, w: jax.Array, n_in: int, lora: Lora | None = None) -> jax.Array:
-  """x[..., *in] @ w[*in, *out] (+ scale * dropout(x) @ A[*in, R] @ B[R, *out])."""
+def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None) -> jax.Array:
+  """x[..., *in] @ w[*in, *out] (+ scale * dropout(x) @ A[*in, R] @ B[R, *out]).
+
+  The one place weights are applied: a quantized `w` (models/quant.py) is dequantized here, on
+  the fly, so the float weight exists only transiently inside the step.
+  """
+  if quant.is_quantized(w):
+    w = quant.dequantize(w)
   y = jnp.tensordot(x, w.astype(x.dtype), axes=n_in)
   if lora is not None:
     xd = x
@@ -148,36 +203,67 @@ def dense(x: jax.Array, w: jax.Array, n_in: int, lora: Lora | None = None) -> ja
 
 
 def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_BT, mask_BTS,
-           cache=None):
-  """One pre-norm block. `lora_p` maps target name -> {"a", "b"} for this layer (or is empty)."""
+           cache=None, freq_k=None):
+  """One pre-norm block. `lora_p` maps target name -> {"a", "b"} for this layer (or is empty).
+
+  `mask_BTS` and `freq_k` (RoPE inverse frequencies) are this layer's: sliding-window layers
+  get a banded mask and possibly their own RoPE base.
+  """
   def proj(name, inp, n_in):
     lp = lora_p.get(name) if lora_p else None
     if lp is None:
-      return dense(inp, p[name], n_in)
-    k = None if key is None else jax.random.fold_in(key, _TARGET_ID[name])
-    return dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate))
+      y = dense(inp, p[name], n_in)
+    else:
+      k = None if key is None else jax.random.fold_in(key, _TARGET_ID[name])
+      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate))
+    bias = p.get(name + "_bias")
+    return y if bias is None else y + bias.astype(y.dtype)
 
+  def norm(name, h):
+    return rms_norm(h, p[name], cfg.norm_eps, cfg.norm_plus_one)
+
+  if freq_k is None:
+    freq_k = jnp.asarray(rope_frequencies(cfg, local=False))
   B, T, D = x_BTD.shape
-  h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-  q_BTHk = rope(proj("q", h, 1), rope_pos_BT, cfg.rope_theta)
-  k_BTKk = rope(proj("k", h, 1), rope_pos_BT, cfg.rope_theta)
-  v_BTKk = proj("v", h, 1)
+  c = sharding.constrain
+  h = norm("attn_norm", x_BTD)
+  q_BTHk, k_BTKk, v_BTKk = proj("q", h, 1), proj("k", h, 1), proj("v", h, 1)
+  if cfg.qk_norm:
+    q_BTHk, k_BTKk = norm("q_norm", q_BTHk), norm("k_norm", k_BTKk)
+  q_BTHk = c(rope(q_BTHk, rope_pos_BT, freq_k), _ACT_Q)
+  k_BTKk = c(rope(k_BTKk, rope_pos_BT, freq_k), _ACT_KV)
+  v_BTKk = c(v_BTKk, _ACT_KV)
   if cache is not None:
     k_BTKk, v_BTKk, cache = cache(k_BTKk, v_BTKk)
   G = cfg.n_heads // cfg.n_kv_heads
   q_BTKGk = q_BTHk.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGk, k_BTKk).astype(jnp.float32)
-  scores = scores / math.sqrt(cfg.head_dim)
+  scores = soft_cap(scores / math.sqrt(cfg.query_scale or cfg.head_dim), cfg.attn_softcap)
   scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BTKk.dtype)
   attn_BTKGk = jnp.einsum("bkgts,bskd->btkgd", probs, v_BTKk)
-  x_BTD = x_BTD + proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
+  out_BTD = proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
+  x_BTD = x_BTD + (norm("post_attn_norm", out_BTD) if cfg.post_norms else out_BTD)
 
-  h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-  gated = jax.nn.silu(proj("gate", h, 1)) * proj("up", h, 1)
-  x_BTD = x_BTD + proj("down", gated, 1)
+  h = norm("mlp_norm", x_BTD)
+  gated_BTF = c(_ACTIVATIONS[cfg.mlp_act](proj("gate", h, 1)) * proj("up", h, 1), _ACT_MLP)
+  out_BTD = proj("down", gated_BTF, 1)
+  x_BTD = x_BTD + (norm("post_mlp_norm", out_BTD) if cfg.post_norms else out_BTD)
   return x_BTD, cache
 
+
+_ACTIVATIONS: dict[str, Callable] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+# Logical axes of the activations that get sharding constraints (see models/sharding.py RULES).
+_ACT_RESID = ("batch", "seq", "act_embed")
+_ACT_Q = ("batch", "seq", "act_heads", "head_dim")
+_ACT_KV = ("batch", "seq", "act_kv_heads", "head_dim")
+_ACT_MLP = ("batch", "seq", "act_mlp")
+_ACT_LOGITS = ("batch", "seq", "act_vocab")
 
 _TARGET_ID = {n: i for i, n in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
 
@@ -224,33 +310,49 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
   (logits or hidden, updated cache). Positions (for RoPE) are independent of slots.
   """
   dtype = jnp.dtype(cfg.compute_dtype)
-  x_BTD = params["embed"].astype(dtype)[tokens_BT]
-  x_BTD = sharding.constrain(x_BTD, ("batch", "seq", "embed"))
+  # Gather the table's fsdp shards first (rows stay split over tensor); a lookup into a table
+  # whose embed dimension is split makes XLA replicate the whole table instead.
+  table_VD = sharding.constrain(params["embed"].astype(dtype), ("vocab", "act_embed"))
+  x_BTD = table_VD[tokens_BT]
+  if cfg.embed_scale:
+    x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+  x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
   index_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
   if cache is None:
-    mask_BTS = attention_mask(segment_ids_BT, segment_ids_BT, index_BT, index_BT)
+    mask_args = (segment_ids_BT, segment_ids_BT, index_BT, index_BT)
     layer_cache = None
   else:
     kv_segment_BS = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids_BT,
                                                         cache_index, 1)
     kv_index_BS = jnp.broadcast_to(jnp.arange(kv_segment_BS.shape[1]), kv_segment_BS.shape)
-    mask_BTS = attention_mask(segment_ids_BT, kv_segment_BS, cache_index + index_BT, kv_index_BS)
+    mask_args = (segment_ids_BT, kv_segment_BS, cache_index + index_BT, kv_index_BS)
     layer_cache = (cache.k, cache.v)
+  mask_BTS = attention_mask(*mask_args)
   lora_layers = None if lora is None else lora["layers"]
+  # Per-layer variation (sliding window, local RoPE base) rides along the scan as a flag.
+  local_L = np.asarray(cfg.layer_is_local())
+  freq_global, freq_local = (jnp.asarray(rope_frequencies(cfg, local)) for local in (False, True))
+  if local_L.any():
+    local_mask_BTS = attention_mask(*mask_args, cfg.sliding_window)
 
   def body(x, xs):
-    p, lp, i, c = xs
+    p, lp, i, local, c = xs
     key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+    mask, freq = mask_BTS, freq_global
+    if local_L.any():
+      mask = jnp.where(local, local_mask_BTS, mask_BTS)
+      freq = jnp.where(local, freq_local, freq_global)
     hook = None if c is None else _cache_writer(*c, cache_index)
-    x, c = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask_BTS, hook)
-    return sharding.constrain(x, ("batch", "seq", "embed")), c
+    x, c = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask, hook,
+                  freq_k=freq)
+    return sharding.constrain(x, _ACT_RESID), c
 
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
   xs = (params["layers"], lora_layers if lora_layers is not None else {},
-        jnp.arange(cfg.n_layers), layer_cache)
+        jnp.arange(cfg.n_layers), jnp.asarray(local_L), layer_cache)
   x_BTD, new_kv = jax.lax.scan(body, x_BTD, xs)
-  h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
+  h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
   out = h_BTD if return_hidden else unembed(cfg, params, h_BTD)
   if cache is None:
     return out
@@ -258,10 +360,18 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
 
 
 def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:
-  w_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-  logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(h_BTD.dtype))
-  return logits.astype(jnp.float32)
+  """Float32 logits [B, T, V] from final hidden states (soft-capped when configured)."""
+  if cfg.tie_embeddings:
+    logits = jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(h_BTD.dtype))
+  else:
+    logits = dense(h_BTD, params["lm_head"], 1)
+  return sharding.constrain(soft_cap(logits.astype(jnp.float32), cfg.final_softcap), _ACT_LOGITS)
 
 
 def num_params(tree) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def nbytes(tree) -> int:
+  """Bytes held by a (possibly quantized) parameter pytree or its abstract shapes."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

@@ -33,3 +33,31 @@ def test_short_run_learns_preferences(tmp_path):
               "rewards/rejected", "logps/chosen", "logps/rejected", "grad_norm", "learning_rate"):
     assert key in dpo[0]
   assert json.load(open(out / "summary.json")) == summary
+
+
+def test_dpo_from_hf_checkpoint_with_nf4_base_exports_for_transformers(tmp_path):
+  """--init_from=hf:DIR, --base_quant=nf4, --export_hf: transformers loads the trained policy."""
+  import numpy as np
+  import pytest
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  src = tmp_path / "src"
+  torch.manual_seed(0)
+  transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+      vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).save_pretrained(src)
+  cfg = configs.DEFAULT.replace(
+      init_from=f"hf:{src}", stage="dpo", steps=4, log_every=2, base_quant="nf4",
+      global_batch_size=4, task_train_pairs=16, task_sft_examples=8, task_eval_pairs=8,
+      max_prompt_length=16, max_target_length=16, output_dir=str(tmp_path / "run"),
+      export_hf=str(tmp_path / "out"), lora_targets=("q", "v", "down"))
+  summary = loop.run(cfg, mesh=sharding.make_mesh("data:2", jax.devices()[:2]))
+  assert summary["base_bytes"]["nf4"] < summary["base_bytes"]["float32"]
+  assert json.load(open(tmp_path / "run" / "config.json"))["model"]["arch"] == "qwen2"
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+  orig = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+  ids = torch.tensor([[257, 72, 105, 33]])
+  with torch.no_grad():
+    changed = (back(ids).logits - orig(ids).logits).abs().max().item()
+  assert np.isfinite(changed) and changed > 0  # quantization + trained LoRA are in the export
+  assert os.path.exists(tmp_path / "out" / "adapter" / "adapter_model.safetensors")

@@ -1,0 +1,496 @@
+"""Hugging Face checkpoints: import into sharded params, export merged weights and PEFT adapters.
+
+`load(dir, mesh)` reads `config.json` and `*.safetensors` (a single file or a sharded set with
+`model.safetensors.index.json`) straight into the parameter shardings: every array is built by
+`jax.make_array_from_callback`, whose callback reads, through a memory map, only the rows and
+columns of the tensors that the local devices hold. No host reads the whole model.
+
+`save(...)` writes the policy (LoRA merged, a quantized base dequantized) as `config.json` +
+`model*.safetensors` that transformers loads; `save_peft(...)` writes the LoRA factors alone as
+`adapter_config.json` + `adapter_model.safetensors` with PEFT's key names.
+
+The safetensors container (8-byte little-endian header size, a JSON header of dtype / shape /
+byte offsets, then raw little-endian data) is read and written here with numpy, which keeps
+bfloat16 (via ml_dtypes, a JAX dependency) and lazy slicing; no extra package is needed.
+
+Layouts. HF linear weights are [out, in]; ours are [layers, *in, *out] (q: [L, D, H, Hd],
+o: [L, H, Hd, D]), so a layer's matrix is HF.T reshaped. Norm scales and biases are flat
+vectors in both. Names by family (mlp_norm is Llama's post_attention_layernorm but Gemma's
+pre_feedforward_layernorm, because Gemma's post_attention_layernorm normalizes the attention
+output) are in `_hf_names`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh
+
+from configs import ARCHS, LoraConfig, ModelConfig
+from models import lora as lora_lib
+from models import quant, transformer
+
+
+class HFError(ValueError):
+  """An unsupported or inconsistent Hugging Face checkpoint (names the file and field/tensor)."""
+
+
+# --- safetensors container ---------------------------------------------------------------------
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+  with open(path, "rb") as f:
+    raw = f.read(8)
+    if len(raw) != 8:
+      raise HFError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", raw)
+    try:
+      header = json.loads(f.read(n))
+    except json.JSONDecodeError as e:
+      raise HFError(f"{path}: corrupt safetensors header ({e})") from None
+  header.pop("__metadata__", None)
+  return header, 8 + n
+
+
+class SafetensorsDir:
+  """Every tensor of a checkpoint directory, by name; `get` returns a lazy memory map."""
+
+  def __init__(self, directory: str):
+    self.dir = directory
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+      with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+      files = [os.path.join(directory, x) for x in files]
+    else:
+      files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+      raise HFError(f"{directory}: no *.safetensors files")
+    self.entries: dict[str, tuple[str, Any, tuple[int, ...], int]] = {}
+    for path in files:
+      header, base = _read_header(path)
+      for name, e in header.items():
+        if e["dtype"] not in _DTYPES:
+          raise HFError(f"{path}: tensor {name!r} has unsupported dtype {e['dtype']}")
+        self.entries[name] = (path, _DTYPES[e["dtype"]], tuple(e["shape"]),
+                              base + e["data_offsets"][0])
+
+  def shape(self, name: str) -> tuple[int, ...] | None:
+    e = self.entries.get(name)
+    return None if e is None else e[2]
+
+  def get(self, name: str) -> np.ndarray:
+    path, dtype, shape, offset = self.entries[name]
+    if math.prod(shape) == 0:
+      return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None):
+  header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+  offset = 0
+  for name, t in tensors.items():
+    n = t.size * t.dtype.itemsize
+    header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                    "data_offsets": [offset, offset + n]}
+    offset += n
+  raw = json.dumps(header, separators=(",", ":")).encode()
+  raw += b" " * ((-len(raw)) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for t in tensors.values():
+      f.write(np.ascontiguousarray(t).tobytes())
+
+
+# --- config.json <-> ModelConfig ---------------------------------------------------------------
+
+_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+         "gelu_new": "gelu_tanh", "gelu": "gelu"}
+
+
+def _rope(hf: dict, where: str) -> dict:
+  """ModelConfig rope fields from either transformers' rope_parameters or legacy keys."""
+  rp = hf.get("rope_parameters")
+  local = None
+  if rp and ("full_attention" in rp or "sliding_attention" in rp):
+    glob_rp, local = dict(rp.get("full_attention") or {}), rp.get("sliding_attention")
+  elif rp:
+    glob_rp = dict(rp)
+  else:
+    glob_rp = dict(hf.get("rope_scaling") or {})
+    glob_rp.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    if "rope_local_base_freq" in hf:
+      local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+  kind = glob_rp.get("rope_type", glob_rp.get("type", "default"))
+  out: dict[str, Any] = {"rope_theta": float(glob_rp.get("rope_theta", 10_000.0)),
+                         "rope_scaling": "none", "rope_factor": 1.0, "rope_local_theta": 0.0}
+  if kind == "linear":
+    out.update(rope_scaling="linear", rope_factor=float(glob_rp["factor"]))
+  elif kind == "llama3":
+    out.update(rope_scaling="llama3", rope_factor=float(glob_rp["factor"]),
+               rope_low_freq_factor=float(glob_rp["low_freq_factor"]),
+               rope_high_freq_factor=float(glob_rp["high_freq_factor"]),
+               rope_original_max_len=int(glob_rp["original_max_position_embeddings"]))
+  elif kind != "default":
+    raise HFError(f"{where}: rope type {kind!r} is not supported (default, linear, llama3)")
+  if local is not None:
+    if local.get("rope_type", local.get("type", "default")) != "default":
+      raise HFError(f"{where}: scaled RoPE on sliding-window layers is not supported")
+    out["rope_local_theta"] = float(local["rope_theta"])
+  return out
+
+
+def _layer_types(hf: dict, arch: str, n_layers: int, where: str) -> list[bool]:
+  """Per layer: True = sliding-window attention."""
+  if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    raise HFError(f"{where}: use_sliding_window=true is not supported for {arch}")
+  if "layer_types" in hf and hf["layer_types"] is not None and arch not in ("qwen2", "qwen3"):
+    types = hf["layer_types"]
+    bad = set(types) - {"sliding_attention", "full_attention"}
+    if bad or len(types) != n_layers:
+      raise HFError(f"{where}: layer_types {types} not understood")
+    return [t == "sliding_attention" for t in types]
+  if arch == "mistral":
+    return [bool(hf.get("sliding_window"))] * n_layers
+  if arch == "gemma2":
+    return [i % 2 == 0 for i in range(n_layers)]
+  if arch == "gemma3_text":
+    n = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    return [(i + 1) % n != 0 for i in range(n_layers)]
+  return [False] * n_layers
+
+
+def config_from_hf(hf: dict, where: str = "config.json", base: ModelConfig | None = None) -> ModelConfig:
+  """A ModelConfig for a transformers config dict; raises HFError for what it cannot express."""
+  arch = hf.get("model_type")
+  if arch not in ARCHS:
+    raise HFError(f"{where}: model_type {arch!r} is not supported; supported: {ARCHS}")
+  gemma = arch.startswith("gemma")
+  for key in ("mlp_bias", "use_bidirectional_attention"):
+    if hf.get(key):
+      raise HFError(f"{where}: {key}=true is not supported")
+  if hf.get("attention_bias") and arch != "qwen2":
+    raise HFError(f"{where}: attention_bias=true is not supported for {arch}")
+  act_name = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+  if act_name not in _ACTS:
+    raise HFError(f"{where}: activation {act_name!r} is not supported")
+  try:
+    D, H, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    fields = dict(
+        arch=arch, vocab_size=hf["vocab_size"], d_model=D, n_layers=L, n_heads=H,
+        n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or D // H,
+        mlp_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)), mlp_act=_ACTS[act_name],
+        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3_text"),
+        norm_plus_one=gemma, post_norms=gemma, embed_scale=gemma,
+        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+        query_scale=float(hf.get("query_pre_attn_scalar") or 0.0) if gemma else 0.0,
+        **_rope(hf, where))
+  except KeyError as e:
+    raise HFError(f"{where}: missing field {e.args[0]!r}") from None
+  local = _layer_types(hf, arch, L, where)
+  if any(local):
+    window = hf.get("sliding_window")
+    if not window:
+      raise HFError(f"{where}: sliding-window layers but no sliding_window size")
+    pattern = next((n for n in range(1, L + 2)
+                    if [(i + 1) % n != 0 or n == 1 for i in range(L)] == local), None)
+    if pattern is None:
+      raise HFError(f"{where}: sliding-window layer pattern {local} is not periodic")
+    fields.update(sliding_window=int(window), sliding_pattern=pattern)
+  else:
+    fields.update(sliding_window=0, sliding_pattern=1)
+  base = base or ModelConfig()
+  return dataclasses.replace(base, **fields)
+
+
+def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
+  """The transformers config.json dict for `cfg` (over `source`'s non-architecture keys)."""
+  arch = cfg.arch
+  gemma = arch.startswith("gemma")
+  drop = {"rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "layer_types",
+          "sliding_window_pattern", "_sliding_window_pattern", "use_sliding_window",
+          "sliding_window", "architectures", "dtype", "torch_dtype", "hidden_act",
+          "hidden_activation"}
+  out = {k: v for k, v in (source or {}).items() if k not in drop}
+  act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.mlp_act]
+  out.update({
+      "model_type": arch, "architectures": [_CLASSES[arch]], "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+      "rope_theta": cfg.rope_theta, "torch_dtype": "float32",
+      ("hidden_activation" if gemma else "hidden_act"): act,
+  })
+  out.setdefault("max_position_embeddings", 8192)
+  if cfg.rope_scaling == "linear":
+    out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
+  elif cfg.rope_scaling == "llama3":
+    out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                           "low_freq_factor": cfg.rope_low_freq_factor,
+                           "high_freq_factor": cfg.rope_high_freq_factor,
+                           "original_max_position_embeddings": cfg.rope_original_max_len}
+  if cfg.rope_local_theta:
+    if arch != "gemma3_text":
+      raise HFError(f"rope_local_theta cannot be expressed in a {arch} config.json")
+    out["rope_local_base_freq"] = cfg.rope_local_theta
+  local = cfg.layer_is_local()
+  if any(local):
+    out["sliding_window"] = cfg.sliding_window
+    if arch in ("gemma2", "gemma3_text"):
+      out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+      out["sliding_window_pattern"] = cfg.sliding_pattern
+    elif not (arch == "mistral" and all(local)):
+      raise HFError(f"a sliding-window pattern of {cfg.sliding_pattern} cannot be expressed "
+                    f"in a {arch} config.json")
+  elif arch in ("mistral", "gemma2", "gemma3_text"):
+    out["sliding_window"] = None if arch == "mistral" else max(cfg.rope_original_max_len, 4096)
+    if arch != "mistral":
+      out["layer_types"] = ["full_attention"] * cfg.n_layers
+  if arch == "qwen2" and not cfg.qkv_bias or arch != "qwen2" and cfg.qkv_bias:
+    raise HFError(f"qkv_bias={cfg.qkv_bias} does not match model_type {arch}")
+  if gemma:
+    scalar = cfg.query_scale or cfg.head_dim
+    out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+               attn_logit_softcapping=cfg.attn_softcap or None,
+               final_logit_softcapping=cfg.final_softcap or None)
+  return out
+
+
+# --- parameter names and layouts ---------------------------------------------------------------
+
+def _hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
+  """{our param path: (HF name, with {i} for the layer; layout)}. Layout "linear" = a layer's
+  weight is HF[out, in].T reshaped; "flat" = the same values in row-major order."""
+  attn = "model.layers.{i}.self_attn."
+  names = {
+      ("embed",): ("model.embed_tokens.weight", "flat"),
+      ("final_norm",): ("model.norm.weight", "flat"),
+      ("layers", "attn_norm"): ("model.layers.{i}.input_layernorm.weight", "flat"),
+      ("layers", "mlp_norm"): ("model.layers.{i}." + ("pre_feedforward_layernorm.weight"
+                                if cfg.post_norms else "post_attention_layernorm.weight"), "flat"),
+      ("layers", "post_attn_norm"): ("model.layers.{i}.post_attention_layernorm.weight", "flat"),
+      ("layers", "post_mlp_norm"): ("model.layers.{i}.post_feedforward_layernorm.weight", "flat"),
+      ("layers", "q_norm"): (attn + "q_norm.weight", "flat"),
+      ("layers", "k_norm"): (attn + "k_norm.weight", "flat"),
+      ("lm_head",): ("lm_head.weight", "linear"),
+  }
+  for p in "qkvo":
+    names[("layers", p)] = (attn + f"{p}_proj.weight", "linear")
+    names[("layers", f"{p}_bias")] = (attn + f"{p}_proj.bias", "flat")
+  for p in ("gate", "up", "down"):
+    names[("layers", p)] = (f"model.layers.{{i}}.mlp.{p}_proj.weight", "linear")
+  return names
+
+
+def _flat_specs(specs) -> dict[tuple[str, ...], transformer.ParamSpec]:
+  out = {(k,): v for k, v in specs.items() if k != "layers"}
+  out.update({("layers", k): v for k, v in specs["layers"].items()})
+  return out
+
+
+def _hf_shape(spec: transformer.ParamSpec, layout: str, stacked: bool) -> tuple[int, ...]:
+  shape = spec.shape[1:] if stacked else spec.shape
+  if layout == "linear":
+    return (math.prod(shape[spec.fan_in:]), math.prod(shape[:spec.fan_in]))
+  return tuple(shape) if spec.axes == ("vocab", "embed") else (math.prod(shape),)
+
+
+def _flat_indices(shape, slices) -> np.ndarray:
+  """Row-major flat indices of the block `slices` of an array of `shape` (block order)."""
+  ranges = [np.arange(*s.indices(n)) for s, n in zip(slices, shape)]
+  return np.ravel_multi_index(np.ix_(*ranges), shape).ravel() if shape else np.zeros(1, int)
+
+
+def _read_block(tensor: np.ndarray, layout: str, shape, fan_in: int, slices) -> np.ndarray:
+  """Our block `slices` of a per-layer array of `shape`, read from the HF tensor."""
+  block_shape = tuple(len(range(*s.indices(n))) for s, n in zip(slices, shape))
+  if layout == "flat" and tensor.shape == tuple(shape):  # e.g. the embedding: slice directly
+    return np.asarray(tensor[tuple(slices)])
+  if layout == "flat":
+    flat = _flat_indices(shape, slices)
+    lo, hi = flat.min(), flat.max() + 1
+    return np.asarray(tensor.reshape(-1)[lo:hi])[flat - lo].reshape(block_shape)
+  i_flat = _flat_indices(shape[:fan_in], slices[:fan_in])
+  o_flat = _flat_indices(shape[fan_in:], slices[fan_in:])
+  ilo, ihi, olo, ohi = i_flat.min(), i_flat.max() + 1, o_flat.min(), o_flat.max() + 1
+  sub = np.asarray(tensor[olo:ohi, ilo:ihi])
+  return sub[np.ix_(o_flat - olo, i_flat - ilo)].T.reshape(block_shape)
+
+
+def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
+  """(ModelConfig, params) from a Hugging Face directory, each array born in its sharding.
+
+  `base` supplies the fields config.json does not decide (compute_dtype, remat, base_quant).
+  Raises HFError naming config.json's field or the missing / misshapen tensor.
+  """
+  where = os.path.join(directory, "config.json")
+  try:
+    with open(where) as f:
+      hf = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise HFError(f"{where}: cannot read ({e})") from None
+  cfg = config_from_hf(hf, where, base)
+  files = SafetensorsDir(directory)
+  specs = transformer.param_specs(cfg)
+  names = _hf_names(cfg)
+  plan = {}
+  for path, spec in _flat_specs(specs).items():
+    template, layout = names[path]
+    stacked = path[0] == "layers"
+    want = _hf_shape(spec, layout, stacked)
+    layer_names = [template.format(i=i) for i in range(cfg.n_layers)] if stacked else [template]
+    for name in layer_names:
+      got = files.shape(name)
+      if got is None:
+        raise HFError(f"{directory}: tensor {name!r} is missing (needed for {'/'.join(path)})")
+      if got != want:
+        raise HFError(f"{directory}: tensor {name!r} has shape {list(got)}, expected "
+                      f"{list(want)} from config.json")
+    plan[path] = (spec, layout, stacked, layer_names)
+
+  def build(spec, layout, stacked, layer_names):
+    def callback(index):
+      index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
+      if not stacked:
+        return _read_block(files.get(layer_names[0]), layout, spec.shape, spec.fan_in,
+                           index).astype(np.float32)
+      layers = range(*index[0].indices(spec.shape[0]))
+      return np.stack([_read_block(files.get(layer_names[l]), layout, spec.shape[1:],
+                                   spec.fan_in, index[1:]) for l in layers]).astype(np.float32)
+    sh = transformer.shardings(spec, mesh)
+    return jax.make_array_from_callback(spec.shape, sh, callback)
+
+  flat = {path: build(*p) for path, p in plan.items()}
+  params = {k: flat[(k,)] for k in specs if k != "layers"}
+  params["layers"] = {k: flat[("layers", k)] for k in specs["layers"]}
+  return cfg, params
+
+
+def source_config(init_from: str) -> dict | None:
+  """The config.json of an `hf:DIR` init, to carry token ids etc. into an export."""
+  if not init_from.startswith("hf:"):
+    return None
+  with open(os.path.join(init_from[3:], "config.json")) as f:
+    return json.load(f)
+
+
+# --- export --------------------------------------------------------------------------------------
+
+def _host(x) -> np.ndarray:
+  """A global array's value on this host (gathered across processes when needed)."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _to_hf(value: np.ndarray, spec, layout: str, stacked: bool) -> list[np.ndarray]:
+  """Our array -> HF tensor(s), one per layer when stacked."""
+  per_layer = list(value) if stacked else [value]
+  shape = _hf_shape(spec, layout, stacked)
+  if layout == "linear":
+    n_in = math.prod((spec.shape[1:] if stacked else spec.shape)[:spec.fan_in])
+    return [np.ascontiguousarray(v.reshape(n_in, -1).T) for v in per_layer]
+  return [v.reshape(shape) for v in per_layer]
+
+
+def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConfig | None = None,
+         source: dict | None = None, dtype: str = "float32", max_shard_bytes: int = 4 << 30):
+  """Writes config.json + model(-0000k-of-0000n).safetensors of params (+ merged LoRA).
+
+  A quantized base is dequantized first, so the export is the model the policy computes.
+  Every process takes part in gathering; only process 0 writes.
+  """
+  params = jax.tree.map(lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, params,
+                        is_leaf=quant.is_quantized)
+  if lora is not None:
+    params = lora_lib.merge(params, lora, lora_cfg)
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+  names = _hf_names(cfg)
+  tensors = {}
+  for path, spec in _flat_specs(transformer.param_specs(cfg)).items():
+    template, layout = names[path]
+    value = _host(params[path[0]] if len(path) == 1 else params["layers"][path[1]])
+    stacked = path[0] == "layers"
+    for i, t in enumerate(_to_hf(value, spec, layout, stacked)):
+      tensors[template.format(i=i)] = t.astype(np_dtype)
+  if jax.process_index() != 0:
+    return
+  os.makedirs(directory, exist_ok=True)
+  shards, current, size = [], {}, 0
+  for name, t in tensors.items():
+    if current and size + t.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = t
+    size += t.nbytes
+  shards.append(current)
+  if len(shards) == 1:
+    write_safetensors(os.path.join(directory, "model.safetensors"), shards[0])
+  else:
+    weight_map = {}
+    for k, shard in enumerate(shards):
+      fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+      write_safetensors(os.path.join(directory, fname), shard)
+      weight_map.update({name: fname for name in shard})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                 "weight_map": weight_map}, f, indent=2)
+  config = hf_config(cfg, source)
+  config["torch_dtype"] = dtype
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+
+
+_PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                 "down": "mlp.down_proj"}
+
+
+def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
+              base_model: str = ""):
+  """LoRA factors alone: PEFT's lora_A.weight [R, in] and lora_B.weight [out, R] per module.
+
+  PEFT's delta is (alpha / r) * B @ A applied as x @ (B @ A).T, which equals our
+  scale * x @ A @ B with A_peft = A.T and B_peft = B.T (flattened over head axes).
+  """
+  tensors = {}
+  for name, ab in lora["layers"].items():
+    a, b = _host(ab["a"]), _host(ab["b"])
+    L, R = a.shape[0], a.shape[-1]
+    for i in range(L):
+      key = f"base_model.model.model.layers.{i}.{_PEFT_MODULES[name]}"
+      tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, R).T)
+      tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(R, -1).T)
+  if jax.process_index() != 0:
+    return
+  os.makedirs(directory, exist_ok=True)
+  write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors)
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.lora_rank,
+            "lora_alpha": lora_cfg.lora_alpha, "lora_dropout": lora_cfg.lora_dropout,
+            "target_modules": sorted(_PEFT_MODULES[t].split(".")[1] for t in lora["layers"]),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "base_model_name_or_path": base_model, "inference_mode": True}
+  with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+    json.dump(config, f, indent=2)

@@ -1,0 +1,237 @@
+"""dpo/formats.py: every format parses to the same record; HH-RLHF prompt extraction on the real
+sample; quality-filter counts; broken inputs name file, record and field."""
+
+import collections
+import gzip
+import json
+import logging
+import os
+
+import pytest
+
+from conftest import SHARED_DATA
+from dpo import chat, formats
+from dpo.data import DataError, PreferenceRecord
+
+HH = os.path.join(SHARED_DATA, "hh-rlhf", "harmless-base-test.jsonl.gz")
+SE = os.path.join(SHARED_DATA, "stack-exchange-paired", "stack_exchange_paired_tiny.json")
+needs_data = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="no ../shared/data")
+
+# One two-turn conversation, written out in every supported format.
+SYS, U1, A1, U2 = "Be brief.", "Hi there", "Hello!", "Name a colour."
+GOOD, BAD = "Blue.", "I will not."
+TEXT_PROMPT = f"{SYS}\n\nHuman: {U1}\n\nAssistant: {A1}\n\nHuman: {U2}\n\nAssistant:"
+MSGS = [{"role": "system", "content": SYS}, {"role": "user", "content": U1},
+        {"role": "assistant", "content": A1}, {"role": "user", "content": U2}]
+ROWS = {
+    "standard": {"prompt": TEXT_PROMPT, "chosen": f" {GOOD}", "rejected": f" {BAD}"},
+    "implicit": {"chosen": f"{TEXT_PROMPT} {GOOD}", "rejected": f"{TEXT_PROMPT} {BAD}"},
+    "columns": {"q": TEXT_PROMPT, "good": f" {GOOD}", "bad": f" {BAD}"},
+    "conversational": {"prompt": MSGS, "chosen": [{"role": "assistant", "content": GOOD}],
+                       "rejected": [{"role": "assistant", "content": BAD}]},
+    "openai": {"input": {"messages": MSGS, "tools": []},
+               "preferred_output": [{"role": "assistant", "content": GOOD}],
+               "non_preferred_output": [{"role": "assistant", "content": BAD}]},
+    "implicit_messages": {"chosen": MSGS + [{"role": "assistant", "content": GOOD}],
+                          "rejected": MSGS + [{"role": "assistant", "content": BAD}]},
+}
+COLUMNS = formats.FormatSpec(prompt_field="q", chosen_field="good", rejected_field="bad")
+EXPECTED_TEXT = PreferenceRecord(TEXT_PROMPT, f" {GOOD}", f" {BAD}")
+EXPECTED_CHAT = formats.ChatRecord(
+    (formats.Message("system", SYS), formats.Message("user", U1),
+     formats.Message("assistant", A1), formats.Message("user", U2)),
+    (formats.Message("assistant", GOOD),), (formats.Message("assistant", BAD),))
+
+
+def _write(path, rows, kind="jsonl", gz=False):
+  text = (json.dumps(rows) if kind == "array" else "".join(json.dumps(r) + "\n" for r in rows))
+  data = text.encode()
+  with open(path, "wb") as f:
+    f.write(gzip.compress(data) if gz else data)
+  return str(path)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("kind,gz", [("jsonl", False), ("jsonl", True), ("array", False),
+                                     ("array", True)])
+def test_every_format_gives_the_same_record(tmp_path, name, kind, gz):
+  path = _write(tmp_path / "d", [ROWS[name]] * 2, kind, gz)
+  spec = COLUMNS if name == "columns" else formats.FormatSpec()
+  stats = collections.Counter()
+  recs = [r for _, r in formats.iter_records(path, spec, stats)]
+  assert len(recs) == 2
+  fmt = "implicit" if name == "implicit_messages" else name
+  assert stats[f"format_{fmt}"] == 2
+  expected = EXPECTED_CHAT if name in ("conversational", "openai", "implicit_messages") else (
+      EXPECTED_TEXT)
+  assert recs[0] == expected
+  # Rendered with the plain (base-model) template, chat data equals the text formats.
+  assert chat.render_record(recs[0], chat.TEMPLATES["plain"]) == EXPECTED_TEXT
+
+
+def test_explicit_format_overrides_detection(tmp_path):
+  path = _write(tmp_path / "d.jsonl", [ROWS["standard"]])
+  with pytest.raises(DataError, match=r"d.jsonl:1: missing field 'input'"):
+    list(formats.iter_records(path, formats.FormatSpec("openai")))
+
+
+def test_column_flags_must_name_both_responses():
+  with pytest.raises(ValueError, match="--chosen_field and --rejected_field"):
+    formats.FormatSpec(prompt_field="question")
+  with pytest.raises(ValueError, match="only used with data_format=columns"):
+    formats.FormatSpec("standard", chosen_field="a", rejected_field="b")
+
+
+def test_undetectable_format_says_which_flags(tmp_path):
+  path = _write(tmp_path / "d.jsonl", [{"question": "q", "response_j": "a", "response_k": "b"}])
+  with pytest.raises(DataError, match=r"d.jsonl:1: cannot detect.*--prompt_field"):
+    list(formats.iter_records(path))
+
+
+@needs_data
+def test_stack_exchange_columns():
+  spec = formats.FormatSpec(prompt_field="question", chosen_field="response_j",
+                            rejected_field="response_k")
+  recs = list(formats.iter_records(SE, spec))
+  with open(SE) as f:
+    raw = json.load(f)
+  assert len(recs) == len(raw) == 25
+  assert recs[3][0] == f"{SE}[3]"
+  assert recs[3][1] == PreferenceRecord(raw[3]["question"], raw[3]["response_j"],
+                                        raw[3]["response_k"])
+
+
+def _reference_split(chosen, rejected, marker="\n\nAssistant:"):
+  """Independent: the longest prefix shared by both that ends exactly at a marker."""
+  best = 0
+  start = chosen.find(marker)
+  while start >= 0:
+    end = start + len(marker)
+    if rejected[:end] == chosen[:end]:
+      best = end
+    start = chosen.find(marker, start + 1)
+  return best
+
+
+@needs_data
+def test_hh_rlhf_prompt_extraction_on_all_records():
+  with gzip.open(HH, "rt", encoding="utf-8") as f:
+    raw = [json.loads(line) for line in f]
+  stats = collections.Counter()
+  recs = list(formats.iter_records(HH, formats.FormatSpec(), stats))
+  assert len(recs) == len(raw) == 2312
+  assert stats["format_implicit"] == 2312
+  fallback = []
+  for i, ((where, rec), obj) in enumerate(zip(recs, raw)):
+    assert where == f"{HH}:{i + 1}"
+    c, r = obj["chosen"], obj["rejected"]
+    assert rec.prompt + rec.chosen == c and rec.prompt + rec.rejected == r
+    assert rec.prompt.endswith("\n\nAssistant:")
+    assert len(rec.prompt) == _reference_split(c, r)
+    if c[:c.rindex("\n\nAssistant:")] != r[:r.rindex("\n\nAssistant:")]:
+      fallback.append(i)  # chosen and rejected disagree before their last assistant marker
+  assert fallback == [1254, 1688, 1950, 1952, 2036]
+  assert stats["prompt_from_common_prefix"] == 5
+
+
+@needs_data
+def test_hh_rlhf_filter_counts():
+  with gzip.open(HH, "rt", encoding="utf-8") as f:
+    raw = [json.loads(line) for line in f]
+  recs = list(formats.iter_records(HH))
+  kept, report = formats.filter_records(recs)
+  # Independent count: responses after the last "\n\nAssistant:" that are blank.
+  marker = "\n\nAssistant:"
+  empty = [i + 1 for i, o in enumerate(raw)
+           if not o["chosen"][o["chosen"].rindex(marker) + len(marker):].strip()
+           or not o["rejected"][o["rejected"].rindex(marker) + len(marker):].strip()]
+  assert empty == [87, 517, 926, 1104]
+  assert report.empty_response == 4 and report.examples["empty_response"] == [
+      f"{HH}:{n}" for n in empty]
+  assert report.chosen_equals_rejected == 0
+  pairs = [(o["chosen"], o["rejected"]) for o in raw]
+  assert report.duplicate_pair == len(pairs) - len(set(pairs)) == 0
+  assert report.kept == len(kept) == 2308
+
+
+def test_filter_counts_and_order():
+  P = PreferenceRecord
+  recs = [P("p", "a", "b"), P("p", "", "b"), P("p", "a", "  "), P("q", "same", "same"),
+          P("p", "a", "b"), P("p", "a", "b"), P("r", "x", "y")]
+  located = [(f"f:{i + 1}", r) for i, r in enumerate(recs)]
+  kept, rep = formats.filter_records(located)
+  assert [w for w, _ in kept] == ["f:1", "f:7"]
+  assert (rep.records, rep.empty_response, rep.chosen_equals_rejected, rep.duplicate_pair,
+          rep.kept) == (7, 2, 1, 2, 2)
+  assert rep.examples == {"empty_response": ["f:2", "f:3"], "chosen_equals_rejected": ["f:4"],
+                          "duplicate_pair": ["f:5", "f:6"]}
+  # Chat records: an empty assistant message is an empty response.
+  M = formats.Message
+  chat_rec = formats.ChatRecord((M("user", "u"),), (M("assistant", ""),), (M("assistant", "n"),))
+  assert formats.filter_records([("c:1", chat_rec)])[1].empty_response == 1
+
+
+def test_distinct_n_and_low_diversity_warning(caplog):
+  assert formats.distinct_n(["a b a b"], 1) == 2 / 4
+  assert formats.distinct_n(["a b a b"], 2) == 2 / 3
+  assert formats.distinct_n(["a b", "c"], 2) == 1.0
+  assert formats.distinct_n(["a"], 2) == 0.0
+  recs = [(f"f:{i}", PreferenceRecord(f"p{i}", "the same answer every time",
+                                      "the same refusal every time")) for i in range(50)]
+  _, rep = formats.filter_records(recs)
+  # 6 distinct bigrams ("the same", "same answer", "same refusal", ...) of 100 x 4 in all.
+  assert rep.distinct_2 == pytest.approx(6 / 400)
+  with caplog.at_level(logging.INFO):
+    rep.log("toy")
+  assert any(r.levelno == logging.WARNING and "distinct-2" in r.message for r in caplog.records)
+
+
+# --- broken inputs ------------------------------------------------------------------------------
+
+def test_truncated_gzip(tmp_path):
+  rows = [ROWS["standard"] | {"chosen": f" answer {i} " * 20} for i in range(400)]
+  data = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+  path = tmp_path / "cut.jsonl.gz"
+  path.write_bytes(data[:len(data) // 2])
+  with pytest.raises(DataError, match=r"cut.jsonl.gz:\d+: gzip stream is truncated"):
+    list(formats.iter_records(str(path)))
+  arr = tmp_path / "cut.json.gz"
+  arr.write_bytes(gzip.compress(json.dumps(rows).encode())[:2000])
+  with pytest.raises(DataError, match=r"cut.json.gz: gzip stream is truncated"):
+    list(formats.iter_records(str(arr)))
+
+
+def test_non_utf8_line(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  good = json.dumps(ROWS["standard"]).encode()
+  path.write_bytes(good + b"\n" + good + b"\n" + b'{"prompt": "\xff\xfe", "chosen": "a"}\n')
+  with pytest.raises(DataError, match=r"bad.jsonl:3: line is not valid UTF-8"):
+    list(formats.iter_records(str(path)))
+
+
+@pytest.mark.parametrize("row,field,what", [
+    ({"prompt": "p", "chosen": "a"}, "'rejected'", "missing field"),
+    ({"prompt": "p", "chosen": 3, "rejected": "b"}, "'chosen'", "must be a string, got int"),
+    ({"prompt": [{"role": "user", "content": 5}], "chosen": [], "rejected": []},
+     "'prompt[0].content'", "must be a string"),
+    ({"prompt": [{"role": "user", "content": "u"}],
+      "chosen": [{"role": "user", "content": "a"}], "rejected": []},
+     "'chosen[0].role'", "is 'user'"),
+    ({"input": {"messages": "hi"}, "preferred_output": [], "non_preferred_output": []},
+     "'input.messages'", "must be a list of messages"),
+])
+def test_bad_records_name_file_record_field(tmp_path, row, field, what):
+  first = ROWS["conversational"] if isinstance(row.get("prompt"), list) else (
+      ROWS["openai"] if "input" in row else ROWS["standard"])
+  path = _write(tmp_path / "x.jsonl", [first, row])
+  with pytest.raises(DataError) as e:
+    list(formats.iter_records(path))
+  msg = str(e.value)
+  assert msg.startswith(f"{path}:2: ") and field in msg and what in msg, msg
+
+
+def test_array_record_location(tmp_path):
+  path = _write(tmp_path / "a.json", [ROWS["standard"], {"prompt": "p", "chosen": "a",
+                                                         "rejected": None}], "array")
+  with pytest.raises(DataError, match=r"a.json\[1\]: field 'rejected' must be a string"):
+    list(formats.iter_records(path))

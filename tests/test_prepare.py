@@ -1,0 +1,115 @@
+"""dpo/prepare.py: tokenise once and cache, the held-out split, and loop.Data on real formats."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+import configs
+from dpo import data, formats, loop, prepare, tokenizer
+
+ROWS = [{"prompt": f"question {i % 40}?", "chosen": f" good answer {i}", "rejected": f" bad {i}"}
+        for i in range(120)]
+
+
+def _write(tmp_path, rows, name="d.jsonl"):
+  path = tmp_path / name
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_second_run_loads_the_cache_without_reading(tmp_path, monkeypatch):
+  path, cache = _write(tmp_path, ROWS), str(tmp_path / "cache")
+  tok = tokenizer.ByteTokenizer()
+  first = prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=16,
+                                eval_split=0.25, cache_dir=cache)
+  assert first.report["cache"] == "miss" and len(os.listdir(cache)) == 1
+
+  def no_reading(*a, **k):
+    raise AssertionError("re-read the data although it was cached")
+  monkeypatch.setattr(formats, "iter_records", no_reading)
+  monkeypatch.setattr(prepare, "tokenize_pairs", no_reading)
+  second = prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=16,
+                                 eval_split=0.25, cache_dir=cache)
+  assert second.report["cache"] == "hit"
+  for part in ("train", "held"):
+    a, b = getattr(first, part), getattr(second, part)
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  # A changed setting or a changed file is a different key: it must read again.
+  with pytest.raises(AssertionError, match="re-read"):
+    prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=8,
+                          eval_split=0.25, cache_dir=cache)
+  _write(tmp_path, ROWS[:-1])
+  with pytest.raises(AssertionError, match="re-read"):
+    prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=16,
+                          eval_split=0.25, cache_dir=cache)
+
+
+def test_held_out_split_by_prompt(tmp_path):
+  path = _write(tmp_path, ROWS)
+  out = prepare.prepare_pairs(path, tokenizer.ByteTokenizer(), max_prompt_length=32,
+                              max_target_length=32, eval_split=0.3)
+  # Independent membership: SHA-256 of the prompt's first 8 bytes as a fraction of 2**64.
+  held_prompts = {r["prompt"] for r in ROWS
+                  if int(hashlib.sha256(r["prompt"].encode()).hexdigest()[:16], 16) < 0.3 * 2**64}
+  n_held = sum(r["prompt"] in held_prompts for r in ROWS)
+  assert 0 < n_held < len(ROWS)
+  assert len(out.held["tokens"]) == n_held == out.report["held_out_pairs"]
+  assert len(out.train["tokens"]) == len(ROWS) - n_held
+  tok = tokenizer.ByteTokenizer()
+  decoded = {tok.decode(row[1:][m[1:] == 0]) for row, m in
+             zip(out.held["tokens"][:, 0], out.held["loss_mask"][:, 0])}
+  assert decoded == held_prompts  # every pair of a held-out prompt, and only those
+
+
+def test_filters_are_reported(tmp_path):
+  rows = ROWS[:10] + [ROWS[0], {"prompt": "x", "chosen": "same", "rejected": "same"},
+                      {"prompt": "y", "chosen": " ", "rejected": "b"}]
+  out = prepare.prepare_pairs(_write(tmp_path, rows), tokenizer.ByteTokenizer(),
+                              max_prompt_length=32, max_target_length=32)
+  f = out.report["filters"]
+  assert (f["records"], f["duplicate_pair"], f["chosen_equals_rejected"], f["empty_response"],
+          f["kept"]) == (13, 1, 1, 1, 10)
+  assert len(out.train["tokens"]) == 10
+
+
+def test_loop_data_on_a_conversational_file(tmp_path):
+  rows = [{"prompt": [{"role": "user", "content": f"q{i}"}],
+           "chosen": [{"role": "assistant", "content": f"yes {i}"}],
+           "rejected": [{"role": "assistant", "content": f"no {i}"}]} for i in range(64)]
+  cfg = configs.DEFAULT.replace(train_data=_write(tmp_path, rows), chat_template="chatml",
+                                eval_split=0.25, max_prompt_length=96,
+                                output_dir=str(tmp_path / "run"))
+  d = loop.Data(cfg)
+  n_train, n_held = len(d.pairs["tokens"]), len(d.held["tokens"])
+  assert n_train + n_held == 64 and n_held > 0
+  np.testing.assert_array_equal(d.sft["tokens"], d.pairs["tokens"][:, 0])
+  tok = tokenizer.ByteTokenizer()
+  text = tok.decode(d.pairs["tokens"][0, 0])
+  assert text.startswith("<|im_start|>user\nq") and "<|im_end|>\n<|im_start|>assistant\nyes" in text
+  assert d.reports[0]["format_conversational"] == 64
+  assert os.listdir(tmp_path / "run" / "data_cache")
+  with pytest.raises(ValueError, match="either --eval_data or --eval_split"):
+    loop.Data(cfg.replace(eval_data=cfg.data.train_data))
+  with pytest.raises(data.DataError, match="no such file"):
+    loop.Data(cfg.replace(train_data=str(tmp_path / "missing.jsonl")))
+
+
+def test_run_end_to_end_on_an_openai_file(tmp_path):
+  rows = [{"input": {"messages": [{"role": "user", "content": f"q{i}"}]},
+           "preferred_output": [{"role": "assistant", "content": f"yes {i}"}],
+           "non_preferred_output": [{"role": "assistant", "content": f"no {i}"}]}
+          for i in range(64)]
+  out = tmp_path / "run"
+  cfg = configs.DEFAULT.replace(train_data=_write(tmp_path, rows, "o.jsonl"), eval_split=0.25,
+                                n_layers=1, d_model=32, head_dim=8, mlp_dim=64, stage="dpo",
+                                steps=1, log_every=1, output_dir=str(out))
+  summary = loop.run(cfg)
+  assert summary["data"][0]["format_openai"] == 64
+  assert summary["pairs"] == summary["data"][0]["held_out_pairs"] > 0
+  with open(out / "summary.json") as f:
+    assert json.load(f)["data"][0]["filters"]["kept"] == 64
