@@ -1,12 +1,25 @@
-"""Held-out evaluation on preference pairs: implicit-reward accuracy, margin, perplexity.
+"""Alignment evaluation: held-out pair metrics and on-policy generation metrics.
 
-Runs the same `pair_logps` as training, without dropout, over every held-out pair (the last
-partial batch is padded with copies and masked out of the averages).
+Pair metrics (`pair_metrics`) run the same `pair_logps` as training, without dropout, over every
+held-out pair (the last partial batch is padded with copies and masked out of the averages).
+
+Generation metrics (`Evaluator`) sample one response per held-out prompt from the policy and one
+from the reference with models/sampler.py, then report
+  * win rate of policy over reference under the task's ground-truth reward (ties count half) and
+    the mean true reward of each; None when the data has no ground-truth reward;
+  * on-policy KL(policy || reference), estimated as the mean over policy samples y ~ pi(.|x) of
+    log pi(y|x) - log pi_ref(y|x) (nats): per sequence, and per token as the sum of those
+    differences over the sum of sampled tokens (EOS counted, prompt not);
+  * response lengths (tokens, EOS included), the fraction that ended with EOS, and distinct-n
+    (unique / total whitespace-word n-grams over all samples, Li et al. 2016).
+The KL estimate is exact in expectation only for temperature 1 with no top-k / top-p filter;
+with other settings it is the log-ratio on the samples actually drawn.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +27,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import Config
+from dpo import data as data_lib
 from dpo import logprobs, train
+from models import sampler
 
 
 def _pair_stats(cfg: Config, policy_params, lora, ref_params, batch):
@@ -57,3 +72,198 @@ def pair_metrics(cfg: Config, mesh, policy_params, lora, ref_params, arrays: dic
       "perplexity": float(np.exp(-pol[:, 0].sum() / counts[:, 0].sum())),
       "pairs": int(n),
   }
+
+
+# --- generation metrics --------------------------------------------------------------------------
+
+def win_rate(policy_rewards, reference_rewards) -> float:
+  """Mean over prompts of 1 (policy better), 1/2 (tie), 0 (reference better)."""
+  p, r = np.asarray(policy_rewards, np.float64), np.asarray(reference_rewards, np.float64)
+  if p.shape != r.shape or p.size == 0:
+    raise ValueError(f"need equal, non-empty reward arrays, got {p.shape} and {r.shape}")
+  return float(np.mean((p > r) + 0.5 * (p == r)))
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+  """Unique / total n-grams of whitespace-separated words over all texts (0 if there are none)."""
+  grams = [tuple(w[i:i + n]) for w in (t.split() for t in texts) for i in range(len(w) - n + 1)]
+  return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def sampling_config(cfg: Config, tok) -> sampler.SamplingConfig:
+  t = cfg.train
+  return sampler.SamplingConfig(
+      max_new_tokens=t.eval_max_new_tokens or cfg.data.max_target_length,
+      eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=t.eval_temperature, top_k=t.eval_top_k,
+      top_p=t.eval_top_p, vocab_limit=tok.vocab_size, banned_ids=(tok.pad_id, tok.bos_id))
+
+
+def _shards(mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def sample(cfg: Config, mesh, scfg: sampler.SamplingConfig, params, lora,
+           prompts: Sequence[Sequence[int]], key: jax.Array) -> list[list[int]]:
+  """One completion (token ids, EOS included if emitted) per prompt, in batches.
+
+  Chunk c (rows c * eval_batch_size onward) samples with fold_in(key, its first row), so
+  results are reproducible given the key and eval_batch_size, whatever the device count.
+  """
+  bs = cfg.train.eval_batch_size
+  lora_scale = cfg.lora.scale if lora is not None else 1.0
+  out: list[list[int]] = []
+  for start in range(0, len(prompts), bs):
+    chunk = list(prompts[start:start + bs])
+    n = len(chunk)
+    chunk += [chunk[-1]] * (-n % _shards(mesh))  # pad rows so the batch splits over devices
+    tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8)
+    batch = train.device_batch(mesh, {"tokens": tokens, "segment_ids": segments})
+    samples = sampler.generate(cfg.model, scfg, params, batch["tokens"], batch["segment_ids"],
+                               jax.random.fold_in(key, start), lora=lora, lora_scale=lora_scale)
+    out += sampler.completions(samples)[:n]
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _seq_stats(cfg: Config, policy_params, lora, ref_params, batch):
+  lora_scale = cfg.lora.scale if lora is not None else 1.0
+  args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"])
+  pol, counts = logprobs.sequence_logps(cfg.model, policy_params, *args, lora=lora,
+                                        lora_scale=lora_scale)
+  ref, _ = logprobs.sequence_logps(cfg.model, ref_params, *args)
+  return pol, ref, counts
+
+
+def completion_logps(cfg: Config, mesh, policy_params, lora, ref_params,
+                     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                     pad_id: int):
+  """(log pi(y|x) [n], log pi_ref(y|x) [n], completion token counts [n]), summed nats."""
+  rows = [(list(p), list(c)) for p, c in zip(prompts, completions)]
+  seq_len = -(-max(len(p) + len(c) for p, c in rows) // 8) * 8
+  arrays = data_lib._pack_rows(rows, seq_len, pad_id)
+  bs = cfg.train.eval_batch_size + (-cfg.train.eval_batch_size % _shards(mesh))
+  n = len(rows)
+  pol, ref, counts = [], [], []
+  for start in range(0, n, bs):
+    idx = np.arange(start, start + bs) % n
+    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()})
+    p, r, c = jax.device_get(_seq_stats(cfg, policy_params, lora, ref_params, batch))
+    keep = slice(0, min(bs, n - start))
+    pol.append(p[keep]); ref.append(r[keep]); counts.append(c[keep])
+  return np.concatenate(pol), np.concatenate(ref), np.concatenate(counts)
+
+
+def _length_stats(prefix: str, comps: Sequence[Sequence[int]], texts: Sequence[str],
+                  eos_id: int) -> dict[str, float]:
+  lens = np.array([len(c) for c in comps], np.float64)
+  return {
+      f"{prefix}_length_mean": float(lens.mean()),
+      f"{prefix}_length_min": float(lens.min()),
+      f"{prefix}_length_max": float(lens.max()),
+      f"{prefix}_eos_rate": float(np.mean([bool(c) and c[-1] == eos_id for c in comps])),
+      f"{prefix}_distinct_1": distinct_n(texts, 1),
+      f"{prefix}_distinct_2": distinct_n(texts, 2),
+  }
+
+
+class Evaluator:
+  """Generation (and, given held-out pairs, pair) metrics of a policy against its reference.
+
+  The reference is fixed for a run, so its samples and their true rewards are drawn once and
+  reused at every evaluation. All evaluations use the same key (common random numbers), so
+  differences between evaluation steps come from the policy, not from sampling noise.
+  """
+
+  def __init__(self, cfg: Config, mesh, tok, prompts: Sequence[str], ref_params,
+               held: dict | None = None, reward_fn: Callable[[str], float] | None = None):
+    self.cfg, self.mesh, self.tok, self.ref_params = cfg, mesh, tok, ref_params
+    self.prompt_texts = list(prompts)
+    stats = data_lib.TruncationStats(examples=len(prompts))
+    self.prompt_ids = [data_lib.encode_prompt(tok, p, cfg.data.max_prompt_length, stats)
+                       for p in prompts]
+    self.held, self.reward_fn = held, reward_fn
+    self.scfg = sampling_config(cfg, tok)
+    key = jax.random.fold_in(jax.random.key(cfg.train.seed), 7)
+    self.policy_key, self.ref_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    self._ref = None
+
+  def _reference(self):
+    if self._ref is None and self.prompt_ids:
+      comps = sample(self.cfg, self.mesh, self.scfg, self.ref_params, None, self.prompt_ids,
+                     self.ref_key)
+      texts = [self.tok.decode(c) for c in comps]
+      rewards = None if self.reward_fn is None else np.array([self.reward_fn(t) for t in texts])
+      self._ref = (comps, texts, rewards)
+    return self._ref
+
+  def __call__(self, policy_params, lora) -> tuple[dict, list[tuple[str, str, str]]]:
+    """(metrics, [(prompt, policy text, reference text)]). Unavailable metrics are None."""
+    m: dict = {}
+    if self.held is not None:
+      m.update(pair_metrics(self.cfg, self.mesh, policy_params, lora, self.ref_params, self.held,
+                            self.cfg.train.global_batch_size))
+    else:
+      m.update(reward_accuracy=None, reward_margin=None, perplexity=None)
+    examples: list[tuple[str, str, str]] = []
+    if not self.prompt_ids:
+      m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None,
+               kl_per_sequence=None, kl_per_token=None)
+      return m, examples
+    ref_comps, ref_texts, ref_rewards = self._reference()
+    comps = sample(self.cfg, self.mesh, self.scfg, policy_params, lora, self.prompt_ids,
+                   self.policy_key)
+    texts = [self.tok.decode(c) for c in comps]
+    pol, ref, counts = completion_logps(self.cfg, self.mesh, policy_params, lora, self.ref_params,
+                                        self.prompt_ids, comps, self.tok.pad_id)
+    m["kl_per_sequence"] = float(np.mean(pol - ref))
+    m["kl_per_token"] = float(np.sum(pol - ref) / max(np.sum(counts), 1.0))
+    m["policy_logp_per_token"] = float(np.sum(pol) / max(np.sum(counts), 1.0))
+    if ref_rewards is None:
+      m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None)
+    else:
+      rewards = np.array([self.reward_fn(t) for t in texts])
+      m["win_rate"] = win_rate(rewards, ref_rewards)
+      m["policy_true_reward"] = float(rewards.mean())
+      m["reference_true_reward"] = float(ref_rewards.mean())
+    m.update(_length_stats("policy", comps, texts, self.tok.eos_id))
+    m.update(_length_stats("reference", ref_comps, ref_texts, self.tok.eos_id))
+    m["eval_prompts"] = len(self.prompt_ids)
+    examples = list(zip(self.prompt_texts, texts, ref_texts))
+    return m, examples
+
+
+def _fmt(v) -> str:
+  if v is None:
+    return "n/a"
+  return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def report(metrics: dict, examples: Sequence[tuple[str, str, str]], show: int) -> str:
+  """A short terminal table of the main figures and `show` side-by-side samples."""
+  rows = [
+      ("true-reward win rate (policy vs reference)", "win_rate"),
+      ("mean true reward: policy", "policy_true_reward"),
+      ("mean true reward: reference", "reference_true_reward"),
+      ("KL(policy||ref) per sequence (nats)", "kl_per_sequence"),
+      ("KL(policy||ref) per token (nats)", "kl_per_token"),
+      ("held-out implicit reward accuracy", "reward_accuracy"),
+      ("held-out implicit reward margin", "reward_margin"),
+      ("chosen perplexity under policy", "perplexity"),
+      ("response length: policy (mean)", "policy_length_mean"),
+      ("response length: reference (mean)", "reference_length_mean"),
+      ("distinct-1 / distinct-2: policy", ("policy_distinct_1", "policy_distinct_2")),
+      ("distinct-1 / distinct-2: reference", ("reference_distinct_1", "reference_distinct_2")),
+  ]
+  width = max(len(r[0]) for r in rows)
+  lines = ["", "=== evaluation " + "=" * (width - 3)]
+  for label, key in rows:
+    keys = key if isinstance(key, tuple) else (key,)
+    lines.append(f"{label:<{width}}  " + " / ".join(_fmt(metrics.get(k)) for k in keys))
+  if examples and show:
+    lines.append("")
+    lines.append("--- samples (same prompt): policy | reference ---")
+    for prompt, pol, ref in examples[:show]:
+      lines.append(f"{prompt}")
+      lines.append(f"  policy:    {pol!r}")
+      lines.append(f"  reference: {ref!r}")
+  return "\n".join(lines)

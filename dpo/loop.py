@@ -111,7 +111,10 @@ class Data:
                                        *lens, what="sft data")
     else:  # the chosen row of each training pair is a (prompt, completion) SFT example
       self.sft = {k: v[:, 0] for k, v in self.pairs.items()}
+    # Sampling prompts and the ground-truth reward exist only for the embedded task; without
+    # them the generation metrics (win rate, true rewards, KL, lengths) are reported as null.
     self.eval_prompts = task.eval_prompts(d.task_eval_prompts) if self.embedded else []
+    self.reward_fn = task.true_reward if self.embedded else None
     logging.info("data: %d SFT examples (T=%d), %d train pairs (T=%d), %d held-out pairs",
                  len(self.sft["tokens"]), self.sft["tokens"].shape[-1],
                  len(self.pairs["tokens"]), self.pairs["tokens"].shape[-1],
@@ -141,7 +144,7 @@ def _debug_step(value: str, stage: str) -> int:
 
 def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: int, sched,
            writer: MetricsWriter, pairs: bool, ckpts: checkpoint.Manager,
-           meta_extra: dict | None = None, update_frozen=None) -> train.TrainState:
+           meta_extra: dict | None = None, update_frozen=None, eval_fn=None) -> train.TrainState:
   """Runs the stage's updates up to `steps` and returns the final state.
 
   Resumes from the newest complete checkpoint in `ckpts`; saves every checkpoint_every steps and
@@ -151,6 +154,8 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
   the pending step, so the guard's history it records is the same whether the run continues or
   is resumed from it, which keeps interrupted and uninterrupted runs bitwise identical.
   update_frozen(step, state, frozen) -> frozen runs after each step (TR-DPO reference updates).
+  eval_fn(step, state), if given, runs after every eval_every-th step except the last (the
+  caller evaluates the final state itself).
   """
   t = cfg.train
   meta_extra = meta_extra or {}
@@ -275,6 +280,15 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
       save(i)
     if crash_at and i == crash_at:
       raise SimulatedCrash(f"debug: simulated crash after {name} step {i}")
+    if eval_fn is not None and t.eval_every and i % t.eval_every == 0 and i < steps:
+      spike = settle()  # the log line and the guard come before the evaluation
+      if spike:
+        rollback(*spike)
+        continue
+      t_eval = time.perf_counter()
+      eval_fn(i, state)
+      t0 += time.perf_counter() - t_eval  # keep evaluation time out of the step-rate ETA
+      t_last += time.perf_counter() - t_eval
   return state
 
 
@@ -291,6 +305,19 @@ def _log(stage, step, metrics, tok_per_s, cfg, writer, steps, t0, first_step):
     logging.info("sft %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", step, steps,
                  m["loss"], m["grad_norm"], m["learning_rate"], tok_per_s, eta)
   writer.write({"stage": stage, "step": step, **m, "tokens_per_sec": tok_per_s})
+
+
+def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: MetricsWriter):
+  t = time.perf_counter()
+  metrics, examples = evaluator(policy, lora)
+  metrics["eval_time_s"] = round(time.perf_counter() - t, 2)
+  writer.write({"stage": "eval", "step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+  f = lambda k: "n/a" if metrics.get(k) is None else f"{metrics[k]:.3f}"
+  logging.info("eval  %5d  win %s  reward %s vs %s  KL/seq %s  KL/tok %s  acc %s  margin %s  "
+               "ppl %s  (%.1fs)", step, f("win_rate"), f("policy_true_reward"),
+               f("reference_true_reward"), f("kl_per_sequence"), f("kl_per_token"),
+               f("reward_accuracy"), f("reward_margin"), f("perplexity"), metrics["eval_time_s"])
+  return metrics, examples
 
 
 def initial_params(cfg: Config, key: jax.Array, mesh) -> tuple[Config, Any]:
@@ -425,16 +452,24 @@ def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
       ref_arrays, summary["ref_cache"] = reference.cached(cfg, mesh, frozen, pairs, data.tok)
       pairs = {**pairs, **ref_arrays}
     loader = data_lib.Loader(pairs, t.global_batch_size, t.seed + 2, pid, nproc)
+    # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`) for
+    # every loss and reference scheme, so runs stay comparable (TR-DPO moves the training
+    # reference).
+    evaluator = evaluate.Evaluator(cfg, mesh, data.tok, data.eval_prompts, params, data.held,
+                                   data.reward_fn)
+    split = lambda p: (params, p) if cfg.lora.enabled else (p, None)
+
+    def eval_fn(step, st):
+      return _evaluate(evaluator, *split(st.params), step, writer)
+
     t_dpo = time.perf_counter()
     state = _stage("dpo", cfg, mesh, train.dpo_step, fresh, frozen, loader, t.steps,
                    (opt, sched), writer, pairs=True,
                    ckpts=checkpoint.Manager(os.path.join(ckroot, "dpo"), t.keep_checkpoints),
                    meta_extra={"reference": reference_path},
-                   update_frozen=functools.partial(reference.maybe_update, cfg))
+                   update_frozen=functools.partial(reference.maybe_update, cfg), eval_fn=eval_fn)
     summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
-    # Held-out rewards are measured against the SFT model (`params`) for every loss and
-    # reference scheme, so runs stay comparable (TR-DPO moves the training reference).
-    policy, lora = (params, state.params) if cfg.lora.enabled else (state.params, None)
+    policy, lora = split(state.params)
     policy_out = os.path.join(ckroot, "policy")
     if cfg.model.base_quant == "none":
       merged = lora_lib.merge(params, lora, cfg.lora) if lora is not None else policy
@@ -444,14 +479,12 @@ def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
     else:
       logging.info("dpo: base_quant=%s; no merged policy export (the adapters are in %s)",
                    cfg.model.base_quant, os.path.join(ckroot, "dpo"))
-    if data.held is not None:
-      after = evaluate.pair_metrics(cfg, mesh, policy, lora, params, data.held,
-                                    t.global_batch_size)
-      summary.update(after)
-      writer.write({"stage": "eval", "step": t.steps,
-                    **{f"eval/{k}": v for k, v in after.items()}})
+    final, examples = eval_fn(t.steps, state)
+    summary.update(final)
     summary["skipped_steps"] = int(state.skipped)
     summary["lr_scale"] = float(state.lr_scale)
+    if writer.enabled:
+      print(evaluate.report(final, examples, t.eval_show), flush=True)
     if t.export_hf:
       from models import hf
       out_hf = t.export_hf

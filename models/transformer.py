@@ -268,14 +268,46 @@ _ACT_LOGITS = ("batch", "seq", "act_vocab")
 _TARGET_ID = {n: i for i, n in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
 
 
+class KVCache(NamedTuple):
+  """Keys and values of every layer for S slots, and the segment id of each slot.
+
+  Slots are written in order by successive `forward` calls (`cache_index` = first slot of the
+  call's tokens); a slot with segment 0 (padding or not yet written) is never attended to.
+  """
+  k: jax.Array            # [L, B, S, K, head_dim] in the compute dtype
+  v: jax.Array            # [L, B, S, K, head_dim]
+  segment_ids: jax.Array  # [B, S] int32
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+  shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+  dtype = jnp.dtype(cfg.compute_dtype)
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                 jnp.zeros((batch, slots), jnp.int32))
+
+
+def _cache_writer(k_BSKk, v_BSKk, index):
+  """The `_layer` cache hook: writes this call's keys/values at `index`, returns all S slots."""
+  def write(k_BTKk, v_BTKk):
+    k_all = jax.lax.dynamic_update_slice_in_dim(k_BSKk, k_BTKk.astype(k_BSKk.dtype), index, 1)
+    v_all = jax.lax.dynamic_update_slice_in_dim(v_BSKk, v_BTKk.astype(v_BSKk.dtype), index, 1)
+    return k_all, v_all, (k_all, v_all)
+  return write
+
+
 def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, lora=None,
             lora_scale: float = 1.0, dropout_key: jax.Array | None = None,
-            dropout_rate: float = 0.0, return_hidden: bool = False) -> jax.Array:
+            dropout_rate: float = 0.0, return_hidden: bool = False,
+            cache: KVCache | None = None, cache_index: jax.Array | int = 0):
   """Logits [B, T, V] in float32 (or final hidden states [B, T, D] with return_hidden).
 
   tokens, positions and segment ids are all [B, T] int32. Segment 0 marks padding. `lora` is a
   LoRA pytree from models/lora.py or None (the frozen base: the reference policy). Dropout on
   the LoRA input path applies only when `dropout_key` is given.
+
+  With a `cache` (decoding), the T tokens occupy cache slots [cache_index, cache_index + T),
+  attend to every earlier non-padding slot of the same segment, and the result is
+  (logits or hidden, updated cache). Positions (for RoPE) are independent of slots.
   """
   dtype = jnp.dtype(cfg.compute_dtype)
   # Gather the table's fsdp shards first (rows stay split over tensor); a lookup into a table
@@ -286,34 +318,45 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
     x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
   x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
   index_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-  mask_BTS = attention_mask(segment_ids_BT, segment_ids_BT, index_BT, index_BT)
+  if cache is None:
+    mask_args = (segment_ids_BT, segment_ids_BT, index_BT, index_BT)
+    layer_cache = None
+  else:
+    kv_segment_BS = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids_BT,
+                                                        cache_index, 1)
+    kv_index_BS = jnp.broadcast_to(jnp.arange(kv_segment_BS.shape[1]), kv_segment_BS.shape)
+    mask_args = (segment_ids_BT, kv_segment_BS, cache_index + index_BT, kv_index_BS)
+    layer_cache = (cache.k, cache.v)
+  mask_BTS = attention_mask(*mask_args)
   lora_layers = None if lora is None else lora["layers"]
   # Per-layer variation (sliding window, local RoPE base) rides along the scan as a flag.
   local_L = np.asarray(cfg.layer_is_local())
   freq_global, freq_local = (jnp.asarray(rope_frequencies(cfg, local)) for local in (False, True))
   if local_L.any():
-    local_mask_BTS = attention_mask(segment_ids_BT, segment_ids_BT, index_BT, index_BT,
-                                    cfg.sliding_window)
+    local_mask_BTS = attention_mask(*mask_args, cfg.sliding_window)
 
   def body(x, xs):
-    p, lp, i, local = xs
+    p, lp, i, local, c = xs
     key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
     mask, freq = mask_BTS, freq_global
     if local_L.any():
       mask = jnp.where(local, local_mask_BTS, mask_BTS)
       freq = jnp.where(local, freq_local, freq_global)
-    x, _ = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask, freq_k=freq)
-    return sharding.constrain(x, _ACT_RESID), None
+    hook = None if c is None else _cache_writer(*c, cache_index)
+    x, c = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask, hook,
+                  freq_k=freq)
+    return sharding.constrain(x, _ACT_RESID), c
 
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
   xs = (params["layers"], lora_layers if lora_layers is not None else {},
-        jnp.arange(cfg.n_layers), jnp.asarray(local_L))
-  x_BTD, _ = jax.lax.scan(body, x_BTD, xs)
+        jnp.arange(cfg.n_layers), jnp.asarray(local_L), layer_cache)
+  x_BTD, new_kv = jax.lax.scan(body, x_BTD, xs)
   h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
-  if return_hidden:
-    return h_BTD
-  return unembed(cfg, params, h_BTD)
+  out = h_BTD if return_hidden else unembed(cfg, params, h_BTD)
+  if cache is None:
+    return out
+  return out, KVCache(new_kv[0], new_kv[1], kv_segment_BS)
 
 
 def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:

@@ -37,10 +37,12 @@ def test_launch_cli(tmp_path):
   proc = subprocess.run(
       [sys.executable, "launch.py", "--beta=0.2", "--sft_steps=4", "--steps=4", "--log_every=2",
        "--task_train_pairs=64", "--task_sft_examples=64", "--task_eval_pairs=16",
-       "--lora_targets=q,v,o", f"--output_dir={out}"],
+       "--lora_targets=q,v,o", "--task_eval_prompts=8", "--eval_max_new_tokens=8",
+       f"--output_dir={out}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "dpo     4/4" in proc.stderr
+  assert "true-reward win rate" in proc.stdout  # the end-of-run evaluation table
   cfg = json.load(open(out / "config.json"))
   assert cfg["train"]["beta"] == 0.2 and cfg["lora"]["lora_targets"] == ["q", "v", "o"]
   assert cfg["train"]["learning_rate"] == configs.DEFAULT.train.learning_rate  # preset kept

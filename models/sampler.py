@@ -1,0 +1,169 @@
+"""Autoregressive sampling with a KV cache: one prefill, then a jitted decode loop.
+
+Layout: prompts are LEFT-padded to a common length P, so every row's last prompt token sits in
+slot P - 1 and all rows decode in lockstep (new token i goes to slot P + i). RoPE positions are
+per row (0 at the row's first real token), and padding slots have segment id 0, so they are
+never attended to: a prompt's continuation does not depend on the other prompts in its batch.
+
+Randomness: the key for row b at step i is fold_in(fold_in(key, i), b), so a row's sample
+depends only on (key, its row index, its prompt), never on the batch size or the device count.
+The same function samples the policy (base + LoRA: pass `lora`) and the reference (base alone:
+`lora=None`).
+
+Shape suffixes as in models/transformer.py; P prompt length, N new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import ModelConfig
+from models import sharding, transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Static decoding settings (hashable: part of the jit cache key).
+
+  temperature 0 means greedy; top_k 0 and top_p 1.0 switch those filters off. Ids at or above
+  `vocab_limit` (model rows the tokenizer never produces) and the ids in `banned_ids` (padding,
+  BOS) are never sampled; vocab_limit 0 allows every row.
+  """
+  max_new_tokens: int
+  eos_id: int
+  pad_id: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  vocab_limit: int = 0
+  banned_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class Samples(NamedTuple):
+  tokens: jax.Array    # [B, N] int32; pad_id after a row's EOS (the EOS itself is kept)
+  lengths: jax.Array   # [B] int32 generated tokens, EOS included
+  finished: jax.Array  # [B] bool: the row emitted EOS within N tokens
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 1):
+  """(tokens [B, P], segment_ids [B, P]) numpy int32, each prompt right-aligned.
+
+  P is the longest prompt rounded up to `multiple` (fewer distinct shapes, fewer compiles).
+  """
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token (e.g. BOS)")
+  P = -(-max(len(p) for p in prompts) // multiple) * multiple
+  tokens = np.full((len(prompts), P), pad_id, np.int32)
+  segments = np.zeros((len(prompts), P), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, P - len(p):] = p
+    segments[i, P - len(p):] = 1
+  return tokens, segments
+
+
+def filter_logits(logits_BV: jax.Array, scfg: SamplingConfig) -> jax.Array:
+  """Temperature, then top-k, then top-p (nucleus) on float32 logits; removed entries -> -inf."""
+  neg = jnp.float32(-jnp.inf)
+  logits = logits_BV.astype(jnp.float32)
+  V = logits.shape[-1]
+  ids = jnp.arange(V)
+  banned = jnp.zeros((V,), bool)
+  if scfg.vocab_limit:
+    banned = banned | (ids >= scfg.vocab_limit)
+  for i in scfg.banned_ids:
+    banned = banned | (ids == i)
+  logits = jnp.where(banned, neg, logits)
+  logits = logits / scfg.temperature
+  if 0 < scfg.top_k < V:
+    kth_B1 = jax.lax.top_k(logits, scfg.top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth_B1, neg, logits)
+  if scfg.top_p < 1.0:
+    sorted_BV = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_BV, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    n_keep = jnp.maximum(jnp.sum(mass_before < scfg.top_p, axis=-1, keepdims=True), 1)
+    threshold_B1 = jnp.take_along_axis(sorted_BV, n_keep - 1, axis=-1)
+    logits = jnp.where(logits < threshold_B1, neg, logits)
+  return logits
+
+
+def sample_token(key: jax.Array, step: jax.Array, logits_BV: jax.Array,
+                 scfg: SamplingConfig) -> jax.Array:
+  """[B] int32 next tokens; row b uses fold_in(fold_in(key, step), b)."""
+  if scfg.temperature == 0.0:
+    logits = filter_logits(logits_BV, dataclasses.replace(scfg, temperature=1.0, top_k=0,
+                                                          top_p=1.0))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = filter_logits(logits_BV, scfg)
+  step_key = jax.random.fold_in(key, step)
+  rows = jnp.arange(logits.shape[0])
+  keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(rows)
+  return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "scfg", "lora_scale"))
+def generate(cfg: ModelConfig, scfg: SamplingConfig, params, tokens_BP, segment_ids_BP,
+             key: jax.Array, lora=None, lora_scale: float = 1.0) -> Samples:
+  """Samples up to `max_new_tokens` after each left-padded prompt; stops a row at EOS.
+
+  The loop ends early once every row has finished. `key` is a typed or raw PRNG key.
+  """
+  B, P = tokens_BP.shape
+  N = scfg.max_new_tokens
+  run = functools.partial(transformer.forward, cfg, params, lora=lora, lora_scale=lora_scale,
+                          return_hidden=True)
+  prompt_len_B = segment_ids_BP.sum(-1).astype(jnp.int32)
+  positions_BP = jnp.maximum(jnp.cumsum(segment_ids_BP, axis=-1) - 1, 0).astype(jnp.int32)
+  cache = transformer.init_cache(cfg, B, P + N)
+  cache = cache._replace(k=sharding.constrain(cache.k, _CACHE_AXES),
+                         v=sharding.constrain(cache.v, _CACHE_AXES))
+  h_BPD, cache = run(tokens_BP, positions_BP, segment_ids_BP, cache=cache, cache_index=0)
+  logits_BV = transformer.unembed(cfg, params, h_BPD[:, -1:])[:, 0]
+
+  def cond(carry):
+    i, _, _, done_B, _ = carry
+    return (i < N) & ~jnp.all(done_B)
+
+  def body(carry):
+    i, logits_BV, out_BN, done_B, cache = carry
+    tok_B = sample_token(key, i, logits_BV, scfg)
+    tok_B = jnp.where(done_B, scfg.pad_id, tok_B)
+    out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, tok_B[:, None], i, 1)
+    done_B = done_B | (tok_B == scfg.eos_id)
+    h_B1D, cache = run(tok_B[:, None], (prompt_len_B + i)[:, None], jnp.ones((B, 1), jnp.int32),
+                       cache=cache, cache_index=P + i)
+    logits_BV = transformer.unembed(cfg, params, h_B1D)[:, 0]
+    return i + 1, logits_BV, out_BN, done_B, cache
+
+  out_BN = jnp.full((B, N), scfg.pad_id, jnp.int32)
+  carry = (jnp.int32(0), logits_BV, out_BN, jnp.zeros((B,), bool), cache)
+  _, _, out_BN, done_B, _ = jax.lax.while_loop(cond, body, carry)
+  first_eos_B = jnp.argmax(out_BN == scfg.eos_id, axis=-1)
+  lengths = jnp.where(done_B, first_eos_B + 1, N).astype(jnp.int32)
+  return Samples(out_BN, lengths, done_B)
+
+
+_CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
+def completions(samples: Samples) -> list[list[int]]:
+  """Host-side list of each row's generated ids (EOS included where emitted)."""
+  tokens, lengths = jax.device_get((samples.tokens, samples.lengths))
+  return [list(map(int, t[:n])) for t, n in zip(tokens, lengths)]
