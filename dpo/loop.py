@@ -86,7 +86,8 @@ class Data:
       self.pairs = data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs")
       held = (data_lib.load_preference_jsonl(d.eval_data) if d.eval_data else
               task.preference_records(d.task_eval_pairs, seed, held_out=True))
-      self.held = data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs")
+      self.held = (data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs")
+                   if held else None)
     else:
       spec = formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field, d.rejected_field)
       cache_dir = ("" if d.data_cache_dir == "none" else
