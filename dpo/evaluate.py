@@ -117,14 +117,19 @@ def sample(cfg: Config, mesh, scfg: sampler.SamplingConfig, params, lora,
     n = len(chunk)
     chunk += [chunk[-1]] * (-n % _shards(mesh))  # pad rows so the batch splits over devices
     tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8)
-    batch = train.device_batch(mesh, {"tokens": tokens, "segment_ids": segments})
+    # Every process holds all prompts, so each passes the whole batch.
+    batch = train.device_batch(mesh, {"tokens": tokens, "segment_ids": segments}, len(chunk))
     samples = sampler.generate(cfg.model, scfg, params, batch["tokens"], batch["segment_ids"],
                                jax.random.fold_in(key, start), lora=lora, lora_scale=lora_scale)
-    out += sampler.completions(samples)[:n]
+    out += sampler.completions(_replicated(mesh, samples))[:n]
   return out
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+def _replicated(mesh, tree):
+  """A copy every process can read in full (multi-host): resharded to replicated on the mesh."""
+  return jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
+
+
 def _seq_stats(cfg: Config, policy_params, lora, ref_params, batch):
   lora_scale = cfg.lora.scale if lora is not None else 1.0
   args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"])
@@ -132,6 +137,12 @@ def _seq_stats(cfg: Config, policy_params, lora, ref_params, batch):
                                         lora_scale=lora_scale)
   ref, _ = logprobs.sequence_logps(cfg.model, ref_params, *args)
   return pol, ref, counts
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_seq_stats(cfg: Config, mesh):
+  return jax.jit(train.with_mesh(mesh, functools.partial(_seq_stats, cfg)),
+                 out_shardings=NamedSharding(mesh, P()))
 
 
 def completion_logps(cfg: Config, mesh, policy_params, lora, ref_params,
@@ -146,8 +157,8 @@ def completion_logps(cfg: Config, mesh, policy_params, lora, ref_params,
   pol, ref, counts = [], [], []
   for start in range(0, n, bs):
     idx = np.arange(start, start + bs) % n
-    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()})
-    p, r, c = jax.device_get(_seq_stats(cfg, policy_params, lora, ref_params, batch))
+    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()}, bs)
+    p, r, c = jax.device_get(_jitted_seq_stats(cfg, mesh)(policy_params, lora, ref_params, batch))
     keep = slice(0, min(bs, n - start))
     pol.append(p[keep]); ref.append(r[keep]); counts.append(c[keep])
   return np.concatenate(pol), np.concatenate(ref), np.concatenate(counts)
