@@ -47,19 +47,26 @@ def _jitted_pair_stats(cfg: Config, mesh):
                  out_shardings=NamedSharding(mesh, P()))
 
 
+def _in_batches(mesh, fn, arrays: dict, batch_size: int) -> tuple[np.ndarray, ...]:
+  """Runs fn(batch) -> tuple of [batch_size, ...] arrays over every row of `arrays`, in fixed-size
+  batches (the last one filled with wrapped-around rows, dropped from the result). Every process
+  holds all rows, so each passes the whole batch; fn's outputs must be replicated."""
+  n = len(arrays["tokens"])
+  outs = []
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size) % n
+    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()}, batch_size)
+    outs.append([x[:min(batch_size, n - start)] for x in jax.device_get(fn(batch))])
+  return tuple(np.concatenate(xs) for xs in zip(*outs))
+
+
 def pair_metrics(cfg: Config, mesh, policy_params, lora, ref_params, arrays: dict,
                  batch_size: int) -> dict[str, float]:
   """Reward accuracy / margin (beta * log-ratio), chosen log-probs and chosen-token perplexity."""
   n = len(arrays["tokens"])
-  pol, ref, counts = [], [], []
-  for start in range(0, n, batch_size):
-    idx = np.arange(start, start + batch_size) % n
-    # Every process holds all held-out pairs, so each passes the whole batch.
-    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()}, batch_size)
-    p, r, c = jax.device_get(_jitted_pair_stats(cfg, mesh)(policy_params, lora, ref_params, batch))
-    keep = slice(0, min(batch_size, n - start))
-    pol.append(p[keep]); ref.append(r[keep]); counts.append(c[keep])
-  pol, ref, counts = np.concatenate(pol), np.concatenate(ref), np.concatenate(counts)
+  fn = _jitted_pair_stats(cfg, mesh)
+  pol, ref, counts = _in_batches(mesh, lambda b: fn(policy_params, lora, ref_params, b), arrays,
+                                 batch_size)
   beta = cfg.train.beta
   rc, rr = beta * (pol[:, 0] - ref[:, 0]), beta * (pol[:, 1] - ref[:, 1])
   return {
@@ -153,15 +160,8 @@ def completion_logps(cfg: Config, mesh, policy_params, lora, ref_params,
   seq_len = -(-max(len(p) + len(c) for p, c in rows) // 8) * 8
   arrays = data_lib._pack_rows(rows, seq_len, pad_id)
   bs = cfg.train.eval_batch_size + (-cfg.train.eval_batch_size % _shards(mesh))
-  n = len(rows)
-  pol, ref, counts = [], [], []
-  for start in range(0, n, bs):
-    idx = np.arange(start, start + bs) % n
-    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()}, bs)
-    p, r, c = jax.device_get(_jitted_seq_stats(cfg, mesh)(policy_params, lora, ref_params, batch))
-    keep = slice(0, min(bs, n - start))
-    pol.append(p[keep]); ref.append(r[keep]); counts.append(c[keep])
-  return np.concatenate(pol), np.concatenate(ref), np.concatenate(counts)
+  fn = _jitted_seq_stats(cfg, mesh)
+  return _in_batches(mesh, lambda b: fn(policy_params, lora, ref_params, b), arrays, bs)
 
 
 def _length_stats(prefix: str, comps: Sequence[Sequence[int]], texts: Sequence[str],
