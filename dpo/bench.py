@@ -87,7 +87,7 @@ def time_preset(name: str) -> dict:
   else:
     frozen, trainable = base, jax.tree.map(lambda x: x.copy(), base)
   state = train.init_state(trainable, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen, 3)
+  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen)
   batch = train.device_batch(mesh, synthetic_batch(cfg, pairs, np.random.default_rng(0)))
   rounds = []
   first_loss = None

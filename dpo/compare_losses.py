@@ -15,24 +15,17 @@ import json
 import os
 import time
 
-import jax
 
 import configs
-from dpo import data as data_lib
-from dpo import loop, train
-from models import sharding, transformer
+from dpo import checkpoint, loop
+from models import sharding
 
 
 def sft_model(cfg: configs.Config, mesh):
-  data = loop.Data(cfg)
-  params = transformer.init(cfg.model, jax.random.fold_in(jax.random.key(cfg.train.seed), 0), mesh)
-  opt, sched = train.optimizer(cfg, cfg.train.sft_learning_rate, cfg.train.sft_steps)
-  state = train.init_state(params, opt, cfg.train.seed, mesh)
-  loader = data_lib.Loader(data.sft, cfg.train.global_batch_size, cfg.train.seed + 1)
-  writer = loop.MetricsWriter(cfg.train.output_dir)
-  state = loop._stage("sft", cfg, mesh, train.sft_step, state, None, loader,
-                      cfg.train.sft_steps, (opt, sched), writer, pairs=False)
-  return state.params
+  """Runs (or resumes) the SFT stage once under cfg's output_dir and returns its model."""
+  loop.run(cfg.replace(stage="sft"), mesh=mesh)
+  return checkpoint.load_params(os.path.join(cfg.train.output_dir, "checkpoints", "sft_model"),
+                                cfg.model, mesh)
 
 
 def main():

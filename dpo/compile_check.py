@@ -53,7 +53,7 @@ def abstract_dpo_inputs(cfg: Config, mesh, seq_len: int) -> tuple[Any, Any, Any,
                            rng=scalar(jnp.uint32, (2,)), lr_scale=scalar(jnp.float32),
                            skipped=scalar(jnp.int32))
   shape = (cfg.train.global_batch_size, 2, seq_len)
-  bsh = train.batch_sharding(mesh, 3)
+  bsh = train.batch_sharding(mesh)
   batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
            "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
            "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
@@ -68,7 +68,7 @@ def compile_dpo_step(cfg: Config, mesh, seq_len: int | None = None):
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
   step = train.jit_step_with_shardings(train.dpo_step, cfg, opt, sched, mesh, state_sh,
-                                       frozen_sh, 3)
+                                       frozen_sh)
   return step.lower(state, frozen, batch).compile()
 
 

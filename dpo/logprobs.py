@@ -36,27 +36,23 @@ def token_kl(p_logits_TV: jax.Array, q_logits_TV: jax.Array, loss_mask_T: jax.Ar
 
 
 def sequence_logps(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT,
-                   loss_mask_BT, lora=None, lora_scale=1.0, dropout_key=None, dropout_rate=0.0,
-                   with_logits=False):
-  """(summed log-prob [B], scored-token count [B]) of each sequence's masked tokens, plus the
-  float32 logits [B, T, V] when with_logits."""
+                   loss_mask_BT, lora=None, lora_scale=1.0, dropout_key=None, dropout_rate=0.0):
+  """(summed log-prob [B], scored-token count [B]) of each sequence's masked tokens."""
   logits = transformer.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, lora=lora,
                                lora_scale=lora_scale, dropout_key=dropout_key,
                                dropout_rate=dropout_rate)
   lp_BT = token_logps(logits, tokens_BT) * loss_mask_BT
-  out = lp_BT.sum(-1), loss_mask_BT.sum(-1)
-  return (*out, logits) if with_logits else out
+  return lp_BT.sum(-1), loss_mask_BT.sum(-1)
 
 
 def pair_logps(cfg: ModelConfig, params, batch, lora=None, lora_scale=1.0, dropout_key=None,
-               dropout_rate=0.0, with_logits=False):
-  """vmap of `sequence_logps` over the pair axis of [B, 2, T] arrays -> ([B, 2], [B, 2]), plus
-  logits [B, 2, T, V] when with_logits."""
+               dropout_rate=0.0):
+  """vmap of `sequence_logps` over the pair axis of [B, 2, T] arrays -> ([B, 2], [B, 2])."""
   keys = None if dropout_key is None else jax.random.split(dropout_key, 2)
 
   def one(tokens, positions, segment_ids, loss_mask, key):
     return sequence_logps(cfg, params, tokens, positions, segment_ids, loss_mask, lora,
-                          lora_scale, key, dropout_rate, with_logits)
+                          lora_scale, key, dropout_rate)
 
   return jax.vmap(one, in_axes=(1, 1, 1, 1, None if keys is None else 0), out_axes=1)(
       batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"], keys)

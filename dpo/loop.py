@@ -144,7 +144,7 @@ def _debug_step(value: str, stage: str) -> int:
 
 
 def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: int, sched,
-           writer: MetricsWriter, pairs: bool, ckpts: checkpoint.Manager,
+           writer: MetricsWriter, ckpts: checkpoint.Manager,
            meta_extra: dict | None = None, update_frozen=None, eval_fn=None) -> train.TrainState:
   """Runs the stage's updates up to `steps` and returns the final state.
 
@@ -183,8 +183,7 @@ def _stage(name: str, cfg: Config, mesh, step_fn, fresh, frozen, loader, steps: 
   i = int(state.step)
   if i >= steps:
     return state
-  batch_ndim = 3 if pairs else 2
-  step = train.jit_step(step_fn, cfg, *sched, mesh, state, frozen, batch_ndim)
+  step = train.jit_step(step_fn, cfg, *sched, mesh, state, frozen)
   log_every = max(t.log_every, 1)
   crash_at, kill_at = _debug_step(t.debug_crash_at, name), _debug_step(t.debug_kill_in_save, name)
   t0 = time.perf_counter()
@@ -407,7 +406,7 @@ def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
       state = _stage("sft", cfg, mesh, train.sft_step,
                      lambda: train.init_state(jax.tree.map(lambda x: x.copy(), init), opt, t.seed,
                                               mesh), None, loader,
-                     t.sft_steps, (opt, sched), writer, pairs=False,
+                     t.sft_steps, (opt, sched), writer,
                      ckpts=checkpoint.Manager(os.path.join(ckroot, "sft"), t.keep_checkpoints),
                      meta_extra={"init_from": t.init_from})
       params = state.params
@@ -465,7 +464,7 @@ def run(cfg: Config, mesh=None, init_params=None) -> dict[str, Any]:
 
     t_dpo = time.perf_counter()
     state = _stage("dpo", cfg, mesh, train.dpo_step, fresh, frozen, loader, t.steps,
-                   (opt, sched), writer, pairs=True,
+                   (opt, sched), writer,
                    ckpts=checkpoint.Manager(os.path.join(ckroot, "dpo"), t.keep_checkpoints),
                    meta_extra={"reference": reference_path},
                    update_frozen=functools.partial(reference.maybe_update, cfg), eval_fn=eval_fn)

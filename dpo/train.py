@@ -185,28 +185,23 @@ def sft_step(cfg: Config, opt, sched, state: TrainState, frozen, batch) -> tuple
   return _apply(state, opt, sched, loss, grads, {"tokens": tokens})
 
 
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  """Batch rows over (data, fsdp); all other axes replicated."""
-  return NamedSharding(mesh, P(sharding.RULES["batch"], *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Dim 0 of every batch array (tokens [B, 2, T], ref_logps [B, 2], ...) over (data, fsdp); a
+  prefix spec, so the remaining axes are replicated whatever the array's rank."""
+  return NamedSharding(mesh, P(sharding.RULES["batch"]))
 
 
-def jit_step(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state: TrainState, frozen,
-             batch_ndim: int):
+def jit_step(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state: TrainState, frozen):
   """jit(step) with explicit in/out shardings taken from the live state, state donated."""
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
-  return jit_step_with_shardings(step_fn, cfg, opt, sched, mesh, state_sh, frozen_sh, batch_ndim)
+  return jit_step_with_shardings(step_fn, cfg, opt, sched, mesh, state_sh, frozen_sh)
 
 
 def jit_step_with_shardings(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state_sh,
-                            frozen_sh, batch_ndim: int):
-  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays).
-
-  The batch sharding is a prefix spec: dim 0 of every batch array (tokens [B, 2, T], precomputed
-  ref_logps [B, 2], ...) over (data, fsdp), whatever its rank.
-  """
-  del batch_ndim
-  batch_sh = NamedSharding(mesh, P(sharding.RULES["batch"]))
+                            frozen_sh):
+  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays)."""
+  batch_sh = batch_sharding(mesh)
   replicated = NamedSharding(mesh, P())
   return jax.jit(with_mesh(mesh, functools.partial(step_fn, cfg, opt, sched)),
                  in_shardings=(state_sh, frozen_sh, batch_sh),
@@ -231,7 +226,7 @@ def device_batch(mesh: Mesh, local: dict, global_batch: int | None = None) -> di
   """
   def one(v):
     shape = None if global_batch is None else (global_batch, *v.shape[1:])
-    return jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v, shape)
+    return jax.make_array_from_process_local_data(batch_sharding(mesh), v, shape)
   return {k: one(v) for k, v in local.items()}
 
 

@@ -147,7 +147,7 @@ def _run_dpo(cfg, mesh, batches):
   else:
     frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
   state = train.init_state(trainable, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen, 3)
+  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen)
   metrics = []
   for b in batches:
     state, m = step(state, frozen, train.device_batch(mesh, b, len(b["tokens"])))

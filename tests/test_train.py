@@ -30,7 +30,7 @@ def _dpo(cfg, mesh, base):
   opt, sched = train.optimizer(cfg, cfg.train.learning_rate, cfg.train.steps)
   lora = lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), mesh)
   state = train.init_state(lora, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, base, 3)
+  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, base)
   return state, step
 
 
@@ -60,7 +60,7 @@ def test_full_finetune_reference_is_frozen_copy(setup):
   opt, sched = train.optimizer(cfg, 1e-3, 5)
   trainable = jax.tree.map(jnp.copy, base)
   state = train.init_state(trainable, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, base, 3)
+  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, base)
   batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
   state, m = step(state, base, batch)
   assert abs(float(m["loss"]) - math.log(2)) < 1e-6
@@ -94,7 +94,7 @@ def test_sft_step_lowers_loss(setup):
   sft = data.tokenize_sft(task.sft_records(8, 0), ByteTokenizer(), 40, 56)
   opt, sched = train.optimizer(cfg, 3e-3, 20)
   state = train.init_state(jax.tree.map(jnp.copy, base), opt, 0, mesh)
-  step = train.jit_step(train.sft_step, cfg, opt, sched, mesh, state, None, 2)
+  step = train.jit_step(train.sft_step, cfg, opt, sched, mesh, state, None)
   batch = train.device_batch(mesh, sft)
   losses = []
   for _ in range(12):
