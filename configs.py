@@ -1,8 +1,13 @@
-"""Configuration as data: frozen dataclasses, named presets, and the flag table.
+"""Configuration as data: frozen dataclasses by concern, named presets, and the flag table.
 
-Every field of every section becomes an absl flag of the same name in launch.py (see
-`flag_fields`), so a field's name, default and help text are written exactly once, here.
-Field names are unique across sections so that flags stay flat (`--beta`, `--lora_rank`).
+A `Config` has one section per concern (model, lora, data, optim, loss, reference, guard, eval,
+checkpoint, mesh, run). Every field of every section is an absl flag of the same name
+(`define_flags`), so a field's name, default and help text are written exactly once. Field names
+are unique across sections so flags stay flat (`--beta`, `--lora_rank`). The `loss` section is
+derived from the loss registry in dpo/losses.py; LoRA targets and architectures come from the
+registries in models/lora.py and models/archs.py. Jitted functions take as static arguments only
+the sections their computation reads (dpo.train.StepConfig), so changing an output path or a
+cadence never recompiles a step.
 
 Defaults follow the source recipe (beta 0.1, AdamW lr 1e-5 with cosine decay and warmup
 ratio 0.1, grad-norm clip 1.0, global batch 16, max target length 512, LoRA rank 16 /
@@ -17,12 +22,23 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpo.losses import LossConfig
 
-def _f(default: Any, help: str, **kw) -> Any:
+__all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
+           "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig", "MeshConfig",
+           "RunConfig", "PRESETS", "get_config", "define_flags", "from_flags"]
+
+
+def _f(default: Any, help: str) -> Any:
   """A dataclass field carrying its flag help text."""
   if isinstance(default, (list, dict, set)):
     raise TypeError("use tuples for sequence defaults so configs stay hashable")
-  return field(default=default, metadata={"help": help, **kw})
+  return field(default=default, metadata={"help": help})
+
+
+def _check(ok: bool, message: str) -> None:
+  if not ok:
+    raise ValueError(message)
 
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
@@ -101,12 +117,9 @@ class LoraConfig:
 
   def __post_init__(self):
     bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
-    if bad:
-      raise ValueError(f"unknown lora_targets {bad}; choose from {LORA_TARGETS}")
-    if self.lora_rank < 0:
-      raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
-    if not 0.0 <= self.lora_dropout < 1.0:
-      raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+    _check(not bad, f"unknown lora_targets {bad}; choose from {LORA_TARGETS}")
+    _check(self.lora_rank >= 0, f"lora_rank must be >= 0, got {self.lora_rank}")
+    _check(0.0 <= self.lora_dropout < 1.0, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
 
   @property
   def enabled(self) -> bool:
@@ -114,7 +127,7 @@ class LoraConfig:
 
   @property
   def scale(self) -> float:
-    return self.lora_alpha / self.lora_rank
+    return self.lora_alpha / self.lora_rank if self.enabled else 1.0
 
 
 @dataclass(frozen=True)
@@ -148,8 +161,8 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-  stage: str = _f("all", "sft, dpo, or all (SFT, then DPO against the SFT model).")
+class OptimConfig:
+  """Steps, batch and AdamW with warmup + cosine decay, for both stages."""
   steps: int = _f(1000, "DPO optimizer steps.")
   sft_steps: int = _f(1000, "SFT optimizer steps (stage sft or all).")
   global_batch_size: int = _f(16, "Preference pairs (or SFT sequences) per step, all processes.")
@@ -160,96 +173,16 @@ class TrainConfig:
   adam_b1: float = _f(0.9, "AdamW beta1.")
   adam_b2: float = _f(0.999, "AdamW beta2.")
   max_grad_norm: float = _f(1.0, "Global-norm gradient clipping; 0 disables.")
-  beta: float = _f(0.1, "DPO inverse temperature beta (strength of the KL anchor).")
-  label_smoothing: float = _f(0.0, "Conservative-DPO label noise eps in [0, 0.5).")
-  seed: int = _f(0, "Seed for init, data order and dropout.")
-  log_every: int = _f(10, "Log one line and one metrics.jsonl record every N steps.")
-  eval_every: int = _f(200, "Run the alignment evaluation every N DPO steps (and at the end); "
-                       "0 = only at the end.")
-  eval_temperature: float = _f(1.0, "Evaluation sampling temperature (0 = greedy).")
-  eval_top_k: int = _f(0, "Evaluation top-k filter (0 = off).")
-  eval_top_p: float = _f(1.0, "Evaluation nucleus (top-p) filter (1.0 = off).")
-  eval_max_new_tokens: int = _f(0, "Tokens sampled per eval response (0 = max_target_length).")
-  eval_batch_size: int = _f(128, "Prompts per sampling batch during evaluation.")
-  eval_show: int = _f(4, "Sampled responses printed side by side at the end of a run.")
-  output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
-  mesh: str = _f("data:-1", "Mesh axis sizes, e.g. data:2,fsdp:2,tensor:2 (one may be -1).")
-  init_from: str = _f("", "Start from a checkpoint instead of random init: a dpo-jax params "
-                          "checkpoint (an SFT output or exported policy), or hf:DIR, a Hugging Face "
-                          "directory (config.json + *.safetensors) whose config replaces the model "
-                          "section. For --stage=dpo it is both the initial policy and the reference.")
-  export_hf: str = _f("", "After DPO, write the policy (LoRA merged) as a Hugging Face directory "
-                          "here, plus the LoRA factors alone in PEFT layout under DIR/adapter.")
-  checkpoint_every: int = _f(100, "Save a checkpoint every N steps (and at the end); 0 = only "
-                             "at the end. Rerunning with the same output_dir resumes.")
-  keep_checkpoints: int = _f(3, "Newest step checkpoints kept per stage.")
-  kl_max: float = _f(0.0, "Roll back if the DPO step's token KL(pi||ref) exceeds this; 0 = off.")
-  kl_spike_factor: float = _f(0.0, "Roll back if KL exceeds this multiple of its mean over the "
-                              "last kl_window steps (e.g. 4); 0 = off.")
-  kl_window: int = _f(20, "Steps in the KL running mean (the factor test waits for a full window).")
-  kl_spike_min: float = _f(0.05, "The factor test ignores KL below this (nats per token), so "
-                          "the early growth of KL from 0 is not taken for a spike.")
-  rollback_lr_factor: float = _f(0.1, "Learning-rate multiplier applied at each rollback.")
-  max_rollbacks: int = _f(3, "Stop the run after this many KL-spike rollbacks.")
-  debug_lr_spike_step: int = _f(0, "Testing: multiply the lr by debug_lr_spike_factor at this "
-                                "DPO step (once, before any rollback); 0 = off.")
-  debug_lr_spike_factor: float = _f(1000.0, "Testing: lr multiplier of debug_lr_spike_step.")
-  debug_nan_step: int = _f(0, "Testing: make this DPO step's loss NaN (NaN loss mask); 0 = off.")
-  debug_crash_at: str = _f("", "Testing: raise SimulatedCrash after STAGE:STEP, e.g. dpo:30.")
-  debug_kill_in_save: str = _f("", "Testing: SIGKILL the process midway through the save of "
-                               "STAGE:STEP, e.g. dpo:20.")
 
   def __post_init__(self):
-    if self.stage not in ("sft", "dpo", "all"):
-      raise ValueError(f"stage must be sft, dpo or all, got {self.stage!r}")
-    if not 0.0 <= self.label_smoothing < 0.5:
-      raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-    if not 0.0 <= self.warmup_ratio <= 1.0:
-      raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-    if self.global_batch_size <= 0 or self.steps < 0 or self.sft_steps < 0:
-      raise ValueError("global_batch_size must be > 0 and steps, sft_steps >= 0")
-    if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_rollbacks < 0:
-      raise ValueError("checkpoint_every must be >= 0, keep_checkpoints >= 1, max_rollbacks >= 0")
-    for name in ("debug_crash_at", "debug_kill_in_save"):
-      value = getattr(self, name)
-      stage, _, step = value.partition(":")
-      if value and (stage not in ("sft", "dpo") or not step.isdigit()):
-        raise ValueError(f"{name} must look like sft:N or dpo:N, got {value!r}")
-
-    if self.eval_every < 0 or self.eval_batch_size <= 0 or self.eval_max_new_tokens < 0:
-      raise ValueError("eval_every, eval_max_new_tokens must be >= 0 and eval_batch_size > 0")
-    if self.eval_temperature < 0 or self.eval_top_k < 0 or not 0 < self.eval_top_p <= 1:
-      raise ValueError("need eval_temperature >= 0, eval_top_k >= 0, eval_top_p in (0, 1]")
-
-LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "bco_pair",
-              "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",
-              "sigmoid_norm", "sft", "simpo", "cpo", "orpo")
-REFERENCE_FREE_LOSSES = ("sft", "simpo", "cpo", "orpo")
-F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+    _check(0.0 <= self.warmup_ratio <= 1.0, f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+    _check(self.global_batch_size > 0 and self.steps >= 0 and self.sft_steps >= 0,
+           "global_batch_size must be > 0 and steps, sft_steps >= 0")
 
 
 @dataclass(frozen=True)
-class LossConfig:
-  """The preference objective (dpo/losses.py) and how the reference model is handled.
-
-  `beta` and `label_smoothing` stay in TrainConfig. Defaults are the papers' values; modifiers
-  default to off (rpo_alpha 0, wpo False, reverse_kl, ld_alpha 1, ref_update none).
-  """
-  loss_type: tuple[str, ...] = _f(("sigmoid",), f"Comma-separated losses, from {LOSS_TYPES}.")
-  loss_weights: tuple[float, ...] = _f((), "Weights of loss_type's losses (empty = all 1.0).")
-  rpo_alpha: float = _f(0.0, "RPO: add alpha * mean NLL of the chosen completion (Pang et al. "
-                        "2024 use 1.0); 0 disables.")
-  wpo: bool = _f(False, "WPO: weight each pair by its (clamped) length-normalised policy "
-                 "probability (Zhou et al. 2024).")
-  f_divergence: str = _f("reverse_kl", f"f-DPO divergence (Wang et al. 2024), from {F_DIVERGENCES}.")
-  f_alpha: float = _f(0.5, "Alpha of the alpha-divergence f-DPO variant, in (0, 1].")
-  ld_alpha: float = _f(1.0, "LD-DPO (Liu et al. 2024): weight of log-probs past the pair's shared "
-                       "length; 1.0 disables, values in (0, 1) desensitise to length.")
-  discopop_tau: float = _f(0.05, "DiscoPOP temperature of the log-ratio modulation (Lu et al. 2024).")
-  simpo_beta: float = _f(2.0, "SimPO reward scale beta on average log-probs (Meng et al. 2024).")
-  simpo_gamma: float = _f(1.0, "SimPO target reward margin gamma (Meng et al. 2024: gamma/beta=0.5).")
-  cpo_alpha: float = _f(1.0, "CPO weight of the NLL term on the chosen completion (Xu et al. 2024).")
-  orpo_lambda: float = _f(0.1, "ORPO weight lambda of the odds-ratio term (Hong et al. 2024).")
+class ReferenceConfig:
+  """How the DPO reference is held: fixed (default), precomputed, or updated (TR-DPO)."""
   ref_update: str = _f("none", "TR-DPO reference updates (Gorbatovski et al. 2024): none, soft "
                        "(ref <- a*policy + (1-a)*ref) or hard (ref <- policy).")
   ref_update_alpha: float = _f(0.6, "TR-DPO soft-update mixing weight alpha.")
@@ -260,35 +193,106 @@ class LossConfig:
                           "<output_dir>/ref_cache.")
 
   def __post_init__(self):
-    bad = [t for t in self.loss_type if t not in LOSS_TYPES]
-    if bad or not self.loss_type:
-      raise ValueError(f"unknown loss_type {bad or '(empty)'}; choose from {LOSS_TYPES}")
-    if self.loss_weights and len(self.loss_weights) != len(self.loss_type):
-      raise ValueError(f"loss_weights {self.loss_weights} must have one weight per loss_type "
-                       f"{self.loss_type}")
-    if self.f_divergence not in F_DIVERGENCES:
-      raise ValueError(f"f_divergence must be one of {F_DIVERGENCES}, got {self.f_divergence!r}")
-    if not 0.0 < self.f_alpha <= 1.0:
-      raise ValueError(f"f_alpha must be in (0, 1], got {self.f_alpha}")
-    if not 0.0 <= self.ld_alpha <= 1.0:
-      raise ValueError(f"ld_alpha must be in [0, 1], got {self.ld_alpha}")
-    if self.ref_update not in ("none", "soft", "hard"):
-      raise ValueError(f"ref_update must be none, soft or hard, got {self.ref_update!r}")
-    if not 0.0 < self.ref_update_alpha <= 1.0 or self.ref_update_every < 1:
-      raise ValueError("ref_update_alpha must be in (0, 1] and ref_update_every >= 1")
-    if self.precompute_ref and self.ref_update != "none":
-      raise ValueError("precompute_ref cannot be combined with ref_update: the reference changes")
-    if self.precompute_ref and self.reference_free:
-      raise ValueError(f"precompute_ref is pointless for reference-free losses {self.loss_type}")
+    _check(self.ref_update in ("none", "soft", "hard"),
+           f"ref_update must be none, soft or hard, got {self.ref_update!r}")
+    _check(0.0 < self.ref_update_alpha <= 1.0 and self.ref_update_every >= 1,
+           "ref_update_alpha must be in (0, 1] and ref_update_every >= 1")
+    _check(not (self.precompute_ref and self.ref_update != "none"),
+           "precompute_ref cannot be combined with ref_update: the reference changes")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+  """The in-step KL measure and the KL-spike guard with its rollback (dpo/guards.py)."""
+  log_kl: bool = _f(False, "Compute the exact token KL(pi||ref) in every DPO step and log it "
+                    "(costs the reference logits in the step; on whenever the KL guard is on).")
+  kl_max: float = _f(0.0, "Roll back if the DPO step's token KL(pi||ref) exceeds this; 0 = off.")
+  kl_spike_factor: float = _f(0.0, "Roll back if KL exceeds this multiple of its mean over the "
+                              "last kl_window steps (e.g. 4); 0 = off.")
+  kl_window: int = _f(20, "Steps in the KL running mean (the factor test waits for a full window).")
+  kl_spike_min: float = _f(0.05, "The factor test ignores KL below this (nats per token), so "
+                          "the early growth of KL from 0 is not taken for a spike.")
+  rollback_lr_factor: float = _f(0.1, "Learning-rate multiplier applied at each rollback.")
+  max_rollbacks: int = _f(3, "Stop the run after this many KL-spike rollbacks.")
+
+  def __post_init__(self):
+    _check(self.kl_window >= 1, f"kl_window must be >= 1, got {self.kl_window}")
+    _check(self.kl_max >= 0 and self.kl_spike_factor >= 0, "kl_max and kl_spike_factor must be >= 0")
+    _check(self.max_rollbacks >= 0, f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
+    _check(0.0 < self.rollback_lr_factor <= 1.0,
+           f"rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
 
   @property
-  def weights(self) -> tuple[float, ...]:
-    return self.loss_weights or (1.0,) * len(self.loss_type)
+  def enabled(self) -> bool:
+    return self.kl_max > 0 or self.kl_spike_factor > 0
 
   @property
-  def reference_free(self) -> bool:
-    """True when no selected loss reads the reference: the reference forward is skipped."""
-    return all(t in REFERENCE_FREE_LOSSES for t in self.loss_type)
+  def step_kl(self) -> bool:
+    """Whether the DPO step computes the token KL (a consumer reads it)."""
+    return self.log_kl or self.enabled
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+  eval_every: int = _f(200, "Run the alignment evaluation every N DPO steps (and at the end); "
+                       "0 = only at the end.")
+  eval_temperature: float = _f(1.0, "Evaluation sampling temperature (0 = greedy).")
+  eval_top_k: int = _f(0, "Evaluation top-k filter (0 = off).")
+  eval_top_p: float = _f(1.0, "Evaluation nucleus (top-p) filter (1.0 = off).")
+  eval_max_new_tokens: int = _f(0, "Tokens sampled per eval response (0 = max_target_length).")
+  eval_batch_size: int = _f(128, "Prompts per sampling batch during evaluation.")
+  eval_show: int = _f(4, "Sampled responses printed side by side at the end of a run.")
+
+  def __post_init__(self):
+    _check(self.eval_every >= 0 and self.eval_batch_size > 0 and self.eval_max_new_tokens >= 0,
+           "eval_every, eval_max_new_tokens must be >= 0 and eval_batch_size > 0")
+    _check(self.eval_temperature >= 0 and self.eval_top_k >= 0 and 0 < self.eval_top_p <= 1,
+           "need eval_temperature >= 0, eval_top_k >= 0, eval_top_p in (0, 1]")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+  """What the run starts from, what it saves, and what it exports."""
+  checkpoint_every: int = _f(100, "Save a checkpoint every N steps (and at the end); 0 = only "
+                             "at the end. Rerunning with the same output_dir resumes.")
+  keep_checkpoints: int = _f(3, "Newest step checkpoints kept per stage.")
+  init_from: str = _f("", "Start from a checkpoint instead of random init: a dpo-jax params "
+                          "checkpoint (an SFT output or exported policy), or hf:DIR, a Hugging Face "
+                          "directory (config.json + *.safetensors) whose config replaces the model "
+                          "section. For --stage=dpo it is both the initial policy and the reference.")
+  export_hf: str = _f("", "After DPO, write the policy (LoRA merged) as a Hugging Face directory "
+                          "here, plus the LoRA factors alone in PEFT layout under DIR/adapter.")
+
+  def __post_init__(self):
+    _check(self.checkpoint_every >= 0 and self.keep_checkpoints >= 1,
+           "checkpoint_every must be >= 0 and keep_checkpoints >= 1")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+  mesh: str = _f("data:-1", "Mesh axis sizes, e.g. data:2,fsdp:2,tensor:2 (one may be -1).")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+  stage: str = _f("all", "sft, dpo, or all (SFT, then DPO against the SFT model).")
+  seed: int = _f(0, "Seed for init, data order and dropout.")
+  log_every: int = _f(10, "Log one line and one metrics.jsonl record every N steps.")
+  output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
+
+  def __post_init__(self):
+    _check(self.stage in ("sft", "dpo", "all"), f"stage must be sft, dpo or all, got {self.stage!r}")
+    _check(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
+
+
+_SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
+             "loss": LossConfig, "reference": ReferenceConfig, "guard": GuardConfig,
+             "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
+             "run": RunConfig}
+SECTIONS = tuple(_SECTIONS)
+_FIELD_SECTION = {f.name: s for s, t in _SECTIONS.items() for f in dataclasses.fields(t)}
+assert len(_FIELD_SECTION) == sum(len(dataclasses.fields(t)) for t in _SECTIONS.values()), (
+    "config field names must be unique across sections")
 
 
 @dataclass(frozen=True)
@@ -296,34 +300,80 @@ class Config:
   model: ModelConfig = ModelConfig()
   lora: LoraConfig = LoraConfig()
   data: DataConfig = DataConfig()
-  train: TrainConfig = TrainConfig()
+  optim: OptimConfig = OptimConfig()
   loss: LossConfig = LossConfig()
+  reference: ReferenceConfig = ReferenceConfig()
+  guard: GuardConfig = GuardConfig()
+  eval: EvalConfig = EvalConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  mesh: MeshConfig = MeshConfig()
+  run: RunConfig = RunConfig()
+
+  def __post_init__(self):
+    """Checks that span sections."""
+    _check(self.model.base_quant == "none" or self.lora.enabled,
+           f"base_quant={self.model.base_quant} needs LoRA (lora_rank > 0): a quantized base "
+           "is frozen")
+    _check(not (self.reference.precompute_ref and self.loss.reference_free),
+           f"--precompute_ref is pointless for reference-free losses {self.loss.loss_type}")
+    _check(not self.guard.enabled or not (self.reference.precompute_ref or self.loss.reference_free),
+           "the KL guard (--kl_max, --kl_spike_factor) measures KL against the reference in the "
+           "step; it cannot run with --precompute_ref or reference-free losses")
 
   def replace(self, **flat) -> "Config":
-    """Returns a copy with flat field overrides routed to their section."""
+    """Returns a copy with flat field overrides (flag names) routed to their section."""
+    unknown = sorted(set(flat) - set(_FIELD_SECTION))
+    _check(not unknown, f"unknown config fields {unknown}")
     sections = {s: {} for s in SECTIONS}
     for name, value in flat.items():
       sections[_FIELD_SECTION[name]][name] = value
-    return Config(**{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in sections.items()})
+    return Config(**{s: dataclasses.replace(getattr(self, s), **kw) if kw else getattr(self, s)
+                     for s, kw in sections.items()})
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
 
 
-SECTIONS = ("model", "lora", "data", "train", "loss")
-_SECTION_TYPES = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig,
-                  "loss": LossConfig}
-_FIELD_SECTION = {f.name: s for s, t in _SECTION_TYPES.items() for f in dataclasses.fields(t)}
-assert len(_FIELD_SECTION) == sum(len(dataclasses.fields(t)) for t in _SECTION_TYPES.values()), (
-    "config field names must be unique across sections")
-
-
 def flag_fields():
-  """Yields (name, type, default, help) for every config field; launch.py defines flags from it."""
-  for section, cls in _SECTION_TYPES.items():
+  """Yields (name, type, default, help, section) for every config field."""
+  for section, cls in _SECTIONS.items():
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
       yield f.name, hints[f.name], f.default, f.metadata["help"], section
+
+
+def define_flags() -> None:
+  """Defines --config and one absl flag per config field (unset = the preset's value)."""
+  from absl import flags
+  flags.DEFINE_string("config", "default", f"Preset from configs.py: {sorted(PRESETS)}.")
+  define = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
+            str: flags.DEFINE_string}
+  for name, ftype, default, help_text, section in flag_fields():
+    help_text = f"[{section}] {help_text} (preset value if unset; base default {default!r})"
+    if typing.get_origin(ftype) is tuple:
+      flags.DEFINE_list(name, None, help_text)
+    elif ftype in define:
+      define[ftype](name, None, help_text)
+    else:
+      raise TypeError(f"no flag type for config field {name}: {ftype}")
+
+
+def from_flags() -> Config:
+  """The preset named by --config with every flag given on the command line applied."""
+  from absl import flags
+  values = flags.FLAGS
+  overrides = {}
+  for name, ftype, *_ in flag_fields():
+    value = values[name].value
+    if value is not None:
+      if isinstance(value, list):  # list flags arrive as strings; convert to the element type
+        elem = typing.get_args(ftype)[0]
+        try:
+          value = tuple(elem(v) for v in value)
+        except ValueError:
+          raise ValueError(f"--{name}={','.join(value)}: each item must be {elem.__name__}") from None
+      overrides[name] = value
+  return get_config(values.config).replace(**overrides)
 
 
 # --- Presets -----------------------------------------------------------------------------------
@@ -332,22 +382,13 @@ def flag_fields():
 # two CPU cores. Learning rates are higher than the recipe's 1e-5 because the model starts from
 # random init (SFT) and the LoRA-only DPO stage has a few hundred steps, not an epoch over a
 # large set; everything else keeps the recipe defaults (beta, batch 16, rank 16 / alpha 32 on q,v,
-# dropout 0.05, warmup 0.1, clip 1.0).
-#
-# DPO stage, LoRA learning rate (measured with the true-reward evaluation, SFT 600 steps,
-# 200 DPO steps): 2e-3 drives the policy far from the reference (held-out chosen perplexity
-# 1.4 -> 29) and it samples broken text; 2e-4 gave win rate 0.72 (seed 0) but 0.64 (seed 1);
-# 3e-4 (this preset) gave 0.85 (seed 0, KL 0.30 nats/token) and 0.72 (seed 1, KL 0.89). The KL
-# is above the 0.01-0.1 nats/token the recipe expects of large models: this byte-level model
-# moves a few adjective choices, each worth several nats, to reach its reward.
-# eval_every 100 (field default 200) so the default job also shows one mid-run evaluation.
-DEFAULT = Config(
-    model=ModelConfig(),
-    data=DataConfig(max_prompt_length=40, max_target_length=56),
-    train=TrainConfig(steps=200, sft_steps=600, learning_rate=3e-4, sft_learning_rate=3e-3,
-                      global_batch_size=16, log_every=20, eval_every=100,
-                      output_dir="runs/default"),
-)
+# dropout 0.05, warmup 0.1, clip 1.0). LoRA lr 2e-3 drives the policy far from the reference and
+# it samples broken text; 2e-4 and 3e-4 both align (3e-4 more strongly). eval_every 100 (field
+# default 200) so the job also shows one mid-run evaluation; log_kl so its log shows the KL.
+DEFAULT = Config().replace(
+    max_prompt_length=40, max_target_length=56, steps=200, sft_steps=600, learning_rate=3e-4,
+    sft_learning_rate=3e-3, global_batch_size=16, log_every=20, eval_every=100, log_kl=True,
+    output_dir="runs/default")
 
 # bench-small: the workload in shared/BENCHMARKS.md (vocab 8192, d 512, 8 layers, 8/4 heads,
 # MLP 1536, untied, 4 pairs of 192 + 64 tokens, LoRA 16/32 on q,v, dropout 0, float32).
@@ -356,10 +397,8 @@ BENCH_SMALL = Config(
                       head_dim=64, mlp_dim=1536, rope_theta=1e4, norm_eps=1e-5,
                       tie_embeddings=False),
     lora=LoraConfig(lora_rank=16, lora_alpha=32.0, lora_dropout=0.0, lora_targets=("q", "v")),
-    data=DataConfig(max_prompt_length=192, max_target_length=64),
-    train=TrainConfig(global_batch_size=4, max_grad_norm=0.0, learning_rate=1e-5,
-                      output_dir="runs/bench-small"),
-)
+).replace(max_prompt_length=192, max_target_length=64, global_batch_size=4, max_grad_norm=0.0,
+          learning_rate=1e-5, output_dir="runs/bench-small")
 
 # Real model sizes, from each model's published config.json on the Hugging Face Hub (numbers
 # only). They describe the architecture; weights come from --init_from=hf:DIR, whose config.json
@@ -387,50 +426,42 @@ GEMMA_2_2B = ModelConfig(
     sliding_pattern=2, compute_dtype="bfloat16")
 
 # Real-size runs: LoRA on every projection, recipe learning rate, a sequence budget that fits.
-_REAL = Config(
-    lora=LoraConfig(lora_rank=16, lora_alpha=32.0, lora_dropout=0.05,
-                    lora_targets=("q", "k", "v", "o", "gate", "up", "down")),
-    data=DataConfig(max_prompt_length=512, max_target_length=512),
-    train=TrainConfig(stage="dpo", learning_rate=1e-5))
+def _real(name: str, model: ModelConfig) -> Config:
+  return dataclasses.replace(Config(), model=model).replace(
+      lora_targets=LORA_TARGETS, max_prompt_length=512, max_target_length=512, stage="dpo",
+      output_dir=f"runs/{name}")
 
-# llama3-8b: the Llama 3.1 8B shape for the compile-only sharding check (dpo/compile_check.py):
+# llama3-8b: the Llama 3.1 8B shape for the compile-only sharding check (dpo/tools/compile_check.py):
 # bfloat16 matmuls and per-layer remat, as needed to fit; recipe LoRA (q, v) and lengths.
-LLAMA3_8B = Config(
-    model=dataclasses.replace(LLAMA_3_1_8B, remat=True),
-    train=TrainConfig(output_dir="runs/llama3-8b", mesh="fsdp:-1"),
-)
+LLAMA3_8B = dataclasses.replace(Config(), model=dataclasses.replace(LLAMA_3_1_8B, remat=True)
+                                ).replace(output_dir="runs/llama3-8b", mesh="fsdp:-1")
 
 # hh-rlhf-gpt2: a pipeline check on Anthropic HH-RLHF transcripts with the GPT-2 tokenizer
 # (vocab 50,257 padded to 50,304 = 786 * 64). Sized for a couple of shared CPU cores: a small
 # model trained from scratch (SFT on the chosen responses, then full-parameter DPO; a LoRA on a
 # barely trained model has little to steer), the last 64 prompt tokens and the first 32
 # response tokens, batch 8, 10% of prompts held out.
-HH_RLHF_GPT2 = Config(
-    model=ModelConfig(vocab_size=50304, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                      head_dim=32, mlp_dim=384, tie_embeddings=True),
-    lora=LoraConfig(lora_rank=0),
-    data=DataConfig(train_data="../shared/data/hh-rlhf/harmless-base-test.jsonl.gz",
-                    tokenizer="../shared/data/tokenizers/gpt2/tokenizer.json",
-                    max_prompt_length=64, max_target_length=32, eval_split=0.1),
-    train=TrainConfig(steps=150, sft_steps=100, learning_rate=5e-4, sft_learning_rate=3e-3,
-                      global_batch_size=8, log_every=25, output_dir="runs/hh-rlhf-gpt2"),
-)
+HH_RLHF_GPT2 = Config().replace(
+    vocab_size=50304, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384,
+    tie_embeddings=True, lora_rank=0,
+    train_data="../shared/data/hh-rlhf/harmless-base-test.jsonl.gz",
+    tokenizer="../shared/data/tokenizers/gpt2/tokenizer.json", max_prompt_length=64,
+    max_target_length=32, eval_split=0.1, steps=150, sft_steps=100, learning_rate=5e-4,
+    sft_learning_rate=3e-3, global_batch_size=8, log_every=25, output_dir="runs/hh-rlhf-gpt2")
 
 PRESETS: dict[str, Config] = {
     "hh-rlhf-gpt2": HH_RLHF_GPT2,
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),
-    **{name: dataclasses.replace(_REAL, model=m, train=dataclasses.replace(
-        _REAL.train, output_dir=f"runs/{name}"))
-       for name, m in {"llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B,
-                       "qwen2.5-0.5b": QWEN_2_5_0_5B, "qwen2.5-7b": QWEN_2_5_7B,
-                       "gemma2-2b": GEMMA_2_2B}.items()},
+    **{name: _real(name, m) for name, m in {
+        "llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B, "qwen2.5-0.5b": QWEN_2_5_0_5B,
+        "qwen2.5-7b": QWEN_2_5_7B, "gemma2-2b": GEMMA_2_2B}.items()},
     "llama3-8b": LLAMA3_8B,
 }
 
 
 def get_config(name: str) -> Config:
   if name not in PRESETS:
-    raise KeyError(f"unknown config {name!r}; presets: {sorted(PRESETS)}")
+    raise ValueError(f"unknown --config {name!r}; presets: {', '.join(sorted(PRESETS))}")
   return PRESETS[name]

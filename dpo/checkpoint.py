@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 from typing import Any
 
 import jax
@@ -78,12 +77,8 @@ def read_meta(path: str) -> dict:
     return json.load(f)
 
 
-def save(path: str, tree, meta: dict, kill_mid_write: bool = False) -> str:
-  """Writes `tree` (a pytree of jax.Arrays) and `meta` to `path`, atomically. Collective.
-
-  kill_mid_write (testing the crash path): SIGKILL this process after the arrays are written but
-  before the commit, as a preemption would.
-  """
+def save(path: str, tree, meta: dict) -> str:
+  """Writes `tree` (a pytree of jax.Arrays) and `meta` to `path`, atomically. Collective."""
   path = os.path.abspath(path)
   tmp = path + ".tmp"
   if jax.process_index() == 0:
@@ -94,9 +89,13 @@ def save(path: str, tree, meta: dict, kill_mid_write: bool = False) -> str:
   names, leaves = _leaves(tree)
   serialization.run_serialization(leaves, [_spec(tmp, i) for i in range(len(leaves))])
   _barrier(f"ckpt-written:{path}")
-  if kill_mid_write:
-    logging.warning("debug: SIGKILL during the save of %s (arrays written, not committed)", path)
-    os.kill(os.getpid(), signal.SIGKILL)
+  _commit(path, names, leaves, meta)
+  return path
+
+
+def _commit(path: str, names: list[str], leaves: list, meta: dict) -> None:
+  """meta.json last, then the rename that makes `<path>.tmp` visible as `path`."""
+  tmp = path + ".tmp"
   if jax.process_index() == 0:
     table = [{"path": n, "shape": list(x.shape), "dtype": str(x.dtype)}
              for n, x in zip(names, leaves)]
@@ -109,7 +108,6 @@ def save(path: str, tree, meta: dict, kill_mid_write: bool = False) -> str:
     os.rename(tmp, path)
     _fsync_dir(os.path.dirname(path))
   _barrier(f"ckpt-committed:{path}")
-  return path
 
 
 def load(path: str, like, prefix: str = "") -> tuple[Any, dict]:
@@ -174,12 +172,17 @@ def load_params(path: str, model_cfg, mesh) -> Any:
 # --- a directory of step checkpoints --------------------------------------------------------------
 
 class Manager:
-  """Step checkpoints of one stage under `directory`, newest `keep` retained."""
+  """Step checkpoints of one stage under `directory`, newest `keep` retained.
 
-  def __init__(self, directory: str, keep: int):
+  `identity` ({meta key: value}, e.g. the reference model's path) is written into every
+  checkpoint and checked on restore: a rerun with other settings is refused, never resumed.
+  """
+
+  def __init__(self, directory: str, keep: int, identity: dict | None = None):
     if keep < 1:
       raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
     self.directory, self.keep = os.path.abspath(directory), keep
+    self.identity = dict(identity or {})
 
   def path(self, step: int) -> str:
     return os.path.join(self.directory, f"step_{step:08d}")
@@ -199,10 +202,10 @@ class Manager:
     s = [x for x in self.steps() if before is None or x < before]
     return s[-1] if s else None
 
-  def save(self, step: int, state, meta: dict, kill_mid_write: bool = False) -> str:
+  def save(self, step: int, state, meta: dict) -> str:
     if jax.process_index() == 0:
       os.makedirs(self.directory, exist_ok=True)
-    out = save(self.path(step), state, {"kind": "state", "step": step, **meta}, kill_mid_write)
+    out = save(self.path(step), state, {"kind": "state", "step": step, **meta, **self.identity})
     if jax.process_index() == 0:
       for old in self.steps()[:-self.keep]:
         shutil.rmtree(self.path(old))
@@ -210,7 +213,12 @@ class Manager:
     return out
 
   def restore(self, step: int, like) -> tuple[Any, dict]:
-    return load(self.path(step), like)
+    path = self.path(step)
+    for k, v in self.identity.items():
+      if read_meta(path).get(k) != v:
+        raise CheckpointError(f"{path}: {k} is {read_meta(path).get(k)!r} but this run has "
+                              f"{v!r}; use a fresh --output_dir or the original settings")
+    return load(path, like)
 
   def delete_from(self, step: int) -> list[int]:
     """Removes checkpoints at `step` and later (states after a KL spike); returns their steps."""

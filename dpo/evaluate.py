@@ -1,6 +1,6 @@
 """Alignment evaluation: held-out pair metrics and on-policy generation metrics.
 
-Pair metrics (`pair_metrics`) run the same `pair_logps` as training, without dropout, over every
+Pair metrics (`pair_metrics`) run the same `logprobs.pair_stats` as training, without dropout, over every
 held-out pair (the last partial batch is padded with copies and masked out of the averages).
 
 Generation metrics (`Evaluator`) sample one response per held-out prompt from the policy and one
@@ -19,6 +19,7 @@ with other settings it is the log-ratio on the samples actually drawn.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -26,58 +27,66 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from configs import Config
 from dpo import data as data_lib
-from dpo import logprobs, train
-from models import sampler
+from dpo import logprobs, losses, train
+from dpo.formats import distinct_n
+from models import sampler, sharding
 
 
-def _pair_stats(cfg: Config, policy_params, lora, ref_params, batch):
-  lora_scale = cfg.lora.scale if lora is not None else 1.0
-  pol, counts = logprobs.pair_logps(cfg.model, policy_params, batch, lora=lora,
-                                    lora_scale=lora_scale)
-  ref, _ = logprobs.pair_logps(cfg.model, ref_params, batch)
-  return pol, ref, counts
+def batch_shards(mesh) -> int:
+  """Ways the batch axis is split (rows per batch must be a multiple of it)."""
+  return math.prod(mesh.shape[a] for a in sharding.RULES["batch"])
+
+
+def _policy_and_reference(score_fn, model, lora_cfg, policy_params, lora, ref_params, batch):
+  pol = score_fn(model, policy_params, batch, lora=lora, lora_scale=lora_cfg.scale)
+  return pol, score_fn(model, ref_params, batch)
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_pair_stats(cfg: Config, mesh):
-  # Outputs replicated so that every process can read them (multi-host).
-  return jax.jit(train.with_mesh(mesh, functools.partial(_pair_stats, cfg)),
-                 out_shardings=NamedSharding(mesh, P()))
+def _jitted_scores(score_fn, model, lora_cfg, mesh):
+  """score_fn (pair or sequence) of policy and reference, jitted; outputs replicated so that
+  every process can read them (multi-host)."""
+  fn = functools.partial(_policy_and_reference, score_fn, model, lora_cfg)
+  return jax.jit(train.with_mesh(mesh, fn), out_shardings=NamedSharding(mesh, P()))
+
+
+def _pair_logps(model, params, batch, **kw):
+  s = logprobs.pair_stats(model, params, batch, **kw)
+  return s.logps, s.tokens
 
 
 def _in_batches(mesh, fn, arrays: dict, batch_size: int) -> tuple[np.ndarray, ...]:
-  """Runs fn(batch) -> tuple of [batch_size, ...] arrays over every row of `arrays`, in fixed-size
-  batches (the last one filled with wrapped-around rows, dropped from the result). Every process
-  holds all rows, so each passes the whole batch; fn's outputs must be replicated."""
+  """Runs fn(batch) -> pytree of [batch_size, ...] arrays over every row of `arrays`, in
+  fixed-size batches (the last one filled with wrapped-around rows, dropped from the result).
+  Every process holds all rows, so each passes the whole batch; fn's outputs must be replicated."""
   n = len(arrays["tokens"])
   outs = []
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size) % n
     batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()}, batch_size)
-    outs.append([x[:min(batch_size, n - start)] for x in jax.device_get(fn(batch))])
+    outs.append([x[:min(batch_size, n - start)] for x in jax.tree.leaves(jax.device_get(fn(batch)))])
   return tuple(np.concatenate(xs) for xs in zip(*outs))
 
 
-def pair_metrics(cfg: Config, mesh, policy_params, lora, ref_params, arrays: dict,
+def pair_metrics(cfg, mesh, policy_params, lora, ref_params, arrays: dict,
                  batch_size: int) -> dict[str, float]:
-  """Reward accuracy / margin (beta * log-ratio), chosen log-probs and chosen-token perplexity."""
-  n = len(arrays["tokens"])
-  fn = _jitted_pair_stats(cfg, mesh)
-  pol, ref, counts = _in_batches(mesh, lambda b: fn(policy_params, lora, ref_params, b), arrays,
-                                 batch_size)
-  beta = cfg.train.beta
-  rc, rr = beta * (pol[:, 0] - ref[:, 0]), beta * (pol[:, 1] - ref[:, 1])
+  """Held-out implicit-reward statistics (`losses.pair_statistics`, the same function the
+  training metrics use, over all pairs) and the chosen-token perplexity."""
+  fn = _jitted_scores(_pair_logps, cfg.model, cfg.lora, mesh)
+  pol, counts, ref, _ = _in_batches(
+      mesh, lambda b: fn(policy_params, lora, ref_params, b), arrays, batch_size)
+  lp = losses.Logps(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
+  stats = {k: float(v) for k, v in losses.pair_statistics(lp, cfg.loss.beta).items()}
   return {
-      "reward_accuracy": float((rc > rr).mean()),
-      "reward_margin": float((rc - rr).mean()),
-      "rewards_chosen": float(rc.mean()),
-      "rewards_rejected": float(rr.mean()),
-      "logps_chosen": float(pol[:, 0].mean()),
-      "logps_rejected": float(pol[:, 1].mean()),
+      "reward_accuracy": stats["rewards/accuracies"],
+      "reward_margin": stats["rewards/margins"],
+      "rewards_chosen": stats["rewards/chosen"],
+      "rewards_rejected": stats["rewards/rejected"],
+      "logps_chosen": stats["logps/chosen"],
+      "logps_rejected": stats["logps/rejected"],
       "perplexity": float(np.exp(-pol[:, 0].sum() / counts[:, 0].sum())),
-      "pairs": int(n),
+      "pairs": len(pol),
   }
 
 
@@ -91,43 +100,32 @@ def win_rate(policy_rewards, reference_rewards) -> float:
   return float(np.mean((p > r) + 0.5 * (p == r)))
 
 
-def distinct_n(texts: Sequence[str], n: int) -> float:
-  """Unique / total n-grams of whitespace-separated words over all texts (0 if there are none)."""
-  grams = [tuple(w[i:i + n]) for w in (t.split() for t in texts) for i in range(len(w) - n + 1)]
-  return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def sampling_config(cfg: Config, tok) -> sampler.SamplingConfig:
-  t = cfg.train
+def sampling_config(cfg, tok) -> sampler.SamplingConfig:
+  t = cfg.eval
   return sampler.SamplingConfig(
       max_new_tokens=t.eval_max_new_tokens or cfg.data.max_target_length,
       eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=t.eval_temperature, top_k=t.eval_top_k,
       top_p=t.eval_top_p, vocab_limit=tok.vocab_size, banned_ids=(tok.pad_id, tok.bos_id))
 
 
-def _shards(mesh) -> int:
-  return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
-def sample(cfg: Config, mesh, scfg: sampler.SamplingConfig, params, lora,
+def sample(cfg, mesh, scfg: sampler.SamplingConfig, params, lora,
            prompts: Sequence[Sequence[int]], key: jax.Array) -> list[list[int]]:
   """One completion (token ids, EOS included if emitted) per prompt, in batches.
 
   Chunk c (rows c * eval_batch_size onward) samples with fold_in(key, its first row), so
   results are reproducible given the key and eval_batch_size, whatever the device count.
   """
-  bs = cfg.train.eval_batch_size
-  lora_scale = cfg.lora.scale if lora is not None else 1.0
+  bs = cfg.eval.eval_batch_size
   out: list[list[int]] = []
   for start in range(0, len(prompts), bs):
     chunk = list(prompts[start:start + bs])
     n = len(chunk)
-    chunk += [chunk[-1]] * (-n % _shards(mesh))  # pad rows so the batch splits over devices
+    chunk += [chunk[-1]] * (-n % batch_shards(mesh))  # pad rows so the batch splits over devices
     tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8)
     # Every process holds all prompts, so each passes the whole batch.
     batch = train.device_batch(mesh, {"tokens": tokens, "segment_ids": segments}, len(chunk))
     samples = sampler.generate(cfg.model, scfg, params, batch["tokens"], batch["segment_ids"],
-                               jax.random.fold_in(key, start), lora=lora, lora_scale=lora_scale)
+                               jax.random.fold_in(key, start), lora=lora, lora_scale=cfg.lora.scale)
     out += sampler.completions(_replicated(mesh, samples))[:n]
   return out
 
@@ -137,31 +135,18 @@ def _replicated(mesh, tree):
   return jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
 
 
-def _seq_stats(cfg: Config, policy_params, lora, ref_params, batch):
-  lora_scale = cfg.lora.scale if lora is not None else 1.0
-  args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"])
-  pol, counts = logprobs.sequence_logps(cfg.model, policy_params, *args, lora=lora,
-                                        lora_scale=lora_scale)
-  ref, _ = logprobs.sequence_logps(cfg.model, ref_params, *args)
-  return pol, ref, counts
-
-
-@functools.lru_cache(maxsize=8)
-def _jitted_seq_stats(cfg: Config, mesh):
-  return jax.jit(train.with_mesh(mesh, functools.partial(_seq_stats, cfg)),
-                 out_shardings=NamedSharding(mesh, P()))
-
-
-def completion_logps(cfg: Config, mesh, policy_params, lora, ref_params,
+def completion_logps(cfg, mesh, policy_params, lora, ref_params,
                      prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                      pad_id: int):
   """(log pi(y|x) [n], log pi_ref(y|x) [n], completion token counts [n]), summed nats."""
   rows = [(list(p), list(c)) for p, c in zip(prompts, completions)]
   seq_len = -(-max(len(p) + len(c) for p, c in rows) // 8) * 8
   arrays = data_lib._pack_rows(rows, seq_len, pad_id)
-  bs = cfg.train.eval_batch_size + (-cfg.train.eval_batch_size % _shards(mesh))
-  fn = _jitted_seq_stats(cfg, mesh)
-  return _in_batches(mesh, lambda b: fn(policy_params, lora, ref_params, b), arrays, bs)
+  bs = cfg.eval.eval_batch_size + (-cfg.eval.eval_batch_size % batch_shards(mesh))
+  fn = _jitted_scores(logprobs.sequence_logps, cfg.model, cfg.lora, mesh)
+  pol, counts, ref, _ = _in_batches(mesh, lambda b: fn(policy_params, lora, ref_params, b),
+                                    arrays, bs)
+  return pol, ref, counts
 
 
 def _length_stats(prefix: str, comps: Sequence[Sequence[int]], texts: Sequence[str],
@@ -185,7 +170,7 @@ class Evaluator:
   differences between evaluation steps come from the policy, not from sampling noise.
   """
 
-  def __init__(self, cfg: Config, mesh, tok, prompts: Sequence[str], ref_params,
+  def __init__(self, cfg, mesh, tok, prompts: Sequence[str], ref_params,
                held: dict | None = None, reward_fn: Callable[[str], float] | None = None):
     self.cfg, self.mesh, self.tok, self.ref_params = cfg, mesh, tok, ref_params
     self.prompt_texts = list(prompts)
@@ -194,7 +179,7 @@ class Evaluator:
                        for p in prompts]
     self.held, self.reward_fn = held, reward_fn
     self.scfg = sampling_config(cfg, tok)
-    key = jax.random.fold_in(jax.random.key(cfg.train.seed), 7)
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed), 7)
     self.policy_key, self.ref_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
     self._ref = None
 
@@ -212,7 +197,7 @@ class Evaluator:
     m: dict = {}
     if self.held is not None:
       m.update(pair_metrics(self.cfg, self.mesh, policy_params, lora, self.ref_params, self.held,
-                            self.cfg.train.global_batch_size))
+                            self.cfg.optim.global_batch_size))
     else:
       m.update(reward_accuracy=None, reward_margin=None, perplexity=None)
     examples: list[tuple[str, str, str]] = []

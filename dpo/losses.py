@@ -1,12 +1,15 @@
-"""Preference losses as pure functions of per-sequence log-probs.
+"""Preference losses as pure functions of per-sequence log-probs, and the registry of them.
 
 Every loss takes a `Logps` (summed log-probs of chosen and rejected completions under the policy
-and the reference, plus token counts) and keyword hyperparameters, and returns (per-pair losses
-[B], extra metrics). Each function reads the hyperparameters it needs and ignores the rest, so
-`combined` can pass one dict to all of them. The trainer averages the losses; it never contains
-loss logic. `LOSSES` is the registry that `--loss_type` selects from; `combined` applies the
-weights and the modifiers (RPO, WPO). LD-DPO and the f-divergences change the inputs to the
-losses rather than the losses, see `length_desensitised` and `f_margin`.
+and the reference, plus token counts) and exactly the hyperparameters it declares, and returns
+(per-pair losses [B], extra metrics). `register` puts a loss in `LOSSES` together with everything
+about it: its hyperparameters (name, default, help, valid range), whether it reads the reference,
+and which modifiers (RPO, WPO, LD-DPO) combine with it. The `loss` config section (`LossConfig`,
+built at the end of this module), its flags, its validation, `--help` and the loss table in
+WORKSPACE.md (`table`) are all derived from the registry, so adding a loss touches this module
+only. `combined` applies the weights and the modifiers; the trainer never contains loss logic.
+LD-DPO and the f-divergences change the inputs to the losses rather than the losses, see
+`length_desensitised` and `f_margin`.
 
 Notation: rw = log pi(y_w) - log pi_ref(y_w), rl likewise for y_l (summed over tokens unless a
 loss says "average"); h = rw - rl, the DPO margin before beta.
@@ -14,7 +17,9 @@ loss says "average"); h = rw - rl, the DPO margin before beta.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +47,92 @@ class Logps(NamedTuple):
                          ref_chosen=self.ref_chosen / nc, ref_rejected=self.ref_rejected / nr)
 
 
+# --- the registry ---------------------------------------------------------------------------------
+
+class Hyperparameter(NamedTuple):
+  """One loss hyperparameter: a field of the `loss` config section and a flag of the same name."""
+  name: str
+  default: Any
+  help: str
+  valid: Callable[[Any], bool] = lambda v: True
+  rule: str = ""                     # what `valid` demands, for the error message
+  read_when: tuple[str, Any] | None = None  # (field, value): only read when that field has it
+
+
+class Loss(NamedTuple):
+  name: str
+  fn: Callable
+  hyperparameters: tuple[Hyperparameter, ...]
+  reference: bool                    # reads reference log-probs (False: reference-free)
+  modifiers: tuple[str, ...]         # names in MODIFIERS that combine with it
+
+  def apply(self, lp: Logps, values) -> tuple[jax.Array, dict]:
+    """The loss on `lp`, reading its hyperparameters from `values` (a LossConfig or a dict)."""
+    get = values.get if isinstance(values, dict) else lambda k: getattr(values, k)
+    return self.fn(lp, **{h.name: get(h.name) for h in self.hyperparameters})
+
+
+LOSSES: dict[str, Loss] = {}
+
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+BETA = Hyperparameter(
+    "beta", 0.1, "Inverse temperature beta (strength of the KL anchor); also scales the implicit "
+    "rewards beta * log(pi / pi_ref) reported for every loss.", lambda v: v > 0, "> 0")
+LABEL_SMOOTHING = Hyperparameter(
+    "label_smoothing", 0.0, "Label noise eps (conservative DPO, robust DPO, EXO).",
+    lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
+F_DIVERGENCE = Hyperparameter(
+    "f_divergence", "reverse_kl", f"f-DPO divergence (Wang et al. 2024), from {F_DIVERGENCES}.",
+    lambda v: v in F_DIVERGENCES, f"one of {F_DIVERGENCES}")
+F_ALPHA = Hyperparameter(
+    "f_alpha", 0.5, "Alpha of the alpha-divergence f-DPO variant.", lambda v: 0.0 < v <= 1.0,
+    "in (0, 1]", read_when=("f_divergence", "alpha_divergence"))
+DISCOPOP_TAU = Hyperparameter(
+    "discopop_tau", 0.05, "DiscoPOP temperature of the log-ratio modulation (Lu et al. 2024).",
+    lambda v: v > 0, "> 0")
+SIMPO_BETA = Hyperparameter(
+    "simpo_beta", 2.0, "SimPO reward scale beta on average log-probs (Meng et al. 2024).",
+    lambda v: v > 0, "> 0")
+SIMPO_GAMMA = Hyperparameter(
+    "simpo_gamma", 1.0, "SimPO target reward margin gamma (Meng et al. 2024: gamma/beta = 0.5).")
+CPO_ALPHA = Hyperparameter(
+    "cpo_alpha", 1.0, "CPO weight of the NLL term on the chosen completion (Xu et al. 2024).",
+    lambda v: v >= 0, ">= 0")
+ORPO_LAMBDA = Hyperparameter(
+    "orpo_lambda", 0.1, "ORPO weight lambda of the odds-ratio term (Hong et al. 2024).",
+    lambda v: v >= 0, ">= 0")
+
+# Modifiers act on the combination (dpo.train.dpo_step and `combined`), not inside a loss.
+MODIFIERS: dict[str, Hyperparameter] = {
+    "rpo": Hyperparameter(
+        "rpo_alpha", 0.0, "RPO: add alpha * mean NLL of the chosen completion (Pang et al. 2024 "
+        "use 1.0); 0 disables.", lambda v: v >= 0, ">= 0"),
+    "wpo": Hyperparameter(
+        "wpo", False, "WPO: weight each pair by its (clamped) length-normalised policy "
+        "probability (Zhou et al. 2024)."),
+    "ld": Hyperparameter(
+        "ld_alpha", 1.0, "LD-DPO (Liu et al. 2024): weight of log-probs past the pair's shared "
+        "length; 1.0 disables, values in (0, 1) desensitise to length.",
+        lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+}
+_F = (F_DIVERGENCE, F_ALPHA)
+
+
+def register(name: str, *hyperparameters: Hyperparameter, reference: bool = True,
+             modifiers: tuple[str, ...] = tuple(MODIFIERS)):
+  """Decorator: adds the loss to LOSSES; its signature must be (lp, *hyperparameter names)."""
+  def add(fn):
+    params = list(inspect.signature(fn).parameters)[1:]
+    if params != [h.name for h in hyperparameters]:
+      raise TypeError(f"loss {name}: signature {params} != declared hyperparameters")
+    LOSSES[name] = Loss(name, fn, hyperparameters, reference, modifiers)
+    return fn
+  return add
+
+
+# --- shared pieces --------------------------------------------------------------------------------
+
 def _ratios(lp: Logps) -> tuple[jax.Array, jax.Array]:
   return lp.policy_chosen - lp.ref_chosen, lp.policy_rejected - lp.ref_rejected
 
@@ -62,7 +153,7 @@ def nll_chosen(lp: Logps) -> jax.Array:
 
 # --- input transforms: f-divergences and LD-DPO ---------------------------------------------------
 
-def f_margin(lp: Logps, f_divergence: str = "reverse_kl", f_alpha: float = 0.5, **_) -> jax.Array:
+def f_margin(lp: Logps, f_divergence: str = "reverse_kl", f_alpha: float = 0.5) -> jax.Array:
   """f-DPO margin f'(u_w) - f'(u_l), u = pi / pi_ref (Wang et al. 2024, "Beyond Reverse KL", Thm 1).
 
   reverse KL: f'(u) = log u + 1            -> rw - rl (plain DPO)
@@ -90,47 +181,53 @@ def length_desensitised(total: jax.Array, shared: jax.Array, ld_alpha: float) ->
 
 # --- losses with a reference ----------------------------------------------------------------------
 
-def sigmoid(lp: Logps, beta: float, label_smoothing: float = 0.0, **hp):
+@register("sigmoid", BETA, LABEL_SMOOTHING, *_F)
+def sigmoid(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   """DPO (Rafailov et al. 2023, eq. 7) with conservative label smoothing eps (cDPO, Mitchell 2023):
 
   loss = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h); h generalised by `f_margin`.
   """
-  return _smoothed_logistic(beta * f_margin(lp, **hp), label_smoothing), {}
+  return _smoothed_logistic(beta * f_margin(lp, f_divergence, f_alpha), label_smoothing), {}
 
 
-def robust(lp: Logps, beta: float, label_smoothing: float = 0.0, **hp):
+@register("robust", BETA, LABEL_SMOOTHING, *_F)
+def robust(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   """Robust DPO (Chowdhury et al. 2024, "Provably Robust DPO", the de-biased loss), unbiased under label flips
   with rate eps: [-(1 - eps) log sig(beta h) + eps log sig(-beta h)] / (1 - 2 eps)."""
-  z = beta * f_margin(lp, **hp)
+  z = beta * f_margin(lp, f_divergence, f_alpha)
   losses = (-(1 - label_smoothing) * log_sigmoid(z) + label_smoothing * log_sigmoid(-z))
   return losses / (1 - 2 * label_smoothing), {}
 
 
-def hinge(lp: Logps, beta: float, **hp):
+@register("hinge", BETA, *_F)
+def hinge(lp: Logps, beta, f_divergence, f_alpha):
   """SLiC-HF calibration hinge (Zhao et al. 2023; the rank-calibration hinge, on the DPO margin h):
   max(0, 1 - beta h), i.e. a margin of 1/beta on h."""
-  return jax.nn.relu(1.0 - beta * f_margin(lp, **hp)), {}
+  return jax.nn.relu(1.0 - beta * f_margin(lp, f_divergence, f_alpha)), {}
 
 
-def ipo(lp: Logps, beta: float, **_):
+@register("ipo", BETA)
+def ipo(lp: Logps, beta):
   """IPO (Azar et al. 2023, "A General Theoretical Paradigm", the sampled IPO loss): (h - 1/(2 tau))^2 with
   tau = beta, on per-token AVERAGE log-probs as the authors specify for sequences."""
   rw, rl = _ratios(lp.averaged())
   return (rw - rl - 1.0 / (2.0 * beta)) ** 2, {}
 
 
-def exo_pair(lp: Logps, beta: float, label_smoothing: float = 0.0, **hp):
+@register("exo_pair", BETA, LABEL_SMOOTHING, *_F)
+def exo_pair(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   """EXO, pairwise (Ji et al. 2024, "Towards Efficient Exact Optimization of LM Alignment", pairwise EXO):
   KL(p_theta || p_target) between the model's preference p = sigmoid(beta h) and the smoothed
   label (1 - eps, eps); eps = 1e-3 when label_smoothing is 0 (the KL needs eps > 0)."""
   eps = label_smoothing if label_smoothing > 0 else 1e-3
-  z = beta * f_margin(lp, **hp)
+  z = beta * f_margin(lp, f_divergence, f_alpha)
   p = jax.nn.sigmoid(z)
   losses = p * (log_sigmoid(z) - jnp.log1p(-eps)) + (1 - p) * (log_sigmoid(-z) - jnp.log(eps))
   return losses, {}
 
 
-def nca_pair(lp: Logps, beta: float, **_):
+@register("nca_pair", BETA)
+def nca_pair(lp: Logps, beta):
   """NCA, pairwise (Chen et al. 2024, "Noise Contrastive Alignment", pairwise NCA) with r = beta * ratio:
   -log sig(r_w) - 1/2 log sig(-r_w) - 1/2 log sig(-r_l)."""
   rw, rl = _ratios(lp)
@@ -138,7 +235,8 @@ def nca_pair(lp: Logps, beta: float, **_):
   return -log_sigmoid(zw) - 0.5 * log_sigmoid(-zw) - 0.5 * log_sigmoid(-zl), {}
 
 
-def bco_pair(lp: Logps, beta: float, **_):
+@register("bco_pair", BETA)
+def bco_pair(lp: Logps, beta):
   """BCO on pairs (Jung et al. 2024, "Binary Classifier Optimization", with reward shift delta): chosen -> 1,
   rejected -> 0, rewards beta * ratio shifted by delta = mean reward of the batch (chosen and
   rejected, no gradient): -log sig(beta rw - delta) - log sig(-(beta rl - delta)).
@@ -152,14 +250,16 @@ def bco_pair(lp: Logps, beta: float, **_):
   return -log_sigmoid(zw - delta) - log_sigmoid(-(zl - delta)), {"bco/delta": delta}
 
 
-def sppo_hard(lp: Logps, beta: float, **_):
+@register("sppo_hard", BETA)
+def sppo_hard(lp: Logps, beta):
   """SPPO with hard labels (Wu et al. 2024, "Self-Play Preference Optimization", the SPPO
   square loss with P(y_w > y_l) = 1, eta = 1/beta): (rw - 1/(2 beta))^2 + (rl + 1/(2 beta))^2."""
   rw, rl = _ratios(lp)
   return (rw - 0.5 / beta) ** 2 + (rl + 0.5 / beta) ** 2, {}
 
 
-def aot(lp: Logps, beta: float, label_smoothing: float = 0.0, **_):
+@register("aot", BETA, LABEL_SMOOTHING)
+def aot(lp: Logps, beta, label_smoothing):
   """AOT, paired (Melnyk et al. 2024, "Distributional Preference Alignment via Optimal Transport"):
   the batch's sorted policy log-ratios log pi(y_w)/pi(y_l) must dominate the sorted
   reference ones; logistic loss on the sorted differences."""
@@ -168,57 +268,63 @@ def aot(lp: Logps, beta: float, label_smoothing: float = 0.0, **_):
   return _smoothed_logistic(beta * (pol - ref), label_smoothing), {}
 
 
-def aot_unpaired(lp: Logps, beta: float, label_smoothing: float = 0.0, **_):
+@register("aot_unpaired", BETA, LABEL_SMOOTHING)
+def aot_unpaired(lp: Logps, beta, label_smoothing):
   """AOT, unpaired (Melnyk et al. 2024): the sorted chosen ratios rw must dominate the
   sorted rejected ratios rl across the batch; logistic loss on the sorted differences."""
   rw, rl = _ratios(lp)
   return _smoothed_logistic(beta * (jnp.sort(rw) - jnp.sort(rl)), label_smoothing), {}
 
 
-def apo_zero(lp: Logps, beta: float, **_):
+@register("apo_zero", BETA)
+def apo_zero(lp: Logps, beta):
   """APO-zero (D'Oosterlinck et al. 2024, "Anchored Preference Optimization"): raise the
   chosen and lower the rejected likelihood: (1 - sig(beta rw)) + sig(beta rl)."""
   rw, rl = _ratios(lp)
   return (1 - jax.nn.sigmoid(beta * rw)) + jax.nn.sigmoid(beta * rl), {}
 
 
-def apo_down(lp: Logps, beta: float, **_):
+@register("apo_down", BETA)
+def apo_down(lp: Logps, beta):
   """APO-down (D'Oosterlinck et al. 2024, "Anchored Preference Optimization"): lower both likelihoods, the rejected more:
   sig(beta rw) + (1 - sig(beta (rw - rl)))."""
   rw, rl = _ratios(lp)
   return jax.nn.sigmoid(beta * rw) + (1 - jax.nn.sigmoid(beta * (rw - rl))), {}
 
 
-def discopop(lp: Logps, beta: float, discopop_tau: float = 0.05, **hp):
+@register("discopop", BETA, DISCOPOP_TAU, *_F)
+def discopop(lp: Logps, beta, discopop_tau, f_divergence, f_alpha):
   """DiscoPOP / log-ratio modulated loss (Lu et al. 2024, "Discovering Preference Optimization
   Algorithms", LRML): with z = beta h and m = sig(z / tau), (1 - m) * -log sig(z) + m * exp(-z).
 
   m * exp(-z) is computed as exp(log sig(z / tau) - z), finite wherever the product is.
   """
-  z = beta * f_margin(lp, **hp)
+  z = beta * f_margin(lp, f_divergence, f_alpha)
   log_m = log_sigmoid(z / discopop_tau)
   m = jnp.exp(log_m)
   losses = (1 - m) * -log_sigmoid(z) + _capped_exp(log_m - z)
   return losses, {"discopop/modulation": m.mean()}
 
 
-def sigmoid_norm(lp: Logps, beta: float, label_smoothing: float = 0.0, **_):
+@register("sigmoid_norm", BETA, LABEL_SMOOTHING)
+def sigmoid_norm(lp: Logps, beta, label_smoothing):
   """Length-normalised DPO (LN-DPO; Ahrabian et al. 2024, "A Practical Analysis of Human Alignment
   with *PO"): DPO eq. 7 on per-token AVERAGE log-probs of policy and reference."""
   rw, rl = _ratios(lp.averaged())
   return _smoothed_logistic(beta * (rw - rl), label_smoothing), {}
 
 
-def sft(lp: Logps, **_):
+# --- reference-free losses ------------------------------------------------------------------------
+
+@register("sft", reference=False)
+def sft(lp: Logps):
   """Supervised NLL on the chosen completion, mean per token of each pair (no reference)."""
   nll = nll_chosen(lp)
   return nll, {"sft/nll": nll.mean()}
 
 
-# --- reference-free losses ------------------------------------------------------------------------
-
-def simpo(lp: Logps, simpo_beta: float = 2.0, simpo_gamma: float = 1.0,
-          label_smoothing: float = 0.0, **_):
+@register("simpo", SIMPO_BETA, SIMPO_GAMMA, LABEL_SMOOTHING, reference=False)
+def simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing):
   """SimPO (Meng et al. 2024, eq. 6): reward = beta * AVERAGE log-prob, no reference;
   -log sig(beta/|y_w| log pi(y_w) - beta/|y_l| log pi(y_l) - gamma) (label smoothing as cDPO)."""
   nc, nr = jnp.maximum(lp.chosen_tokens, 1.0), jnp.maximum(lp.rejected_tokens, 1.0)
@@ -227,7 +333,8 @@ def simpo(lp: Logps, simpo_beta: float = 2.0, simpo_gamma: float = 1.0,
       "simpo/reward_margin": margin.mean()}
 
 
-def cpo(lp: Logps, beta: float, cpo_alpha: float = 1.0, label_smoothing: float = 0.0, **_):
+@register("cpo", BETA, CPO_ALPHA, LABEL_SMOOTHING, reference=False)
+def cpo(lp: Logps, beta, cpo_alpha, label_smoothing):
   """CPO (Xu et al. 2024, "Contrastive Preference Optimization": L_prefer + L_NLL): DPO with a
   uniform reference, -log sig(beta (log pi(y_w) - log pi(y_l))), plus alpha * NLL(y_w)."""
   nll = nll_chosen(lp)
@@ -235,7 +342,8 @@ def cpo(lp: Logps, beta: float, cpo_alpha: float = 1.0, label_smoothing: float =
   return pref + cpo_alpha * nll, {"cpo/nll": nll.mean()}
 
 
-def orpo(lp: Logps, orpo_lambda: float = 0.1, **_):
+@register("orpo", ORPO_LAMBDA, reference=False)
+def orpo(lp: Logps, orpo_lambda):
   """ORPO (Hong et al. 2024, eqs. 6-7): NLL(y_w) + lambda * -log sig(log odds(y_w) - log odds(y_l)),
   odds(y) = P / (1 - P) with P = exp(AVERAGE log-prob of y)."""
   nc, nr = jnp.maximum(lp.chosen_tokens, 1.0), jnp.maximum(lp.rejected_tokens, 1.0)
@@ -250,23 +358,7 @@ def orpo(lp: Logps, orpo_lambda: float = 0.1, **_):
                                      "orpo/nll": nll.mean()}
 
 
-LOSSES: dict[str, Callable] = {
-    "sigmoid": sigmoid, "robust": robust, "hinge": hinge, "ipo": ipo, "exo_pair": exo_pair,
-    "nca_pair": nca_pair, "bco_pair": bco_pair, "sppo_hard": sppo_hard, "aot": aot,
-    "aot_unpaired": aot_unpaired, "apo_zero": apo_zero, "apo_down": apo_down,
-    "discopop": discopop, "sigmoid_norm": sigmoid_norm, "sft": sft,
-    "simpo": simpo, "cpo": cpo, "orpo": orpo,
-}
-
-
-def hyperparameters(cfg) -> dict:
-  """The keyword hyperparameters every loss is called with, from a Config."""
-  l = cfg.loss
-  return dict(beta=cfg.train.beta, label_smoothing=cfg.train.label_smoothing,
-              f_divergence=l.f_divergence, f_alpha=l.f_alpha, discopop_tau=l.discopop_tau,
-              simpo_beta=l.simpo_beta, simpo_gamma=l.simpo_gamma, cpo_alpha=l.cpo_alpha,
-              orpo_lambda=l.orpo_lambda)
-
+# --- combination and statistics -------------------------------------------------------------------
 
 def wpo_weight(wpo_logw_B2: jax.Array) -> jax.Array:
   """WPO pair weight (Zhou et al. 2024, "WPO: Weighted Preference Optimization", with weight alignment):
@@ -274,31 +366,33 @@ def wpo_weight(wpo_logw_B2: jax.Array) -> jax.Array:
   return jax.lax.stop_gradient(jnp.exp(jnp.minimum(wpo_logw_B2.sum(-1), 0.0)))
 
 
-def combined(lp: Logps, loss_types, weights, hp: dict, rpo_alpha: float = 0.0,
-             wpo_logw_B2: jax.Array | None = None) -> tuple[jax.Array, dict]:
-  """(scalar loss, metrics): sum_i w_i * loss_i, each pair weighted by WPO if given, plus RPO's
-  alpha * NLL(y_w) (Pang et al. 2024, "Iterative Reasoning Preference Optimization": DPO + NLL)."""
+def combined(lp: Logps, cfg, wpo_logw_B2: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """(scalar loss, metrics): sum_i w_i * loss_i over cfg.loss_type (a LossConfig), each pair
+  weighted by WPO if given, plus RPO's alpha * NLL(y_w) (Pang et al. 2024, "Iterative Reasoning
+  Preference Optimization": DPO + NLL)."""
   per_pair = jnp.zeros_like(lp.policy_chosen)
   metrics = {}
-  for name, w in zip(loss_types, weights):
-    l, m = LOSSES[name](lp, **hp)
+  for name, w in zip(cfg.loss_type, cfg.weights):
+    l, m = LOSSES[name].apply(lp, cfg)
     per_pair = per_pair + w * l
     metrics.update(m)
-    if len(loss_types) > 1:
+    if len(cfg.loss_type) > 1:
       metrics[f"loss/{name}"] = l.mean()
   if wpo_logw_B2 is not None:
     weight = wpo_weight(wpo_logw_B2)
     per_pair = per_pair * weight
     metrics["wpo/weight"] = weight.mean()
-  if rpo_alpha:
+  if cfg.rpo_alpha:
     nll = nll_chosen(lp)
-    per_pair = per_pair + rpo_alpha * nll
+    per_pair = per_pair + cfg.rpo_alpha * nll
     metrics["rpo/nll"] = nll.mean()
   return per_pair.mean(), metrics
 
 
-def reward_metrics(lp: Logps, beta: float) -> dict[str, jax.Array]:
-  """Implicit rewards r = beta * (log pi - log pi_ref), under the names TRL reports."""
+def pair_statistics(lp: Logps, beta: float) -> dict[str, jax.Array]:
+  """Implicit rewards r = beta * (log pi - log pi_ref) and log-probs, averaged over the pairs,
+  under the names TRL reports. Training logs them per batch (jax arrays); evaluation over all
+  held-out pairs (numpy arrays: only array methods are used, so either works)."""
   rc = beta * (lp.policy_chosen - lp.ref_chosen)
   rr = beta * (lp.policy_rejected - lp.ref_rejected)
   return {
@@ -309,3 +403,88 @@ def reward_metrics(lp: Logps, beta: float) -> dict[str, jax.Array]:
       "logps/chosen": lp.policy_chosen.mean(),
       "logps/rejected": lp.policy_rejected.mean(),
   }
+
+
+# --- the config section ---------------------------------------------------------------------------
+
+def hyperparameters() -> dict[str, Hyperparameter]:
+  """Every loss and modifier hyperparameter by name (each defined once, shared by losses)."""
+  out = {}
+  for h in [h for loss in LOSSES.values() for h in loss.hyperparameters] + list(MODIFIERS.values()):
+    if out.setdefault(h.name, h) is not h:
+      raise TypeError(f"two hyperparameters are named {h.name}")
+  return out
+
+
+def readers(name: str) -> list[str]:
+  """The losses that read hyperparameter `name` (as theirs or through a modifier)."""
+  mod = next((m for m, h in MODIFIERS.items() if h.name == name), None)
+  return [l.name for l in LOSSES.values()
+          if any(h.name == name for h in l.hyperparameters) or mod in l.modifiers]
+
+
+def _validate(cfg) -> None:
+  """Values in range, and no hyperparameter set that none of the selected losses reads."""
+  bad = [t for t in cfg.loss_type if t not in LOSSES]
+  if bad or not cfg.loss_type or len(set(cfg.loss_type)) < len(cfg.loss_type):
+    raise ValueError(f"--loss_type={','.join(cfg.loss_type) or '(empty)'}: each must appear once, "
+                     f"from {', '.join(LOSSES)}")
+  if cfg.loss_weights and len(cfg.loss_weights) != len(cfg.loss_type):
+    raise ValueError(f"--loss_weights={cfg.loss_weights} must have one weight per --loss_type "
+                     f"{cfg.loss_type}")
+  for name, h in hyperparameters().items():
+    value = getattr(cfg, name)
+    if not h.valid(value):
+      raise ValueError(f"--{name} must be {h.rule}, got {value!r}")
+    if value == h.default or name == BETA.name:  # beta also scales every reported reward
+      continue
+    who = readers(name)
+    if not set(who) & set(cfg.loss_type):
+      raise ValueError(f"--{name}={value!r} is read by none of --loss_type={','.join(cfg.loss_type)}"
+                       f" (it applies to {', '.join(who)})")
+    if h.read_when and getattr(cfg, h.read_when[0]) != h.read_when[1]:
+      raise ValueError(f"--{name}={value!r} is read only with --{h.read_when[0]}={h.read_when[1]}")
+
+
+def _make_config_class():
+  fields = [
+      ("loss_type", tuple[str, ...], dataclasses.field(default=("sigmoid",), metadata={
+          "help": f"Comma-separated losses, from {', '.join(LOSSES)}."})),
+      ("loss_weights", tuple[float, ...], dataclasses.field(default=(), metadata={
+          "help": "Weights of loss_type's losses (empty = all 1.0)."})),
+  ]
+  fields += [(h.name, type(h.default), dataclasses.field(default=h.default, metadata={"help": h.help}))
+             for h in hyperparameters().values()]
+  namespace = {
+      "__post_init__": _validate,
+      "weights": property(lambda self: self.loss_weights or (1.0,) * len(self.loss_type)),
+      "reference_free": property(lambda self: not any(LOSSES[t].reference for t in self.loss_type)),
+      "__module__": __name__,
+      "__doc__": "The preference objective: which losses, their weights and hyperparameters "
+                 "(derived from dpo.losses.LOSSES and MODIFIERS).",
+  }
+  return dataclasses.make_dataclass("LossConfig", fields, frozen=True, namespace=namespace)
+
+
+LossConfig = _make_config_class()
+
+
+def _citation(doc: str) -> str:
+  """A docstring's text up to the parenthesis that closes its first "(" (the citation)."""
+  depth = 0
+  for i, ch in enumerate(doc):
+    depth += (ch == "(") - (ch == ")")
+    if ch == ")" and depth == 0:
+      return doc[:i + 1]
+  return doc
+
+
+def table() -> str:
+  """The markdown table of the registry (WORKSPACE.md carries it; a test keeps them equal)."""
+  rows = ["| loss | reference | hyperparameters | modifiers | source |", "|---|---|---|---|---|"]
+  for l in LOSSES.values():
+    hps = ", ".join(f"`{h.name}`" for h in l.hyperparameters) or "-"
+    source = _citation(" ".join(l.fn.__doc__.split()))
+    rows.append(f"| `{l.name}` | {'yes' if l.reference else 'no'} | {hps} | "
+                f"{', '.join(l.modifiers)} | {source} |")
+  return "\n".join(rows)

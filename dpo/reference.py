@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import Config
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from dpo import train
 
 CACHE_VERSION = 1
@@ -39,7 +40,7 @@ def _host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def fingerprint(cfg: Config, arrays: dict, tok, frozen) -> str:
+def fingerprint(spec: train.StepConfig, arrays: dict, tok, frozen: train.Frozen) -> str:
   """sha256 over the pair arrays, the tokenizer, the model config and the reference weights."""
   h = hashlib.sha256()
   h.update(f"v{CACHE_VERSION}".encode())
@@ -52,45 +53,50 @@ def fingerprint(cfg: Config, arrays: dict, tok, frozen) -> str:
   h.update(f"tokenizer:{type(tok).__module__}.{type(tok).__name__}:{tok.vocab_size}".encode())
   for attr in ("pad_id", "bos_id", "eos_id"):
     h.update(f"{attr}={getattr(tok, attr, None)}".encode())
-  h.update(repr(cfg.model).encode())
-  base, ref_lora = train._split_frozen(frozen)
-  h.update(f"lora_scale={cfg.lora.scale if ref_lora is not None else 1.0}".encode())
-  for path, leaf in jax.tree_util.tree_leaves_with_path((base, ref_lora)):
+  h.update(repr(spec.model).encode())
+  h.update(f"lora_scale={spec.lora.scale if frozen.ref_lora is not None else 1.0}".encode())
+  for path, leaf in jax.tree_util.tree_leaves_with_path((frozen.params, frozen.ref_lora)):
     a = _host(leaf)
     h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
     h.update(np.ascontiguousarray(a).tobytes())
   return h.hexdigest()
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _ref_batch(cfg: Config, frozen, batch):
-  stats = train.reference_stats(cfg, frozen, batch)
-  return stats.logps, stats.shared_logps
+@functools.lru_cache(maxsize=4)
+def _jitted_reference(spec: train.StepConfig, mesh):
+  """The reference half of the DPO step (`train.reference_stats`), on the step's mesh; outputs
+  replicated so that every process reads all rows."""
+  def ref(frozen, batch):
+    stats = train.reference_stats(spec, frozen, batch)
+    return stats.logps, stats.shared_logps
+  return jax.jit(train.with_mesh(mesh, ref), out_shardings=NamedSharding(mesh, P()))
 
 
-def compute(cfg: Config, mesh, frozen, arrays: dict, batch_size: int) -> dict[str, np.ndarray]:
+def compute(spec: train.StepConfig, mesh, frozen: train.Frozen, arrays: dict,
+            batch_size: int) -> dict[str, np.ndarray]:
   """{ref_logps, ref_shared_logps}: [N, 2] float32 reference statistics of every pair."""
   n = len(arrays["tokens"])
   keys = ("tokens", "positions", "segment_ids", "loss_mask")
+  fn = _jitted_reference(spec, mesh)
   out = {k: [] for k in _REF_KEYS}
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size) % n  # the last batch wraps; extra rows dropped
-    batch = train.device_batch(mesh, {k: arrays[k][idx] for k in keys})
-    lps, shared = jax.device_get(_ref_batch(cfg, frozen, batch))
+    batch = train.device_batch(mesh, {k: arrays[k][idx] for k in keys}, batch_size)
+    lps, shared = jax.device_get(fn(frozen, batch))
     keep = min(batch_size, n - start)
     out["ref_logps"].append(lps[:keep])
     out["ref_shared_logps"].append(shared[:keep])
   return {k: np.concatenate(v).astype(np.float32) for k, v in out.items()}
 
 
-def cached(cfg: Config, mesh, frozen, arrays: dict, tok) -> tuple[dict[str, np.ndarray], dict]:
+def cached(spec: train.StepConfig, mesh, frozen: train.Frozen, arrays: dict, tok,
+           cache_dir: str, batch_size: int) -> tuple[dict[str, np.ndarray], dict]:
   """Loads the reference statistics for `arrays` from the cache, or computes and stores them.
 
   Returns (arrays {ref_logps, ref_shared_logps}, info {path, hit, fingerprint, seconds}).
   """
   t0 = time.perf_counter()
-  key = fingerprint(cfg, arrays, tok, frozen)
-  cache_dir = cfg.loss.ref_cache_dir or os.path.join(cfg.train.output_dir, "ref_cache")
+  key = fingerprint(spec, arrays, tok, frozen)
   path = os.path.join(cache_dir, f"ref_logps-{key[:32]}.npz")
   n = len(arrays["tokens"])
   if os.path.exists(path):
@@ -105,7 +111,7 @@ def cached(cfg: Config, mesh, frozen, arrays: dict, tok) -> tuple[dict[str, np.n
                        f"expected ({n}, 2)")
     hit = True
   else:
-    result = compute(cfg, mesh, frozen, arrays, cfg.train.global_batch_size)
+    result = compute(spec, mesh, frozen, arrays, batch_size)
     hit = False
     if jax.process_index() == 0:
       os.makedirs(cache_dir, exist_ok=True)
@@ -128,20 +134,12 @@ def _mix(alpha, new, old):
   return jax.tree.map(lambda n, o: (alpha * n + (1 - alpha) * o).astype(o.dtype), new, old)
 
 
-def initial_frozen(cfg: Config, base, trainable) -> train.Frozen:
-  """The DPO stage's frozen part: with LoRA and TR-DPO, a copy of the initial adapter rides along."""
-  if cfg.lora.enabled and cfg.loss.ref_update != "none":
-    return train.Frozen(base, jax.tree.map(lambda x: x.copy(), trainable))
-  return train.Frozen(base, None)
-
-
-def maybe_update(cfg: Config, step: int, state: train.TrainState, frozen: train.Frozen) -> train.Frozen:
-  """TR-DPO: after every ref_update_every-th step, mix the policy into the reference."""
-  lc = cfg.loss
-  if lc.ref_update == "none" or step % lc.ref_update_every:
+def maybe_update(cfg, step: int, state: train.TrainState, frozen: train.Frozen) -> train.Frozen:
+  """TR-DPO: after every ref_update_every-th step, mix the policy into the reference.
+  `cfg` is the ReferenceConfig; with LoRA (frozen.ref_lora set) the adapters are mixed."""
+  if cfg.ref_update == "none" or step % cfg.ref_update_every:
     return frozen
-  alpha = jnp.float32(1.0 if lc.ref_update == "hard" else lc.ref_update_alpha)
-  if cfg.lora.enabled:
+  alpha = jnp.float32(1.0 if cfg.ref_update == "hard" else cfg.ref_update_alpha)
+  if frozen.ref_lora is not None:
     return frozen._replace(ref_lora=_mix(alpha, state.params, frozen.ref_lora))
   return frozen._replace(params=_mix(alpha, state.params, frozen.params))
-

@@ -4,17 +4,20 @@
   * LoRA on:  the base weights. Policy = base + LoRA delta; reference = the same base with the
     delta switched off. There is no second copy of the base.
   * LoRA off: the reference copy. Policy = state.params (all weights train); reference = frozen.
-  A `Frozen(params, ref_lora)` adds a frozen LoRA copy for TR-DPO with LoRA: the reference is then
-  base + ref_lora (dpo/reference.py updates it every k steps; a plain pytree means ref_lora=None).
-SFT trains all weights and has no frozen part.
+  `Frozen.ref_lora` holds a frozen LoRA copy for TR-DPO with LoRA: the reference is then
+  base + ref_lora (dpo/reference.py updates it every k steps).
+SFT trains all weights and has no frozen part. The trainable and frozen trees are built here
+(`initial_trainable`, `initial_frozen`, `trainable_specs`) and nowhere else.
 
 Guards that need no Python live inside the step: a non-finite loss or gradient leaves params and
 optimizer state unchanged and bumps `state.skipped`. `state.lr_scale` multiplies the schedule so
-the loop can cut the learning rate (e.g. after a rollback) without recompiling.
+the runner can cut the learning rate (e.g. after a rollback) without recompiling. A step's static
+argument is a `StepConfig`: only the config sections its computation reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -24,9 +27,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from configs import Config
 from dpo import logprobs, losses
-from models import sharding
+from models import lora as lora_lib
+from models import sharding, transformer
 
 
 class TrainState(NamedTuple):
@@ -38,6 +41,31 @@ class TrainState(NamedTuple):
   skipped: jax.Array    # int32 scalar: updates skipped for non-finite loss or gradient
 
 
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """Everything a jitted step's computation reads, and nothing else: the static argument of
+  `jit_step`, so an output path, a cadence or an evaluation setting never recompiles a step."""
+  model: Any                # ModelConfig
+  optim: Any                # OptimConfig (clipping, AdamW, warmup)
+  peak_lr: float
+  total_steps: int          # length of the warmup + cosine schedule
+  lora: Any = None          # DPO: LoraConfig (rank 0 = full fine-tuning); SFT: None
+  loss: Any = None          # DPO: LossConfig; SFT: None
+  kl: bool = False          # DPO: also compute the token KL(pi || ref) metric
+
+  @classmethod
+  def sft(cls, cfg) -> "StepConfig":
+    return cls(cfg.model, cfg.optim, cfg.optim.sft_learning_rate, cfg.optim.sft_steps)
+
+  @classmethod
+  def dpo(cls, cfg) -> "StepConfig":
+    return cls(cfg.model, cfg.optim, cfg.optim.learning_rate, cfg.optim.steps, cfg.lora, cfg.loss,
+               cfg.guard.step_kl)
+
+  def optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    return optimizer(self.optim, self.peak_lr, self.total_steps)
+
+
 def schedule(peak_lr: float, total_steps: int, warmup_ratio: float) -> optax.Schedule:
   """Linear warmup over warmup_ratio * steps, then cosine decay to 0."""
   total = max(total_steps, 1)
@@ -45,11 +73,11 @@ def schedule(peak_lr: float, total_steps: int, warmup_ratio: float) -> optax.Sch
   return optax.warmup_cosine_decay_schedule(0.0, peak_lr, warmup, max(total, warmup + 1), 0.0)
 
 
-def optimizer(cfg: Config, peak_lr: float, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  t = cfg.train
-  sched = schedule(peak_lr, total_steps, t.warmup_ratio)
-  parts = [optax.clip_by_global_norm(t.max_grad_norm)] if t.max_grad_norm > 0 else []
-  parts.append(optax.adamw(sched, b1=t.adam_b1, b2=t.adam_b2, weight_decay=t.weight_decay))
+def optimizer(o, peak_lr: float, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW on the warmup + cosine schedule, after global-norm clipping; `o` is an OptimConfig."""
+  sched = schedule(peak_lr, total_steps, o.warmup_ratio)
+  parts = [optax.clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm > 0 else []
+  parts.append(optax.adamw(sched, b1=o.adam_b1, b2=o.adam_b2, weight_decay=o.weight_decay))
   return optax.chain(*parts), sched
 
 
@@ -107,105 +135,120 @@ class Frozen(NamedTuple):
   ref_lora: Any = None  # TR-DPO with LoRA: a frozen LoRA copy; reference = params + ref_lora
 
 
-def _split_frozen(frozen) -> tuple[Any, Any]:
-  return (frozen.params, frozen.ref_lora) if isinstance(frozen, Frozen) else (frozen, None)
+# --- the DPO stage's trees: built here and nowhere else ---------------------------------------------
+
+def trainable_specs(model, lora) -> dict:
+  """ParamSpecs of what DPO trains: the LoRA factors, or (rank 0) every weight."""
+  return lora_lib.lora_specs(model, lora) if lora.enabled else transformer.param_specs(model)
 
 
-def reference_stats(cfg: Config, frozen, batch, with_logits: bool = False):
-  """Reference statistics of a pair batch (no dropout, no gradient); with_logits also returns
-  the reference logits [B, 2, T, V] (else None)."""
-  base, ref_lora = _split_frozen(frozen)
-  out = logprobs.pair_stats(cfg.model, base, batch, lora=ref_lora,
-                            lora_scale=cfg.lora.scale if ref_lora is not None else 1.0,
-                            with_logits=with_logits)
+def initial_trainable(model, lora, base, key: jax.Array, mesh: Mesh):
+  """Fresh LoRA factors (B = 0, so the policy starts equal to the base), or a copy of the base."""
+  if lora.enabled:
+    return lora_lib.init(model, lora, key, mesh)
+  return jax.tree.map(lambda x: x.copy(), base)
+
+
+def initial_frozen(base, trainable=None) -> Frozen:
+  """The frozen part; `trainable` (TR-DPO with LoRA) rides along as the reference adapter."""
+  return Frozen(base, None if trainable is None else jax.tree.map(lambda x: x.copy(), trainable))
+
+
+# --- steps ---------------------------------------------------------------------------------------
+
+def reference_stats(spec: StepConfig, frozen: Frozen, batch, with_logits: bool = False):
+  """Reference statistics of a pair batch (no dropout, no gradient)."""
+  out = logprobs.pair_stats(spec.model, frozen.params, batch, lora=frozen.ref_lora,
+                            lora_scale=spec.lora.scale, with_logits=with_logits)
   return jax.lax.stop_gradient(out)
 
 
-def dpo_step(cfg: Config, opt, sched, state: TrainState, frozen, batch) -> tuple[TrainState, dict]:
-  """One preference update with the configured loss combination (cfg.loss).
+def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tuple[TrainState, dict]:
+  """One preference update with the configured loss combination (spec.loss).
 
   batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
   ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
-  runs. Reference-free losses run no reference forward either.
+  runs. Reference-free losses run no reference forward either. The token KL metric (spec.kl)
+  needs the reference logits [B, 2, T, V]; without it they are never kept.
   """
-  lora_on = cfg.lora.enabled
-  lc = cfg.loss
-  key = _step_key(state)
-  base, _ = _split_frozen(frozen)
-  ref_logits = None
+  lora_on, lc = spec.lora.enabled, spec.loss
   if lc.reference_free:
     ref = None
   elif "ref_logps" in batch:
-    ref = (batch["ref_logps"], batch["ref_shared_logps"])
+    ref = logprobs.PairStats(batch["ref_logps"], None, batch["ref_shared_logps"], None, None)
   else:
-    stats, ref_logits = reference_stats(cfg, frozen, batch, with_logits=True)
-    ref = (stats.logps, stats.shared_logps)
+    ref = reference_stats(spec, frozen, batch, with_logits=spec.kl)
 
   def ld(total, shared):
     return total if lc.ld_alpha == 1.0 else losses.length_desensitised(total, shared, lc.ld_alpha)
 
   def loss_fn(trainable):
-    policy_params, lora = (base, trainable) if lora_on else (trainable, None)
-    pol, pol_logits = logprobs.pair_stats(
-        cfg.model, policy_params, batch, lora=lora,
-        lora_scale=cfg.lora.scale if lora_on else 1.0,
-        dropout_key=key if lora_on else None, dropout_rate=cfg.lora.lora_dropout, wpo=lc.wpo,
-        with_logits=True)  # unused logits are dead code under jit
+    policy_params, lora = (frozen.params, trainable) if lora_on else (trainable, None)
+    pol = logprobs.pair_stats(
+        spec.model, policy_params, batch, lora=lora, lora_scale=spec.lora.scale,
+        dropout_key=_step_key(state) if lora_on else None, dropout_rate=spec.lora.lora_dropout,
+        wpo=lc.wpo, with_logits=ref is not None and ref.logits is not None)
     pol_lp = ld(pol.logps, pol.shared_logps)
-    ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(*ref)
+    ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(ref.logps, ref.shared_logps)
     lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],
                       pol.tokens[:, 0], pol.tokens[:, 1])
-    loss, extra = losses.combined(lp, lc.loss_type, lc.weights, losses.hyperparameters(cfg),
-                                  lc.rpo_alpha, pol.wpo_logw)
-    metrics = {**losses.reward_metrics(lp, cfg.train.beta), **extra}
-    if ref_logits is not None:
+    loss, extra = losses.combined(lp, lc, pol.wpo_logw)
+    metrics = {**losses.pair_statistics(lp, lc.beta), **extra}
+    if pol.logits is not None:
       # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
-      # Only available when the reference runs in the step (not precomputed, not ref-free).
-      kl = logprobs.token_kl(jax.lax.stop_gradient(pol_logits), ref_logits, batch["loss_mask"])
+      kl = logprobs.token_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch["loss_mask"])
       metrics["kl"] = kl.sum() / jnp.maximum(pol.tokens.sum(), 1.0)
     return loss, metrics
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  return _apply(state, opt, sched, loss, grads, metrics)
+  return _apply(state, *spec.optimizer(), loss, grads, metrics)
 
 
-def sft_loss(cfg: Config, params, batch) -> tuple[jax.Array, jax.Array]:
+def sft_loss(model, params, batch) -> tuple[jax.Array, jax.Array]:
   """(mean NLL per completion token, scored-token count). batch arrays are [B, T]."""
-  lp, n = logprobs.sequence_logps(cfg.model, params, batch["tokens"], batch["positions"],
-                                  batch["segment_ids"], batch["loss_mask"])
+  lp, n = logprobs.sequence_logps(model, params, batch)
   total = jnp.maximum(n.sum(), 1.0)
   return -lp.sum() / total, n.sum()
 
 
-def sft_step(cfg: Config, opt, sched, state: TrainState, frozen, batch) -> tuple[TrainState, dict]:
+def sft_step(spec: StepConfig, state: TrainState, frozen, batch) -> tuple[TrainState, dict]:
   """One SFT update (all weights). `frozen` is unused; the signature matches `dpo_step`."""
   del frozen
-  (loss, tokens), grads = jax.value_and_grad(functools.partial(sft_loss, cfg), has_aux=True)(
-      state.params, batch)
-  return _apply(state, opt, sched, loss, grads, {"tokens": tokens})
+  (loss, tokens), grads = jax.value_and_grad(functools.partial(sft_loss, spec.model),
+                                             has_aux=True)(state.params, batch)
+  return _apply(state, *spec.optimizer(), loss, grads, {"tokens": tokens})
 
+
+# --- jit -----------------------------------------------------------------------------------------
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Dim 0 of every batch array (tokens [B, 2, T], ref_logps [B, 2], ...) over (data, fsdp); a
-  prefix spec, so the remaining axes are replicated whatever the array's rank."""
+  """Dim 0 of every batch array (tokens [B, 2, T], ref_logps [B, 2], ...) over the batch mesh
+  axes; a prefix spec, so the remaining axes are replicated whatever the array's rank."""
   return NamedSharding(mesh, P(sharding.RULES["batch"]))
 
 
-def jit_step(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state: TrainState, frozen):
+def jit_step(step_fn: Callable, spec: StepConfig, mesh: Mesh, state: TrainState, frozen):
   """jit(step) with explicit in/out shardings taken from the live state, state donated."""
-  state_sh = jax.tree.map(lambda x: x.sharding, state)
-  frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
-  return jit_step_with_shardings(step_fn, cfg, opt, sched, mesh, state_sh, frozen_sh)
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  return jit_step_with_shardings(step_fn, spec, mesh, shardings(state), shardings(frozen))
 
 
-def jit_step_with_shardings(step_fn: Callable, cfg: Config, opt, sched, mesh: Mesh, state_sh,
-                            frozen_sh):
-  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays)."""
-  batch_sh = batch_sharding(mesh)
-  replicated = NamedSharding(mesh, P())
-  return jax.jit(with_mesh(mesh, functools.partial(step_fn, cfg, opt, sched)),
-                 in_shardings=(state_sh, frozen_sh, batch_sh),
-                 out_shardings=(state_sh, replicated), donate_argnums=(0,))
+def jit_step_with_shardings(step_fn: Callable, spec: StepConfig, mesh: Mesh, state_sh, frozen_sh):
+  """As `jit_step`, from sharding pytrees (so abstract shapes can be lowered without arrays).
+
+  One jitted function per (step, spec, mesh, shardings): a second stage or run with the same
+  computation reuses the compiled step.
+  """
+  flat = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
+  return _jitted(step_fn, spec, mesh, *flat(state_sh), *flat(frozen_sh))
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(step_fn, spec, mesh, state_def, state_sh, frozen_def, frozen_sh):
+  state_sh, frozen_sh = state_def.unflatten(state_sh), frozen_def.unflatten(frozen_sh)
+  return jax.jit(with_mesh(mesh, functools.partial(step_fn, spec)),
+                 in_shardings=(state_sh, frozen_sh, batch_sharding(mesh)),
+                 out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
 
 
 def with_mesh(mesh: Mesh, fn: Callable) -> Callable:
@@ -230,24 +273,20 @@ def device_batch(mesh: Mesh, local: dict, global_batch: int | None = None) -> di
   return {k: one(v) for k, v in local.items()}
 
 
-def memory_estimate(cfg: Config, mesh: Mesh, opt: optax.GradientTransformation) -> dict[str, int]:
+def memory_estimate(spec: StepConfig, mesh: Mesh) -> dict[str, int]:
   """Per-device bytes of the DPO stage's persistent arrays, from abstract shapes and shardings.
 
   frozen: base weights (LoRA on) or the reference copy (LoRA off); trainable: LoRA factors or the
   policy weights; optimizer: the optimizer state of the trainable part. Activations are not
-  counted here; `dpo.compile_check` reports the compiler's full figure.
+  counted here; `dpo.tools.compile_check` reports the compiler's full figure.
   """
-  from models import lora as lora_lib, transformer  # local: train stays importable standalone
-  specs = transformer.param_specs(cfg.model)
-  base_abs, base_sh = transformer.abstract(specs), transformer.shardings(specs, mesh)
-  if cfg.lora.enabled:
-    lspecs = lora_lib.lora_specs(cfg.model, cfg.lora)
-    train_abs, train_sh = transformer.abstract(lspecs), transformer.shardings(lspecs, mesh)
-  else:
-    train_abs, train_sh = base_abs, base_sh
+  base = transformer.param_specs(spec.model)
+  tspecs = trainable_specs(spec.model, spec.lora)
+  train_abs, train_sh = transformer.abstract(tspecs), transformer.shardings(tspecs, mesh)
+  opt, _ = spec.optimizer()
   opt_abs = jax.eval_shape(opt.init, train_abs)
   opt_sh = opt_state_shardings(opt, train_abs, train_sh, mesh)
-  out = {"frozen": sharding.shard_bytes(base_abs, base_sh),
+  out = {"frozen": sharding.shard_bytes(transformer.abstract(base), transformer.shardings(base, mesh)),
          "trainable": sharding.shard_bytes(train_abs, train_sh),
          "optimizer": sharding.shard_bytes(opt_abs, opt_sh)}
   out["total"] = sum(out.values())

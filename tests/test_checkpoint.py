@@ -11,6 +11,7 @@ import pytest
 
 import configs
 from dpo import checkpoint, loop, train
+from faults import Crash, SimulatedCrash
 from models import lora as lora_lib
 from models import sharding, transformer
 
@@ -89,7 +90,7 @@ def test_restore_across_meshes(tmp_path):
   cfg = tiny_cfg(tmp_path, lora_rank=4, lora_targets=("q", "v", "up"))
   one = sharding.make_mesh("data:1", jax.devices()[:1])
   eight = sharding.make_mesh("data:2,fsdp:2,tensor:2")
-  opt, _ = train.optimizer(cfg, 1e-3, 10)
+  opt, _ = train.optimizer(cfg.optim, 1e-3, 10)
   base1 = transformer.init(cfg.model, jax.random.key(0), one)
   state1 = train.init_state(lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), one), opt, 0, one)
   # Non-trivial optimizer moments, so the test would notice them being dropped or mixed up.
@@ -123,16 +124,16 @@ def test_restore_across_meshes(tmp_path):
 def test_resume_is_bitwise_across_interruptions(tmp_path, reference_run):
   """Crash in SFT, then in DPO, resume each time: same metrics and final params as one run."""
   ref_dir, cut_dir = reference_run, tmp_path / "interrupted"
-  with pytest.raises(loop.SimulatedCrash):
-    loop.run(tiny_cfg(cut_dir, debug_crash_at="sft:3"))  # last checkpoint: sft step 2
-  with pytest.raises(loop.SimulatedCrash):
-    loop.run(tiny_cfg(cut_dir, debug_crash_at="dpo:5"))  # resumes sft@2; dies after dpo 5 (ckpt 4)
+  with pytest.raises(SimulatedCrash):
+    loop.run(tiny_cfg(cut_dir), extra_hooks={"sft": [Crash(3)]})  # last checkpoint: sft step 2
+  with pytest.raises(SimulatedCrash):  # resumes sft@2; dies after dpo 5 (checkpoint 4)
+    loop.run(tiny_cfg(cut_dir), extra_hooks={"dpo": [Crash(5)]})
   assert checkpoint.Manager(cut_dir / "checkpoints" / "dpo", 2).steps() == [2, 4]
   loop.run(tiny_cfg(cut_dir))  # resumes dpo@4
 
   assert records(cut_dir) == records(ref_dir)
   cfg = tiny_cfg(ref_dir)
-  mesh = sharding.make_mesh(cfg.train.mesh)
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
   for name in ("sft_model", "policy"):
     assert_tree_bitwise(
         checkpoint.load_params(str(cut_dir / "checkpoints" / name), cfg.model, mesh),
@@ -158,7 +159,7 @@ def test_stage_handoff_and_export(tmp_path, reference_run):
   assert dpo_rows(dpo_dir) == dpo_rows(all_dir)
 
   cfg = tiny_cfg(all_dir)
-  mesh = sharding.make_mesh(cfg.train.mesh)
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
   policy = checkpoint.load_params(str(dpo_dir / "checkpoints" / "policy"), cfg.model, mesh)
   base = checkpoint.load_params(sft_model, cfg.model, mesh)
   adapters = checkpoint.Manager(dpo_dir / "checkpoints" / "dpo", 2)
@@ -184,10 +185,11 @@ def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path, compile_cache):
   flags = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
   cmd = [sys.executable, os.path.join(ROOT, "launch.py"), *flags, "--stage=dpo",
          f"--output_dir={out}"]
+  killing = [sys.executable, os.path.join(ROOT, "tests", "launch_with_kill.py"), "4", *cmd[2:]]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
          "JAX_COMPILATION_CACHE_DIR": compile_cache,
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  killed = subprocess.run(cmd + ["--debug_kill_in_save=dpo:4"], env=env, capture_output=True,
+  killed = subprocess.run(killing, env=env, capture_output=True,
                           text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
   mgr = checkpoint.Manager(out / "checkpoints" / "dpo", 2)

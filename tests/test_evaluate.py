@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import Config, DataConfig, LoraConfig, ModelConfig, TrainConfig
+from configs import Config, DataConfig, LoraConfig, ModelConfig
 from dpo import data as data_lib
 from dpo import evaluate, task
 from dpo.tokenizer import ByteTokenizer
@@ -18,8 +18,8 @@ CFG = Config(
     model=ModelConfig(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                       mlp_dim=64, init_std=0.1),
     lora=LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0),
-    data=DataConfig(max_prompt_length=32, max_target_length=12),
-    train=TrainConfig(global_batch_size=8, eval_batch_size=64, eval_temperature=1.0))
+    data=DataConfig(max_prompt_length=32, max_target_length=12)).replace(
+        global_batch_size=8, eval_batch_size=64, eval_temperature=1.0)
 PROMPTS = task.eval_prompts(128)
 
 
@@ -50,13 +50,6 @@ def test_win_rate_counts_ties_half():
   assert evaluate.win_rate([0.3, 0.2], [0.1, 0.1]) == 1.0
   with pytest.raises(ValueError):
     evaluate.win_rate([1.0], [1.0, 2.0])
-
-
-def test_distinct_n():
-  texts = ["a b a", "b a", ""]
-  assert evaluate.distinct_n(texts, 1) == pytest.approx(2 / 5)
-  assert evaluate.distinct_n(texts, 2) == pytest.approx(2 / 3)
-  assert evaluate.distinct_n([""], 2) == 0.0
 
 
 def test_completion_logps_match_numpy(params, lora, mesh):
@@ -133,7 +126,7 @@ def test_pair_metrics_match_numpy(params, lora, mesh):
            for w in ("chosen", "rejected")}
   lp = {w: evaluate.completion_logps(CFG, mesh, params, lora, params, prompts, comps[w],
                                      TOK.pad_id) for w in comps}
-  beta = CFG.train.beta
+  beta = CFG.loss.beta
   rc = beta * (lp["chosen"][0] - lp["chosen"][1])
   rr = beta * (lp["rejected"][0] - lp["rejected"][1])
   assert m["reward_accuracy"] == pytest.approx(np.mean(rc > rr))

@@ -12,6 +12,7 @@ import pytest
 
 import configs
 from dpo import checkpoint, guards, logprobs, loop, train
+from faults import LrSpike, NanLoss
 from models import sharding
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
@@ -99,14 +100,15 @@ def test_nonfinite_gradient_skips_update():
 
 
 def test_injected_nan_is_skipped_and_counted(tmp_path):
-  summary = loop.run(tiny_cfg(tmp_path, steps=4, debug_nan_step=2, kl_spike_factor=0.0))
+  summary = loop.run(tiny_cfg(tmp_path, steps=4, kl_spike_factor=0.0),
+                     extra_hooks={"dpo": [NanLoss(2)]})
   rows = {r["step"]: r for r in records(tmp_path) if r["stage"] == "dpo"}
   assert math.isnan(rows[2]["loss"]) and [rows[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
   assert all(math.isfinite(rows[s]["loss"]) for s in (1, 3, 4))
   assert summary["skipped_steps"] == 1
   cfg = tiny_cfg(tmp_path)
   policy = checkpoint.load_params(str(tmp_path / "checkpoints" / "policy"), cfg.model,
-                                  sharding.make_mesh(cfg.train.mesh))
+                                  sharding.make_mesh(cfg.mesh.mesh))
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(policy))
 
 
@@ -114,7 +116,8 @@ def test_injected_nan_is_skipped_and_counted(tmp_path):
 
 def test_injected_kl_spike_rolls_back_and_cuts_lr(tmp_path):
   # KL stays below 1e-4 over these steps; the lr x1000 update at step 5 lifts it above 1e-2.
-  summary = loop.run(tiny_cfg(tmp_path, kl_max=1e-3, kl_spike_factor=0.0, debug_lr_spike_step=5))
+  summary = loop.run(tiny_cfg(tmp_path, kl_max=1e-3, kl_spike_factor=0.0),
+                     extra_hooks={"dpo": [LrSpike(5)]})
   rows = [r for r in records(tmp_path) if r["stage"] == "dpo"]
   events = [r for r in rows if r.get("event") == "rollback"]
   assert len(events) == 1

@@ -36,11 +36,16 @@ def _pair_batch(rng, B=3, T=12):
           "loss_mask": loss_mask}
 
 
+def _pair_logps(params, batch):
+  s = logprobs.pair_stats(CFG, params, batch)
+  return s.logps, s.tokens
+
+
 def test_pair_logps_masked_sums_match_numpy():
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = transformer.init(CFG, jax.random.key(0), mesh)
   batch = _pair_batch(np.random.default_rng(1))
-  logps, counts = jax.jit(lambda p, b: logprobs.pair_logps(CFG, p, b))(params, batch)
+  logps, counts = jax.jit(_pair_logps)(params, batch)
   assert logps.shape == (3, 2) and counts.shape == (3, 2)
   np.testing.assert_array_equal(np.asarray(counts), batch["loss_mask"].sum(-1))
   for j in range(2):
@@ -58,24 +63,25 @@ def test_padding_and_prompt_tokens_do_not_count():
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = transformer.init(CFG, jax.random.key(0), mesh)
   batch = _pair_batch(np.random.default_rng(2))
-  base, _ = logprobs.pair_logps(CFG, params, batch)
+  base, _ = _pair_logps(params, batch)
   changed = {k: v.copy() for k, v in batch.items()}
   pad = changed["segment_ids"] == 0
   changed["tokens"][pad] = 7  # different padding content
-  again, _ = logprobs.pair_logps(CFG, params, changed)
+  again, _ = _pair_logps(params, changed)
   np.testing.assert_allclose(np.asarray(base), np.asarray(again), atol=1e-5)
 
 
 def test_pair_stats_shared_length_and_wpo_match_numpy():
-  """pair_stats: sums equal pair_logps; the LD-DPO shared-length split and WPO log-weights match
-  numpy computed from the logits."""
+  """pair_stats: sums equal per-side sequence_logps (the same scoring path); the LD-DPO
+  shared-length split and WPO log-weights match numpy computed from the logits."""
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = transformer.init(CFG, jax.random.key(0), mesh)
   batch = _pair_batch(np.random.default_rng(3), B=4)
   st = jax.jit(lambda p, b: logprobs.pair_stats(CFG, p, b, wpo=True))(params, batch)
-  logps, counts = logprobs.pair_logps(CFG, params, batch)
-  np.testing.assert_allclose(np.asarray(st.logps), np.asarray(logps), rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(st.tokens), np.asarray(counts))
+  for j in range(2):
+    logps, counts = logprobs.sequence_logps(CFG, params, {k: v[:, j] for k, v in batch.items()})
+    np.testing.assert_allclose(np.asarray(st.logps[:, j]), np.asarray(logps), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(st.tokens[:, j]), np.asarray(counts))
   mask = batch["loss_mask"]
   shared_len = mask.sum(-1).min(-1)
   for j in range(2):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import configs
-from dpo import loop
+from dpo import loop, losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_FLAGS = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
@@ -18,18 +18,19 @@ TINY_FLAGS = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, 
                   task_eval_prompts=4, global_batch_size=8, log_every=1)
 
 
-WITH_REF = tuple(t for t in configs.LOSS_TYPES if t not in configs.REFERENCE_FREE_LOSSES)
+WITH_REF = tuple(n for n, l in losses.LOSSES.items() if l.reference)
+REFERENCE_FREE = tuple(n for n, l in losses.LOSSES.items() if not l.reference)
 
 
 # Every loss type goes through the real program path: alone for the default, and combined (one
 # compile per group, so the test stays fast) for the rest; the reference-free group exercises
 # the path that runs no reference forward. Per-loss launch.py runs are in WORKSPACE.md.
-@pytest.mark.parametrize("losses", [("sigmoid",), WITH_REF, configs.REFERENCE_FREE_LOSSES],
+@pytest.mark.parametrize("losses", [("sigmoid",), WITH_REF, REFERENCE_FREE],
                          ids=["sigmoid", "all-with-reference", "all-reference-free"])
 def test_every_loss_type_runs(losses, tmp_path):
   cfg = configs.DEFAULT.replace(**TINY_FLAGS, stage="dpo", steps=2, loss_type=losses,
                                 output_dir=str(tmp_path))
-  assert cfg.loss.reference_free == (losses == configs.REFERENCE_FREE_LOSSES)
+  assert cfg.loss.reference_free == (losses == REFERENCE_FREE)
   summary = loop.run(cfg)
   assert summary["skipped_steps"] == 0
   assert 0.0 <= summary["reward_accuracy"] <= 1.0

@@ -103,7 +103,7 @@ def test_matches_numpy(name, beta, eps):
   x = random_inputs(zlib.crc32(f"{name}{beta}{eps}".encode()))
   hp = dict(HP, simpo_beta=2.0 + beta, orpo_lambda=0.1 + beta, cpo_alpha=1.0 - beta)
   want = reference_losses(x, beta, eps, hp)[name]
-  got, _ = jax.jit(lambda lp: losses.LOSSES[name](lp, beta=beta, label_smoothing=eps, **hp))(
+  got, _ = jax.jit(lambda lp: losses.LOSSES[name].apply(lp, dict(hp, beta=beta, label_smoothing=eps)))(
       to_logps(x))
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
 
@@ -114,7 +114,7 @@ def test_f_divergences_match_numpy(name, div):
   x = random_inputs(7, scale=5.0)  # log-ratios of a few nats: exp terms stay moderate
   hp = dict(HP, f_divergence=div, f_alpha=0.3)
   want = reference_losses(x, 0.1, 0.1, hp)[name]
-  got, _ = losses.LOSSES[name](to_logps(x), beta=0.1, label_smoothing=0.1, **hp)
+  got, _ = losses.LOSSES[name].apply(to_logps(x), dict(hp, beta=0.1, label_smoothing=0.1))
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
 
 
@@ -137,7 +137,7 @@ def test_known_value_when_policy_equals_reference(beta, eps, div):
   lp = to_logps(x)
   hp = dict(HP, f_divergence=div)
   for name, want in _known_at_equal(beta, eps).items():
-    got, _ = losses.LOSSES[name](lp, beta=beta, label_smoothing=eps, **hp)
+    got, _ = losses.LOSSES[name].apply(lp, dict(hp, beta=beta, label_smoothing=eps))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, err_msg=name)
 
 
@@ -157,9 +157,9 @@ def test_extreme_margins_finite(sign, div):
   ]
   hp = dict(HP, f_divergence=div)
   for lp in cases:
-    for name, fn in losses.LOSSES.items():
+    for name, loss in losses.LOSSES.items():
       def total(lp):
-        return fn(lp, beta=0.1, label_smoothing=0.1, **hp)[0].sum()
+        return loss.apply(lp, dict(hp, beta=0.1, label_smoothing=0.1))[0].sum()
       val, grads = jax.value_and_grad(total)(lp)
       assert np.isfinite(float(val)), (name, div, lp)
       for g in grads:
@@ -170,25 +170,27 @@ def test_combination_weights_and_modifiers():
   x = random_inputs(11)
   lp = to_logps(x)
   beta, eps = 0.2, 0.1
-  hp = dict(HP, beta=beta, label_smoothing=eps)
+  cfg = losses.LossConfig(beta=beta, label_smoothing=eps)
   ref = reference_losses(x, beta, eps, HP)
-  loss, m = losses.combined(lp, ("sigmoid", "ipo", "orpo"), (0.3, 2.0, 0.5), hp)
+  loss, m = losses.combined(lp, cfg.__class__(loss_type=("sigmoid", "ipo", "orpo"),
+                                              loss_weights=(0.3, 2.0, 0.5), beta=beta,
+                                              label_smoothing=eps))
   want = np.mean(0.3 * ref["sigmoid"] + 2.0 * ref["ipo"] + 0.5 * ref["orpo"])
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
   np.testing.assert_allclose(float(m["loss/ipo"]), ref["ipo"].mean(), rtol=1e-5)
   assert "orpo/log_odds_ratio" in m and "orpo/log_odds_chosen" in m
 
   # RPO: DPO + alpha * mean NLL of the chosen completion.
-  loss, _ = losses.combined(lp, ("sigmoid",), (1.0,), hp, rpo_alpha=0.7)
+  loss, _ = losses.combined(lp, losses.LossConfig(beta=beta, label_smoothing=eps, rpo_alpha=0.7))
   np.testing.assert_allclose(float(loss), np.mean(ref["sigmoid"] + 0.7 * (-x["pw"] / x["nw"])),
                              rtol=1e-5)
 
   # WPO: each pair's loss times min(1, exp(logw_w + logw_l)), no gradient through the weight.
   logw = np.random.default_rng(1).normal(-0.5, 1.0, (B, 2))
-  loss, m = losses.combined(lp, ("sigmoid",), (1.0,), hp, wpo_logw_B2=jnp.asarray(logw, jnp.float32))
+  loss, m = losses.combined(lp, cfg, wpo_logw_B2=jnp.asarray(logw, jnp.float32))
   w = np.minimum(1.0, np.exp(logw.sum(-1)))
   np.testing.assert_allclose(float(loss), np.mean(w * ref["sigmoid"]), rtol=1e-5)
-  g = jax.grad(lambda lw: losses.combined(lp, ("sigmoid",), (1.0,), hp, wpo_logw_B2=lw)[0])(
+  g = jax.grad(lambda lw: losses.combined(lp, cfg, wpo_logw_B2=lw)[0])(
       jnp.asarray(logw, jnp.float32))
   assert np.all(np.asarray(g) == 0.0)
 
@@ -206,3 +208,50 @@ def test_orpo_metrics_are_log_odds():
   lo = np.log(pw / (1 - pw)) - np.log(pl / (1 - pl))
   np.testing.assert_allclose(float(m["orpo/log_odds_chosen"]), lo.mean(), rtol=1e-4)
   np.testing.assert_allclose(float(m["orpo/log_odds_ratio"]), np_logsig(lo).mean(), rtol=1e-4)
+
+
+# --- the registry ---------------------------------------------------------------------------------
+
+def test_each_loss_declares_exactly_the_hyperparameters_it_reads():
+  """register() checks the signature; here: every declared name is a LossConfig field with the
+  declared default, and a call with only the declared names works (nothing read from **kwargs)."""
+  import dataclasses
+  fields = {f.name: f for f in dataclasses.fields(losses.LossConfig)}
+  lp = to_logps(random_inputs(2))
+  for name, loss in losses.LOSSES.items():
+    for h in loss.hyperparameters:
+      assert fields[h.name].default == h.default and fields[h.name].metadata["help"] == h.help
+    got, _ = loss.fn(lp, **{h.name: h.default for h in loss.hyperparameters})
+    assert got.shape == (B,), name
+  with pytest.raises(TypeError, match="signature"):
+    losses.register("bad", losses.BETA)(lambda lp, beta, extra: (lp.policy_chosen, {}))
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(simpo_gamma=2.0), "simpo_gamma=2.0 is read by none of --loss_type=sigmoid"),
+    (dict(loss_type=("ipo",), label_smoothing=0.1), "label_smoothing=0.1 is read by none"),
+    (dict(loss_type=("ipo",), f_divergence="forward_kl"), "f_divergence='forward_kl' is read by none"),
+    (dict(f_alpha=0.3), "f_alpha=0.3 is read only with --f_divergence=alpha_divergence"),
+    (dict(beta=0.0), "beta must be > 0"),
+    (dict(label_smoothing=0.5), r"label_smoothing must be in \[0, 0.5\)"),
+    (dict(loss_type=("sigmoid", "sigmoid")), "each must appear once"),
+    (dict(loss_type=("dpo",)), "each must appear once, from sigmoid"),
+    (dict(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,)), "one weight per"),
+])
+def test_config_refuses_what_nothing_reads(flags, match):
+  with pytest.raises(ValueError, match=match):
+    losses.LossConfig(**flags)
+
+
+def test_config_accepts_what_a_selected_loss_reads():
+  c = losses.LossConfig(loss_type=("sigmoid", "simpo"), simpo_gamma=0.5, label_smoothing=0.1,
+                        f_divergence="alpha_divergence", f_alpha=0.3, rpo_alpha=1.0, wpo=True)
+  assert c.weights == (1.0, 1.0) and not c.reference_free
+  assert losses.LossConfig(loss_type=("simpo", "orpo")).reference_free
+
+
+def test_workspace_carries_the_registry_table():
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "WORKSPACE.md")) as f:
+    assert losses.table() in f.read()

@@ -17,13 +17,15 @@ from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
 
-TINY = configs.Config(
-    model=configs.ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
-                              mlp_dim=64),
-    lora=configs.LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0),
-    data=configs.DataConfig(max_prompt_length=24, max_target_length=24),
-    train=configs.TrainConfig(global_batch_size=8, steps=3, learning_rate=1e-2, warmup_ratio=0.0),
-)
+TINY = configs.Config().replace(
+    d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, lora_rank=4,
+    lora_alpha=8.0, lora_dropout=0.0, max_prompt_length=24, max_target_length=24,
+    global_batch_size=8, steps=3, learning_rate=1e-2, warmup_ratio=0.0)
+
+
+def cached(cfg, mesh, frozen, arrays, tok):
+  return reference.cached(train.StepConfig.dpo(cfg), mesh, frozen, arrays, tok,
+                          cfg.reference.ref_cache_dir, cfg.optim.global_batch_size)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,10 @@ def setup():
 
 def _run_steps(cfg, mesh, frozen, trainable, arrays, n_steps):
   """Losses of n_steps un-donated dpo_steps over the first batches of `arrays`."""
-  opt, sched = train.optimizer(cfg, cfg.train.learning_rate, cfg.train.steps)
-  state = train.init_state(trainable, opt, cfg.train.seed, mesh)
-  step = jax.jit(functools.partial(train.dpo_step, cfg, opt, sched))
-  bs = cfg.train.global_batch_size
+  spec = train.StepConfig.dpo(cfg)
+  state = train.init_state(trainable, spec.optimizer()[0], cfg.run.seed, mesh)
+  step = jax.jit(functools.partial(train.dpo_step, spec))
+  bs = cfg.optim.global_batch_size
   out = []
   for i in range(n_steps):
     batch = train.device_batch(mesh, {k: v[i * bs:(i + 1) * bs] for k, v in arrays.items()})
@@ -59,7 +61,7 @@ def test_precomputed_equals_in_step(setup, tmp_path, lora_rank):
                      loss_type=("sigmoid", "ipo"))
   trainable = lora if lora_rank else jax.tree.map(lambda x: x + 0.0, params)
   frozen = train.Frozen(params)
-  ref_arrays, info = reference.cached(cfg, mesh, frozen, arrays, tok)
+  ref_arrays, info = cached(cfg, mesh, frozen, arrays, tok)
   assert not info["hit"] and os.path.exists(info["path"])
   assert ref_arrays["ref_logps"].shape == (len(arrays["tokens"]), 2)
   in_step = _run_steps(cfg, mesh, frozen, trainable, arrays, 2)
@@ -67,54 +69,57 @@ def test_precomputed_equals_in_step(setup, tmp_path, lora_rank):
   for a, b in zip(in_step, pre):
     for k in ("loss", "rewards/margins", "rewards/accuracies", "grad_norm"):
       np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
-  again, info2 = reference.cached(cfg, mesh, frozen, arrays, tok)
+  again, info2 = cached(cfg, mesh, frozen, arrays, tok)
   assert info2["hit"] and info2["path"] == info["path"]
   np.testing.assert_array_equal(again["ref_logps"], ref_arrays["ref_logps"])
+
+
+SPEC = train.StepConfig.dpo(TINY)
 
 
 def test_fingerprint_changes_with_data_tokenizer_and_weights(setup):
   mesh, tok, arrays, params, _ = setup
   frozen = train.Frozen(params)
-  key = reference.fingerprint(TINY, arrays, tok, frozen)
-  assert key == reference.fingerprint(TINY, dict(arrays), tok, frozen)
+  key = reference.fingerprint(SPEC, arrays, tok, frozen)
+  assert key == reference.fingerprint(SPEC, dict(arrays), tok, frozen)
   tokens = arrays["tokens"].copy()
   tokens[0, 0, -1] ^= 1
-  assert key != reference.fingerprint(TINY, {**arrays, "tokens": tokens}, tok, frozen)
+  assert key != reference.fingerprint(SPEC, {**arrays, "tokens": tokens}, tok, frozen)
   bumped = jax.tree.map(lambda x: x, params)
   bumped["final_norm"] = params["final_norm"] + 1e-3
-  assert key != reference.fingerprint(TINY, arrays, tok, train.Frozen(bumped))
+  assert key != reference.fingerprint(SPEC, arrays, tok, train.Frozen(bumped))
 
   class OtherTok(ByteTokenizer):
     pass
-  assert key != reference.fingerprint(TINY, arrays, OtherTok(), frozen)
+  assert key != reference.fingerprint(SPEC, arrays, OtherTok(), frozen)
 
 
 def test_stale_cache_is_rejected(setup, tmp_path):
   mesh, tok, arrays, params, _ = setup
   cfg = TINY.replace(ref_cache_dir=str(tmp_path))
-  _, info = reference.cached(cfg, mesh, train.Frozen(params), arrays, tok)
+  _, info = cached(cfg, mesh, train.Frozen(params), arrays, tok)
   with np.load(info["path"]) as f:
     body = {k: f[k] for k in f.files}
   body["fingerprint"] = np.asarray("0" * 64)
   with open(info["path"], "wb") as f:
     np.savez(f, **body)
   with pytest.raises(ValueError, match="fingerprint"):
-    reference.cached(cfg, mesh, train.Frozen(params), arrays, tok)
+    cached(cfg, mesh, train.Frozen(params), arrays, tok)
 
 
 def test_tr_dpo_updates(setup):
   mesh, _, _, params, lora = setup
   cfg = TINY.replace(ref_update="soft", ref_update_alpha=0.25, ref_update_every=4)
   zero = jax.tree.map(jnp.zeros_like, lora)
-  frozen = reference.initial_frozen(cfg, params, zero)
+  frozen = train.initial_frozen(params, zero)
   assert frozen.ref_lora is not None
   state = train.TrainState(jnp.int32(4), lora, None, None, None, None)
-  assert reference.maybe_update(cfg, 3, state, frozen) is frozen  # not a multiple of k
-  soft = reference.maybe_update(cfg, 4, state, frozen)
+  assert reference.maybe_update(cfg.reference, 3, state, frozen) is frozen  # not a multiple of k
+  soft = reference.maybe_update(cfg.reference, 4, state, frozen)
   for got, new in zip(jax.tree.leaves(soft.ref_lora), jax.tree.leaves(lora)):
     np.testing.assert_allclose(np.asarray(got), 0.25 * np.asarray(new), rtol=1e-6, atol=1e-7)
   assert soft.params is params  # with LoRA the base never changes
-  hard = reference.maybe_update(cfg.replace(ref_update="hard"), 8, state, frozen)
+  hard = reference.maybe_update(cfg.replace(ref_update="hard").reference, 8, state, frozen)
   for got, new in zip(jax.tree.leaves(hard.ref_lora), jax.tree.leaves(lora)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(new))
     ptr = lambda a: a.addressable_shards[0].data.unsafe_buffer_pointer()
@@ -122,8 +127,8 @@ def test_tr_dpo_updates(setup):
   # Full fine-tuning: the reference copy itself is mixed.
   full = TINY.replace(lora_rank=0, ref_update="soft", ref_update_alpha=0.5, ref_update_every=1)
   other = jax.tree.map(lambda x: x + 1.0, params)
-  mixed = reference.maybe_update(full, 1, state._replace(params=other),
-                                 reference.initial_frozen(full, params, other))
+  mixed = reference.maybe_update(full.reference, 1, state._replace(params=other),
+                                 train.initial_frozen(params))
   np.testing.assert_allclose(np.asarray(mixed.params["final_norm"]),
                              np.asarray(params["final_norm"]) + 0.5, rtol=1e-6)
 
@@ -151,11 +156,9 @@ def test_reference_free_runs_no_reference_forward(setup):
 
 
 def test_config_rejects_bad_combinations():
-  with pytest.raises(ValueError, match="unknown loss_type"):
-    configs.LossConfig(loss_type=("dpo",))
-  with pytest.raises(ValueError, match="one weight per"):
-    configs.LossConfig(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,))
   with pytest.raises(ValueError, match="precompute_ref"):
-    configs.LossConfig(precompute_ref=True, ref_update="soft")
+    configs.ReferenceConfig(precompute_ref=True, ref_update="soft")
   with pytest.raises(ValueError, match="reference-free"):
-    configs.LossConfig(precompute_ref=True, loss_type=("simpo",))
+    configs.DEFAULT.replace(precompute_ref=True, loss_type=("simpo",))
+  with pytest.raises(ValueError, match="KL guard"):
+    configs.DEFAULT.replace(precompute_ref=True, kl_max=0.5)

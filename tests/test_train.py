@@ -27,11 +27,12 @@ def setup():
 
 
 def _dpo(cfg, mesh, base):
-  opt, sched = train.optimizer(cfg, cfg.train.learning_rate, cfg.train.steps)
+  spec = train.StepConfig.dpo(cfg)
   lora = lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), mesh)
-  state = train.init_state(lora, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, base)
-  return state, step
+  state = train.init_state(lora, spec.optimizer()[0], 0, mesh)
+  frozen = train.initial_frozen(base)
+  step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
+  return state, lambda st, _, b: step(st, frozen, b)
 
 
 def test_first_loss_is_ln2_and_only_lora_changes(setup):
@@ -56,15 +57,16 @@ def test_first_loss_is_ln2_and_only_lora_changes(setup):
 
 def test_full_finetune_reference_is_frozen_copy(setup):
   mesh, pairs, base = setup
-  cfg = CFG.replace(lora_rank=0)
-  opt, sched = train.optimizer(cfg, 1e-3, 5)
-  trainable = jax.tree.map(jnp.copy, base)
-  state = train.init_state(trainable, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, base)
+  cfg = CFG.replace(lora_rank=0, learning_rate=1e-3)
+  spec = train.StepConfig.dpo(cfg)
+  trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.key(1), mesh)
+  state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
+  frozen = train.initial_frozen(base)
+  step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
   batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
-  state, m = step(state, base, batch)
+  state, m = step(state, frozen, batch)
   assert abs(float(m["loss"]) - math.log(2)) < 1e-6
-  state, m = step(state, base, batch)
+  state, m = step(state, frozen, batch)
   assert float(m["loss"]) < math.log(2)
   assert not np.array_equal(np.asarray(state.params["embed"]), np.asarray(base["embed"]))
 
@@ -90,11 +92,11 @@ def test_schedule_warmup_then_cosine():
 
 def test_sft_step_lowers_loss(setup):
   mesh, _, base = setup
-  cfg = CFG.replace(sft_learning_rate=3e-3)
+  cfg = CFG.replace(sft_learning_rate=3e-3, sft_steps=20)
   sft = data.tokenize_sft(task.sft_records(8, 0), ByteTokenizer(), 40, 56)
-  opt, sched = train.optimizer(cfg, 3e-3, 20)
-  state = train.init_state(jax.tree.map(jnp.copy, base), opt, 0, mesh)
-  step = train.jit_step(train.sft_step, cfg, opt, sched, mesh, state, None)
+  spec = train.StepConfig.sft(cfg)
+  state = train.init_state(jax.tree.map(jnp.copy, base), spec.optimizer()[0], 0, mesh)
+  step = train.jit_step(train.sft_step, spec, mesh, state, None)
   batch = train.device_batch(mesh, sft)
   losses = []
   for _ in range(12):
@@ -118,3 +120,49 @@ def test_step_on_eight_devices_matches_one(setup):
   assert abs(results[0][0] - results[1][0]) < 1e-5
   for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_unrelated_fields_do_not_recompile_the_step(setup):
+  """The step's static argument is a StepConfig: output paths, cadences and evaluation settings
+  give the same jitted function, and its second call compiles nothing."""
+  mesh, pairs, base = setup
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, _, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  steps = []
+  first = CFG.replace(steps=7)  # a step no other test compiled
+  for cfg in (first, first.replace(output_dir="/elsewhere", eval_every=7, log_every=3,
+                                   checkpoint_every=1, eval_temperature=0.5, seed=3)):
+    state, step = _dpo(cfg, mesh, base)
+    steps.append(train.jit_step(train.dpo_step, train.StepConfig.dpo(cfg), mesh, state,
+                                train.initial_frozen(base)))
+    before = len(compiles)
+    step(state, None, batch)
+    steps.append(len(compiles) - before)
+  assert steps[0] is steps[2]
+  assert steps[1] >= 1 and steps[3] == 0  # compiled once, for the first config only
+  changed = train.StepConfig.dpo(CFG.replace(beta=0.2))
+  assert changed != train.StepConfig.dpo(CFG)  # a field the loss reads does change the key
+
+
+def test_step_without_kl_holds_no_reference_logits(setup):
+  """With the KL metric off (guard off, --log_kl off) the compiled step keeps no [B, 2, T, V]
+  reference logits: its temporaries shrink by at least that array, and no "kl" is reported."""
+  mesh, pairs, base = setup
+  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  temps, keys = {}, {}
+  for log_kl in (True, False):
+    cfg = CFG.replace(log_kl=log_kl, vocab_size=1024)
+    base_v = transformer.init(cfg.model, jax.random.key(0), mesh)
+    spec = train.StepConfig.dpo(cfg)
+    assert spec.kl == log_kl
+    lora = lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), mesh)
+    state = train.init_state(lora, spec.optimizer()[0], 0, mesh)
+    frozen = train.initial_frozen(base_v)
+    step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
+    temps[log_kl] = step.lower(state, frozen, batch).compile().memory_analysis().temp_size_in_bytes
+    keys[log_kl] = set(step(state, frozen, batch)[1])
+  B, _, T = pairs["tokens"][:8].shape
+  assert temps[True] - temps[False] >= B * 2 * T * 1024 * 4
+  assert "kl" in keys[True] and "kl" not in keys[False]

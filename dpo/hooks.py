@@ -1,0 +1,115 @@
+"""The stage runner's hooks (dpo/runner.py): each side concern of a stage in one small class.
+
+A stage's hooks run in list order; `loop.py` builds the list: the KL guard first (a spike stops
+the step's metrics before they are logged), then logging, checkpoint cadence, evaluation and
+TR-DPO reference updates. Tests add fault-injection hooks of their own (tests/faults.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from dpo import guards, reference
+from dpo.runner import Hook, Rollback, Stage
+
+
+def to_python(metrics: dict) -> dict:
+  """Device metrics -> JSON-ready floats and lists."""
+  host = jax.device_get(metrics)
+  return {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()) for k, v in host.items()}
+
+
+class LogMetrics(Hook):
+  """One log line and one metrics.jsonl record every `every` steps and at the last step, with
+  tokens/s over the interval and an ETA (time spent in evaluation is left out of both)."""
+
+  def __init__(self, every: int):
+    self.every = every
+    self.paused = 0.0  # seconds the Evaluate hook spent since the last log line
+
+  def start(self, run: Stage) -> None:
+    self.t0 = self.t_last = time.perf_counter()
+    self.first, self.tokens_last = run.at, run.tokens
+
+  def metrics(self, run: Stage, step: int, metrics: dict) -> None:
+    if step % self.every and step != run.steps:
+      return
+    now = time.perf_counter()
+    tps = (run.tokens - self.tokens_last) / max(now - self.t_last - self.paused, 1e-9)
+    self.t0 += self.paused
+    self.t_last, self.tokens_last, self.paused = now, run.tokens, 0.0
+    eta = (now - self.t0) / max(step - self.first, 1) * (run.steps - step)
+    m = to_python(metrics)
+    if run.name == "dpo":
+      logging.info("dpo %5d/%d  loss %.4f  acc %.3f  margin %+.4f  kl %.4f  |g| %.3f  lr %.2e  "
+                   "skipped %d  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"],
+                   m["rewards/accuracies"], m["rewards/margins"], m.get("kl", float("nan")),
+                   m["grad_norm"], m["learning_rate"], m["skipped_steps"], tps, eta)
+    else:
+      logging.info("sft %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", step,
+                   run.steps, m["loss"], m["grad_norm"], m["learning_rate"], tps, eta)
+    run.writer.write({"stage": run.name, "step": step, **m, "tokens_per_sec": tps})
+
+
+class KLGuard(Hook):
+  """Reads each step's token KL; a spike (dpo/guards.py) raises a rollback with the learning-rate
+  cut. Its KL history travels with the checkpoints so a resumed run judges as an uninterrupted one."""
+
+  def __init__(self, cfg):  # a GuardConfig
+    self.cfg = cfg
+    self.guard = guards.KLGuard(cfg.kl_max, cfg.kl_spike_factor, cfg.kl_window, cfg.kl_spike_min)
+
+  def metrics(self, run: Stage, step: int, metrics: dict) -> None:
+    reason = self.guard.check(float(metrics["kl"]))
+    if reason is not None:
+      raise Rollback(step, reason, self.cfg.rollback_lr_factor, self.cfg.max_rollbacks)
+
+  def state_dict(self) -> dict:
+    return {"kl_history": list(self.guard.history)}
+
+  def load_state_dict(self, meta: dict) -> None:
+    self.guard.history = list(meta.get("kl_history", ()))
+
+
+class SaveCheckpoints(Hook):
+  """A checkpoint every `every` steps (0: none) and at the last step."""
+
+  def __init__(self, every: int):
+    self.every = every
+
+  def wants_state(self, run: Stage) -> bool:
+    return (self.every and run.at % self.every == 0) or run.at == run.steps
+
+  def at_state(self, run: Stage) -> None:
+    run.save()
+
+
+class Evaluate(Hook):
+  """`evaluate(step, state)` every `every` steps before the last (the program evaluates the
+  final state itself)."""
+
+  def __init__(self, every: int, evaluate: Callable, log: LogMetrics):
+    self.every, self.evaluate, self.log = every, evaluate, log
+
+  def wants_state(self, run: Stage) -> bool:
+    return bool(self.every) and run.at % self.every == 0 and run.at < run.steps
+
+  def at_state(self, run: Stage) -> None:
+    t = time.perf_counter()
+    self.evaluate(run.at, run.state)
+    self.log.paused += time.perf_counter() - t
+
+
+class UpdateReference(Hook):
+  """TR-DPO: after each step, possibly mix the policy into the frozen reference."""
+
+  def __init__(self, cfg):  # a ReferenceConfig
+    self.cfg = cfg
+
+  def after_step(self, run: Stage) -> None:
+    run.frozen = reference.maybe_update(self.cfg, run.at, run.state, run.frozen)
