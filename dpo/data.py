@@ -130,10 +130,14 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:
 
 # --- records ----------------------------------------------------------------------------------
 
-def _text_field(obj: dict, field: str, where: str, allow_empty: bool = False) -> str:
+def get_field(obj: dict, field: str, where: str):
   if field not in obj:
     raise DataError(f"{where}: missing field {field!r} (has {sorted(obj)})")
-  value = obj[field]
+  return obj[field]
+
+
+def text_field(obj: dict, field: str, where: str, allow_empty: bool = False) -> str:
+  value = get_field(obj, field, where)
   if not isinstance(value, str):
     raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
   if not allow_empty and not value.strip():
@@ -143,8 +147,8 @@ def _text_field(obj: dict, field: str, where: str, allow_empty: bool = False) ->
 
 def load_preference_jsonl(path: str) -> list[PreferenceRecord]:
   """Reads {"prompt", "chosen", "rejected"} records from any file `iter_objects` reads."""
-  out = [PreferenceRecord(_text_field(o, "prompt", where, allow_empty=True),
-                          _text_field(o, "chosen", where), _text_field(o, "rejected", where))
+  out = [PreferenceRecord(text_field(o, "prompt", where, allow_empty=True),
+                          text_field(o, "chosen", where), text_field(o, "rejected", where))
          for where, o in iter_objects(path)]
   if not out:
     raise DataError(f"{path}: no records")
@@ -153,8 +157,8 @@ def load_preference_jsonl(path: str) -> list[PreferenceRecord]:
 
 def load_sft_jsonl(path: str) -> list[SFTRecord]:
   """Reads {"prompt", "completion"} records from any file `iter_objects` reads."""
-  out = [SFTRecord(_text_field(o, "prompt", where, allow_empty=True),
-                   _text_field(o, "completion", where)) for where, o in iter_objects(path)]
+  out = [SFTRecord(text_field(o, "prompt", where, allow_empty=True),
+                   text_field(o, "completion", where)) for where, o in iter_objects(path)]
   if not out:
     raise DataError(f"{path}: no records")
   return out

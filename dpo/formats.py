@@ -34,7 +34,7 @@ import logging
 import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
-from dpo.data import DataError, PreferenceRecord, iter_objects
+from dpo.data import DataError, PreferenceRecord, get_field, iter_objects, text_field
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
@@ -77,17 +77,9 @@ class FormatSpec:
 
 # --- fields -----------------------------------------------------------------------------------
 
-def _get(obj: dict, field: str, where: str):
-  if field not in obj:
-    raise DataError(f"{where}: missing field {field!r} (has {sorted(obj)})")
-  return obj[field]
-
-
 def _text(obj: dict, field: str, where: str) -> str:
-  value = _get(obj, field, where)
-  if not isinstance(value, str):
-    raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
-  return value
+  """A string field that may be empty: the quality filters count and drop empty responses."""
+  return text_field(obj, field, where, allow_empty=True)
 
 
 def _messages(value, field: str, where: str, roles: Sequence[str] | None = None
@@ -101,7 +93,8 @@ def _messages(value, field: str, where: str, roles: Sequence[str] | None = None
     if not isinstance(m, dict):
       raise DataError(f"{where}: field {name!r} must be a {{role, content}} object, got "
                       f"{type(m).__name__}")
-    role, content = _text(m, "role", f"{where}: {name}"), _get(m, "content", f"{where}: {name}")
+    at = f"{where}: {name}"
+    role, content = _text(m, "role", at), get_field(m, "content", at)
     if not isinstance(content, str):
       raise DataError(f"{where}: field '{name}.content' must be a string, got "
                       f"{type(content).__name__}")
@@ -120,26 +113,27 @@ def _parse_standard(obj, where, spec, stats) -> Record:
 
 
 def _parse_conversational(obj, where, spec, stats) -> Record:
-  prompt = _messages(_get(obj, "prompt", where), "prompt", where, _PROMPT_ROLES)
+  prompt = _messages(get_field(obj, "prompt", where), "prompt", where, _PROMPT_ROLES)
   if not prompt:
     raise DataError(f"{where}: field 'prompt' has no messages")
   return ChatRecord(prompt,
-                    _messages(_get(obj, "chosen", where), "chosen", where, ("assistant",)),
-                    _messages(_get(obj, "rejected", where), "rejected", where, ("assistant",)))
+                    _messages(get_field(obj, "chosen", where), "chosen", where, ("assistant",)),
+                    _messages(get_field(obj, "rejected", where), "rejected", where, ("assistant",)))
 
 
 def _parse_openai(obj, where, spec, stats) -> Record:
-  inp = _get(obj, "input", where)
+  inp = get_field(obj, "input", where)
   if not isinstance(inp, dict):
     raise DataError(f"{where}: field 'input' must be an object, got {type(inp).__name__}")
-  prompt = _messages(_get(inp, "messages", f"{where}: input"), "input.messages", where,
+  prompt = _messages(get_field(inp, "messages", f"{where}: input"), "input.messages", where,
                      _PROMPT_ROLES)
   if not prompt:
     raise DataError(f"{where}: field 'input.messages' has no messages")
   return ChatRecord(
       prompt,
-      _messages(_get(obj, "preferred_output", where), "preferred_output", where, ("assistant",)),
-      _messages(_get(obj, "non_preferred_output", where), "non_preferred_output", where,
+      _messages(get_field(obj, "preferred_output", where), "preferred_output", where,
+                ("assistant",)),
+      _messages(get_field(obj, "non_preferred_output", where), "non_preferred_output", where,
                 ("assistant",)))
 
 
@@ -179,7 +173,7 @@ def _split_messages(chosen, rejected):
 
 
 def _parse_implicit(obj, where, spec, stats) -> Record:
-  c, r = _get(obj, "chosen", where), _get(obj, "rejected", where)
+  c, r = get_field(obj, "chosen", where), get_field(obj, "rejected", where)
   if isinstance(c, list) or isinstance(r, list):
     c, r = _messages(c, "chosen", where), _messages(r, "rejected", where)
     prompt, cc, rc = _split_messages(c, r)
