@@ -1,4 +1,11 @@
-"""Preference and SFT data: records -> token arrays -> per-process batches.
+"""Preference and SFT data: files -> records -> token arrays -> per-process batches.
+
+Every data file is read by `iter_objects`: JSONL or a JSON array, optionally gzipped (detected
+from the magic bytes, not the name). JSONL is read lazily; a JSON array is parsed whole (the
+format allows nothing else). Errors are `DataError`s whose message starts with the record's
+location, `file:LINE` for JSONL (1-based line) or `file[INDEX]` for JSON arrays (0-based), and
+names the offending field. `dpo.formats` parses the objects of the preference formats users
+bring; `load_preference_jsonl` / `load_sft_jsonl` read the plain string records.
 
 Layout of a tokenized DPO example (one row per pair, axis P = 2 for chosen / rejected):
 
@@ -15,15 +22,19 @@ boundary. Truncation keeps BOS plus the *end* of the prompt and the *start* of t
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import io
 import json
 import logging
-from typing import Iterable, NamedTuple, Sequence
+import os
+import zlib
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 
 class DataError(ValueError):
-  """Bad input data; the message names the file, record (1-based line) and field."""
+  """Bad input data; the message names the file, record (file:LINE or file[INDEX]) and field."""
 
 
 class PreferenceRecord(NamedTuple):
@@ -37,50 +48,117 @@ class SFTRecord(NamedTuple):
   completion: str
 
 
-def _read_jsonl(path: str) -> Iterable[tuple[int, dict]]:
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
+# --- reading ----------------------------------------------------------------------------------
+
+def _open(path: str) -> io.BufferedIOBase:
+  f = open(path, "rb")
+  if f.peek(2)[:2] == b"\x1f\x8b":
+    return gzip.GzipFile(fileobj=f)
+  return f
+
+
+def _first_char(path: str) -> bytes:
+  with _open(path) as f:
+    try:
+      while chunk := f.read(4096):
+        stripped = chunk.lstrip()
+        if stripped:
+          return stripped[:1]
+    except (EOFError, OSError, zlib.error) as e:
+      raise DataError(f"{path}: gzip stream is truncated or corrupt ({e})") from None
+  return b""
+
+
+def iter_objects(path: str) -> Iterator[tuple[str, dict]]:
+  """Yields (location, object) for each record; lazy for JSONL."""
+  if not os.path.exists(path):
+    raise DataError(f"{path}: no such file")
+  if _first_char(path) == b"[":
+    yield from _iter_array(path)
+  else:
+    yield from _iter_jsonl(path)
+
+
+def _iter_array(path: str) -> Iterator[tuple[str, dict]]:
+  try:
+    with _open(path) as f:
+      raw = f.read()
+  except (EOFError, OSError, zlib.error) as e:
+    raise DataError(f"{path}: gzip stream is truncated or corrupt ({e})") from None
+  try:
+    items = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b"\n") + 1
+    raise DataError(f"{path}: line {line} is not valid UTF-8 ({e.reason})") from None
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}: invalid JSON array ({e.msg} at line {e.lineno} column {e.colno})"
+                    ) from None
+  for i, obj in enumerate(items):
+    where = f"{path}[{i}]"
+    if not isinstance(obj, dict):
+      raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    yield where, obj
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:
+  lineno = 0
+  with _open(path) as f:
+    lines = iter(f)
+    while True:
+      try:
+        raw = next(lines)
+      except StopIteration:
+        return
+      except (EOFError, OSError, zlib.error) as e:
+        raise DataError(f"{path}:{lineno + 1}: gzip stream is truncated or corrupt after line "
+                        f"{lineno} ({e})") from None
+      lineno += 1
       if not raw.strip():
         continue
+      where = f"{path}:{lineno}"
       try:
         obj = json.loads(raw.decode("utf-8"))
       except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{lineno}: line is not valid UTF-8 ({e.reason})") from None
+        raise DataError(f"{where}: line is not valid UTF-8 ({e.reason} at byte {e.start})"
+                        ) from None
       except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
       if not isinstance(obj, dict):
-        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-      yield lineno, obj
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+      yield where, obj
 
 
-def _text_field(obj: dict, field: str, path: str, lineno: int, allow_empty: bool = False) -> str:
+# --- records ----------------------------------------------------------------------------------
+
+def get_field(obj: dict, field: str, where: str):
   if field not in obj:
-    raise DataError(f"{path}:{lineno}: missing field {field!r} (has {sorted(obj)})")
-  value = obj[field]
+    raise DataError(f"{where}: missing field {field!r} (has {sorted(obj)})")
+  return obj[field]
+
+
+def text_field(obj: dict, field: str, where: str, allow_empty: bool = False) -> str:
+  value = get_field(obj, field, where)
   if not isinstance(value, str):
-    raise DataError(f"{path}:{lineno}: field {field!r} must be a string, got {type(value).__name__}")
+    raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
   if not allow_empty and not value.strip():
-    raise DataError(f"{path}:{lineno}: field {field!r} is empty")
+    raise DataError(f"{where}: field {field!r} is empty")
   return value
 
 
 def load_preference_jsonl(path: str) -> list[PreferenceRecord]:
-  """Reads {"prompt", "chosen", "rejected"} records; raises DataError naming file:line and field."""
-  out = []
-  for lineno, obj in _read_jsonl(path):
-    out.append(PreferenceRecord(
-        _text_field(obj, "prompt", path, lineno, allow_empty=True),
-        _text_field(obj, "chosen", path, lineno),
-        _text_field(obj, "rejected", path, lineno)))
+  """Reads {"prompt", "chosen", "rejected"} records from any file `iter_objects` reads."""
+  out = [PreferenceRecord(text_field(o, "prompt", where, allow_empty=True),
+                          text_field(o, "chosen", where), text_field(o, "rejected", where))
+         for where, o in iter_objects(path)]
   if not out:
     raise DataError(f"{path}: no records")
   return out
 
 
 def load_sft_jsonl(path: str) -> list[SFTRecord]:
-  """Reads {"prompt", "completion"} records."""
-  out = [SFTRecord(_text_field(o, "prompt", path, n, allow_empty=True),
-                   _text_field(o, "completion", path, n)) for n, o in _read_jsonl(path)]
+  """Reads {"prompt", "completion"} records from any file `iter_objects` reads."""
+  out = [SFTRecord(text_field(o, "prompt", where, allow_empty=True),
+                   text_field(o, "completion", where)) for where, o in iter_objects(path)]
   if not out:
     raise DataError(f"{path}: no records")
   return out

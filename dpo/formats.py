@@ -1,8 +1,7 @@
-"""Preference data as users bring it: file reading, format detection, parsing, quality filters.
+"""Preference data as users bring it: format detection, parsing, quality filters.
 
-Files are JSONL or a JSON array, optionally gzipped (detected from the magic bytes, not the
-name). Records are read lazily for JSONL; a JSON array is parsed whole (the format allows
-nothing else). Every record is parsed into one of two internal records:
+Files are read by `dpo.data.iter_objects` (JSONL or a JSON array, optionally gzipped). Every
+record is parsed into one of two internal records:
 
     PreferenceRecord(prompt, chosen, rejected)   plain strings (from dpo.data)
     ChatRecord(prompt, chosen, rejected)         tuples of Message(role, content)
@@ -23,23 +22,19 @@ Formats (`--data_format`, "auto" detects from the first record's keys):
                     "non_preferred_output": [assistant msg]}  (OpenAI preference fine-tuning)
     columns         any other names, mapped by --prompt_field / --chosen_field / --rejected_field
 
-Errors are `DataError`s whose message starts with the record's location, `file:LINE` for JSONL
-(1-based line) or `file[INDEX]` for JSON arrays (0-based), and names the offending field.
+Errors are `DataError`s whose message starts with the record's location (`file:LINE` or
+`file[INDEX]`, as `iter_objects` yields it) and names the offending field.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import gzip
-import io
-import json
 import logging
 import os
-import zlib
 from typing import Iterator, NamedTuple, Sequence, Union
 
-from dpo.data import DataError, PreferenceRecord
+from dpo.data import DataError, PreferenceRecord, get_field, iter_objects, text_field
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
@@ -80,99 +75,11 @@ class FormatSpec:
                        f"{self.data_format!r}")
 
 
-# --- reading ----------------------------------------------------------------------------------
-
-def _open(path: str) -> io.BufferedIOBase:
-  f = open(path, "rb")
-  if f.peek(2)[:2] == b"\x1f\x8b":
-    return gzip.GzipFile(fileobj=f)
-  return f
-
-
-def _first_char(path: str) -> bytes:
-  with _open(path) as f:
-    try:
-      while chunk := f.read(4096):
-        stripped = chunk.lstrip()
-        if stripped:
-          return stripped[:1]
-    except (EOFError, OSError, zlib.error) as e:
-      raise DataError(f"{path}: gzip stream is truncated or corrupt ({e})") from None
-  return b""
-
-
-def iter_objects(path: str) -> Iterator[tuple[str, dict]]:
-  """Yields (location, object) for each record; lazy for JSONL."""
-  if not os.path.exists(path):
-    raise DataError(f"{path}: no such file")
-  if _first_char(path) == b"[":
-    yield from _iter_array(path)
-  else:
-    yield from _iter_jsonl(path)
-
-
-def _iter_array(path: str) -> Iterator[tuple[str, dict]]:
-  try:
-    with _open(path) as f:
-      raw = f.read()
-  except (EOFError, OSError, zlib.error) as e:
-    raise DataError(f"{path}: gzip stream is truncated or corrupt ({e})") from None
-  try:
-    items = json.loads(raw.decode("utf-8"))
-  except UnicodeDecodeError as e:
-    line = raw[:e.start].count(b"\n") + 1
-    raise DataError(f"{path}: line {line} is not valid UTF-8 ({e.reason})") from None
-  except json.JSONDecodeError as e:
-    raise DataError(f"{path}: invalid JSON array ({e.msg} at line {e.lineno} column {e.colno})"
-                    ) from None
-  for i, obj in enumerate(items):
-    where = f"{path}[{i}]"
-    if not isinstance(obj, dict):
-      raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    yield where, obj
-
-
-def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:
-  lineno = 0
-  with _open(path) as f:
-    lines = iter(f)
-    while True:
-      try:
-        raw = next(lines)
-      except StopIteration:
-        return
-      except (EOFError, OSError, zlib.error) as e:
-        raise DataError(f"{path}:{lineno + 1}: gzip stream is truncated or corrupt after line "
-                        f"{lineno} ({e})") from None
-      lineno += 1
-      if not raw.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        obj = json.loads(raw.decode("utf-8"))
-      except UnicodeDecodeError as e:
-        raise DataError(f"{where}: line is not valid UTF-8 ({e.reason} at byte {e.start})"
-                        ) from None
-      except json.JSONDecodeError as e:
-        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-      yield where, obj
-
-
 # --- fields -----------------------------------------------------------------------------------
 
-def _get(obj: dict, field: str, where: str):
-  if field not in obj:
-    raise DataError(f"{where}: missing field {field!r} (has {sorted(obj)})")
-  return obj[field]
-
-
 def _text(obj: dict, field: str, where: str) -> str:
-  value = _get(obj, field, where)
-  if not isinstance(value, str):
-    raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
-  return value
+  """A string field that may be empty: the quality filters count and drop empty responses."""
+  return text_field(obj, field, where, allow_empty=True)
 
 
 def _messages(value, field: str, where: str, roles: Sequence[str] | None = None
@@ -186,7 +93,8 @@ def _messages(value, field: str, where: str, roles: Sequence[str] | None = None
     if not isinstance(m, dict):
       raise DataError(f"{where}: field {name!r} must be a {{role, content}} object, got "
                       f"{type(m).__name__}")
-    role, content = _text(m, "role", f"{where}: {name}"), _get(m, "content", f"{where}: {name}")
+    at = f"{where}: {name}"
+    role, content = _text(m, "role", at), get_field(m, "content", at)
     if not isinstance(content, str):
       raise DataError(f"{where}: field '{name}.content' must be a string, got "
                       f"{type(content).__name__}")
@@ -205,26 +113,27 @@ def _parse_standard(obj, where, spec, stats) -> Record:
 
 
 def _parse_conversational(obj, where, spec, stats) -> Record:
-  prompt = _messages(_get(obj, "prompt", where), "prompt", where, _PROMPT_ROLES)
+  prompt = _messages(get_field(obj, "prompt", where), "prompt", where, _PROMPT_ROLES)
   if not prompt:
     raise DataError(f"{where}: field 'prompt' has no messages")
   return ChatRecord(prompt,
-                    _messages(_get(obj, "chosen", where), "chosen", where, ("assistant",)),
-                    _messages(_get(obj, "rejected", where), "rejected", where, ("assistant",)))
+                    _messages(get_field(obj, "chosen", where), "chosen", where, ("assistant",)),
+                    _messages(get_field(obj, "rejected", where), "rejected", where, ("assistant",)))
 
 
 def _parse_openai(obj, where, spec, stats) -> Record:
-  inp = _get(obj, "input", where)
+  inp = get_field(obj, "input", where)
   if not isinstance(inp, dict):
     raise DataError(f"{where}: field 'input' must be an object, got {type(inp).__name__}")
-  prompt = _messages(_get(inp, "messages", f"{where}: input"), "input.messages", where,
+  prompt = _messages(get_field(inp, "messages", f"{where}: input"), "input.messages", where,
                      _PROMPT_ROLES)
   if not prompt:
     raise DataError(f"{where}: field 'input.messages' has no messages")
   return ChatRecord(
       prompt,
-      _messages(_get(obj, "preferred_output", where), "preferred_output", where, ("assistant",)),
-      _messages(_get(obj, "non_preferred_output", where), "non_preferred_output", where,
+      _messages(get_field(obj, "preferred_output", where), "preferred_output", where,
+                ("assistant",)),
+      _messages(get_field(obj, "non_preferred_output", where), "non_preferred_output", where,
                 ("assistant",)))
 
 
@@ -264,7 +173,7 @@ def _split_messages(chosen, rejected):
 
 
 def _parse_implicit(obj, where, spec, stats) -> Record:
-  c, r = _get(obj, "chosen", where), _get(obj, "rejected", where)
+  c, r = get_field(obj, "chosen", where), get_field(obj, "rejected", where)
   if isinstance(c, list) or isinstance(r, list):
     c, r = _messages(c, "chosen", where), _messages(r, "rejected", where)
     prompt, cc, rc = _split_messages(c, r)

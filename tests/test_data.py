@@ -1,5 +1,7 @@
-"""Data: loader errors name file/line/field; tokenization layout; truncation; batching."""
+"""Data: the one reader (JSONL / JSON array / gzip) and loader errors naming file/line/field;
+tokenization layout; truncation; batching."""
 
+import gzip
 import json
 
 import numpy as np
@@ -42,6 +44,61 @@ def test_bad_records_name_file_line_field(tmp_path, line, needle):
 def test_empty_file(tmp_path):
   with pytest.raises(DataError, match="no records"):
     data.load_preference_jsonl(_write(tmp_path, [""]))
+
+
+def test_missing_file(tmp_path):
+  with pytest.raises(DataError, match=r"nope.jsonl: no such file"):
+    data.load_preference_jsonl(str(tmp_path / "nope.jsonl"))
+
+
+SFT = [{"prompt": "", "completion": "hello"}, {"prompt": "Q", "completion": "A"}]
+PAIRS = [{"prompt": "Q?", "chosen": "yes", "rejected": "no"},
+         {"prompt": "", "chosen": "a", "rejected": "b"}]
+
+
+def _file(tmp_path, name, rows, array=False, gz=False):
+  """Writes rows as JSONL or one JSON array, gzipped or not; the name says nothing of either."""
+  raw = (json.dumps(rows, indent=1) if array else "\n".join(json.dumps(r) for r in rows) + "\n")
+  raw = raw.encode()
+  path = tmp_path / name
+  path.write_bytes(gzip.compress(raw) if gz else raw)
+  return str(path)
+
+
+@pytest.mark.parametrize("array", [False, True])
+@pytest.mark.parametrize("gz", [False, True])
+def test_loaders_read_jsonl_arrays_and_gzip(tmp_path, array, gz):
+  pairs = data.load_preference_jsonl(_file(tmp_path, "pairs.data", PAIRS, array, gz))
+  assert pairs == [PreferenceRecord(**r) for r in PAIRS]
+  sft = data.load_sft_jsonl(_file(tmp_path, "sft.data", SFT, array, gz))
+  assert sft == [data.SFTRecord(**r) for r in SFT]
+
+
+@pytest.mark.parametrize("array, gz, where", [
+    (False, False, r"sft.data:2"), (False, True, r"sft.data:2"),
+    (True, False, r"sft.data\[1\]"), (True, True, r"sft.data\[1\]")])
+def test_sft_errors_name_record_and_field(tmp_path, array, gz, where):
+  bad = [SFT[0], {"prompt": "Q", "completion": ""}]
+  with pytest.raises(DataError, match=where + r": field 'completion' is empty"):
+    data.load_sft_jsonl(_file(tmp_path, "sft.data", bad, array, gz))
+  bad = [SFT[0], {"prompt": "Q", "answer": "A"}]
+  with pytest.raises(DataError, match=where + r": missing field 'completion'"):
+    data.load_sft_jsonl(_file(tmp_path, "sft.data", bad, array, gz))
+
+
+def test_preference_errors_in_gzip_and_array(tmp_path):
+  bad = PAIRS + [{"prompt": "Q", "chosen": "a", "rejected": 7}]
+  with pytest.raises(DataError, match=r"p.jsonl.gz:3: field 'rejected' must be a string"):
+    data.load_preference_jsonl(_file(tmp_path, "p.jsonl.gz", bad, gz=True))
+  with pytest.raises(DataError, match=r"p.json\[2\]: field 'rejected' must be a string"):
+    data.load_preference_jsonl(_file(tmp_path, "p.json", bad, array=True))
+  cut = tmp_path / "cut.jsonl.gz"
+  rows = [json.dumps({"prompt": f"q{i}", "chosen": f"c{i * 7919}", "rejected": f"r{i}"})
+          for i in range(2000)]
+  whole = gzip.compress(("\n".join(rows) + "\n").encode())
+  cut.write_bytes(whole[:len(whole) // 2])
+  with pytest.raises(DataError, match=r"cut.jsonl.gz:\d+: gzip stream is truncated"):
+    data.load_preference_jsonl(str(cut))
 
 
 def test_pair_layout():

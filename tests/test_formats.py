@@ -7,6 +7,7 @@ import json
 import logging
 import os
 
+import numpy as np
 import pytest
 
 from conftest import SHARED_DATA
@@ -185,6 +186,30 @@ def test_distinct_n_and_low_diversity_warning(caplog):
     rep.log("toy")
   assert any(r.levelno == logging.WARNING and "distinct-2" in r.message for r in caplog.records)
 
+
+
+def _distinct_numpy(texts, n):
+  """Independent count: each text's n-grams as rows of a sliding window, unique rows by numpy."""
+  rows = [np.lib.stride_tricks.sliding_window_view(np.array(w), n)
+          for w in (t.split() for t in texts) if len(w) >= n]
+  if not rows:
+    return 0.0
+  grams = np.concatenate(rows)
+  return len(np.unique(grams, axis=0)) / len(grams)
+
+
+@pytest.mark.parametrize("texts", [
+    ["the cat sat on the mat", "the cat  ran\n off the mat", "mat"],  # n-grams never span texts
+    [" ".join(np.random.default_rng(0).choice(list("abcd"), size=k)) for k in (0, 1, 3, 9, 40)],
+])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_distinct_n_matches_independent_count(texts, n):
+  assert formats.distinct_n(texts, n) == pytest.approx(_distinct_numpy(texts, n))
+
+
+@pytest.mark.parametrize("texts", [[], [""], ["  \n "], ["one", "two"]])
+def test_distinct_n_without_ngrams_is_zero(texts):
+  assert formats.distinct_n(texts, 2) == 0.0 == _distinct_numpy(texts, 2)
 
 # --- broken inputs ------------------------------------------------------------------------------
 
