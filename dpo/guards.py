@@ -1,13 +1,13 @@
-"""The KL-spike guard: host-side bookkeeping the loop consults once per DPO step.
+"""The KL-spike guard: host-side bookkeeping the KL-guard hook consults once per DPO step.
 
 The step reports `kl`, the mean token-level KL(pi || pi_ref) over the batch's completion tokens
-(see `dpo.train.token_kl`). A spike is a KL above `kl_max`, or above `spike_factor` times the
+(see `dpo.logprobs.token_kl`). A spike is a KL above `kl_max`, or above `spike_factor` times the
 mean of the last `window` accepted values. The second test waits until `window` values exist and
 ignores KL below `spike_min`: KL grows from exactly 0 at the first LoRA step, and during warmup
 it can grow several-fold within a window while still tiny (measured on the default task: 0.0065
-against a 20-step mean of 0.00078 at step 21 of 300). The loop
+against a 20-step mean of 0.00078 at step 21 of 300). The runner
 answers a spike by rolling back to the last good checkpoint and cutting the learning rate 10x;
-that policy lives in dpo/loop.py, the detection here, so each can be tested alone.
+that policy lives in dpo/hooks.py and dpo/runner.py, the detection here, so each can be tested alone.
 """
 
 from __future__ import annotations
