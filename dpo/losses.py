@@ -46,13 +46,6 @@ class Logps(NamedTuple):
   # are); None: policy_chosen.
   policy_chosen_full: jax.Array | None = None
 
-  def averaged(self) -> "Logps":
-    """Per-token average log-probs (same fields divided by the token counts)."""
-    nc, nr = jnp.maximum(self.chosen_tokens, 1.0), jnp.maximum(self.rejected_tokens, 1.0)
-    return self._replace(policy_chosen=self.policy_chosen / nc,
-                         policy_rejected=self.policy_rejected / nr,
-                         ref_chosen=self.ref_chosen / nc, ref_rejected=self.ref_rejected / nr)
-
 
 # --- the registry ---------------------------------------------------------------------------------
 
