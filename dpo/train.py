@@ -191,7 +191,7 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
     pol_lp = ld(pol.logps, pol.shared_logps)
     ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(ref.logps, ref.shared_logps)
     lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],
-                      pol.tokens[:, 0], pol.tokens[:, 1])
+                      pol.tokens[:, 0], pol.tokens[:, 1], policy_chosen_full=pol.logps[:, 0])
     loss, extra = losses.combined(lp, lc, pol.wpo_logw)
     metrics = {**losses.pair_statistics(lp, lc.beta), **extra}
     if pol.logits is not None:

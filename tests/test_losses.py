@@ -25,15 +25,24 @@ def np_sig(x):
   return 1.0 / (1.0 + np.exp(-x))
 
 
+def np_fprime(lu, div="reverse_kl", a=0.5):
+  """f'(u) of f-DPO (Wang et al. 2024, Table 1) at lu = log u; `a` is TRL's alpha, so the
+  paper's alpha-divergence f'(u) = (1 - u^-alpha_p) / alpha_p is taken at alpha_p = 1 - a."""
+  ap = 1.0 - a
+  return {
+      "reverse_kl": lambda: lu,
+      "forward_kl": lambda: 1.0 - np.exp(-lu),
+      "js_divergence": lambda: np.log(2 * np.exp(lu) / (1 + np.exp(lu))),
+      "alpha_divergence": lambda: (1 - np.exp(-ap * lu)) / ap,
+  }[div]()
+
+
 def np_fmargin(pw, pl, rw_ref, rl_ref, div="reverse_kl", a=0.5):
-  uw, ul = pw - rw_ref, pl - rl_ref  # log(pi / pi_ref)
-  fprime = {
-      "reverse_kl": lambda lu: lu + 1.0,
-      "forward_kl": lambda lu: -np.exp(-lu),
-      "js_divergence": lambda lu: np.log(2 * np.exp(lu) / (1 + np.exp(lu))),
-      "alpha_divergence": lambda lu: (1 - np.exp(-a * lu)) / a,
-  }[div]
-  return fprime(uw) - fprime(ul)
+  return np_fprime(pw - rw_ref, div, a) - np_fprime(pl - rl_ref, div, a)
+
+
+def np_nll(pw, nw, per_pair):
+  return -pw / nw if per_pair else np.full_like(pw, -pw.sum() / nw.sum())
 
 
 def reference_losses(x, beta, eps, hp):
@@ -46,14 +55,15 @@ def reference_losses(x, beta, eps, hp):
   out["sigmoid"] = -(1 - eps) * np_logsig(z) - eps * np_logsig(-z)
   out["robust"] = (-(1 - eps) * np_logsig(z) + eps * np_logsig(-z)) / (1 - 2 * eps)
   out["hinge"] = np.maximum(0.0, 1 - z)
-  h_avg = (pw / nw - rw0 / nw) - (pl / nl - rl0 / nl)
+  div, a = hp["f_divergence"], hp["f_alpha"]
+  h_avg = np_fprime(rw, div, a) / nw - np_fprime(rl, div, a) / nl
   out["ipo"] = (h_avg - 1 / (2 * beta)) ** 2
-  e = eps if eps > 0 else 1e-3
+  e = hp["exo_epsilon"]
   p = np_sig(z)
   out["exo_pair"] = p * (np.log(p) - np.log(1 - e)) + (1 - p) * (np.log(1 - p) - np.log(e))
   out["nca_pair"] = (-np_logsig(beta * rw) - 0.5 * np_logsig(-beta * rw)
                      - 0.5 * np_logsig(-beta * rl))
-  delta = np.mean(np.concatenate([beta * rw, beta * rl]))
+  delta = np.mean(np.concatenate([beta * rw, beta * rl])) if hp["bco_shift"] else 0.0
   out["bco_pair"] = -np_logsig(beta * rw - delta) - np_logsig(-(beta * rl - delta))
   out["sppo_hard"] = (rw - 1 / (2 * beta)) ** 2 + (rl + 1 / (2 * beta)) ** 2
   d = np.sort(pw - pl) - np.sort(rw0 - rl0)
@@ -64,13 +74,22 @@ def reference_losses(x, beta, eps, hp):
   out["apo_down"] = np_sig(beta * rw) + (1 - np_sig(beta * (rw - rl)))
   m = np_sig(z / hp["discopop_tau"])
   out["discopop"] = (1 - m) * -np_logsig(z) + m * np.exp(-z)
-  out["sigmoid_norm"] = -(1 - eps) * np_logsig(beta * h_avg) - eps * np_logsig(-beta * h_avg)
-  nll = -pw / nw
+  out["sigmoid_norm"] = -np_logsig(beta * h_avg)
+  nll = np_nll(pw, nw, hp["nll_per_pair"])
   out["sft"] = nll
-  sm = hp["simpo_beta"] * (pw / nw - pl / nl) - hp["simpo_gamma"]
+  sb, sg = hp["simpo_beta"], hp["simpo_gamma"]
+  sm = sb * (pw / nw - pl / nl) - sg
   out["simpo"] = -(1 - eps) * np_logsig(sm) - eps * np_logsig(-sm)
+  out["cpo_simpo"] = out["simpo"] + hp["cpo_alpha"] * nll
+  # AlphaPO (Gupta et al. 2025): r = beta / alpha * (1 - pi(y)^(-alpha / |y|))
+  al = hp["alphapo_alpha"]
+  r = lambda lp, n: sb / al * (1 - np.exp(lp) ** (-al / n))
+  am = r(pw, nw) - r(pl, nl) - sg
+  out["alphapo"] = -(1 - eps) * np_logsig(am) - eps * np_logsig(-am)
   c = beta * (pw - pl)
   out["cpo"] = -(1 - eps) * np_logsig(c) - eps * np_logsig(-c) + hp["cpo_alpha"] * nll
+  out["cpo_hinge"] = np.maximum(0.0, 1 - c) + hp["cpo_alpha"] * nll
+  out["cpo_ipo"] = (pw / nw - pl / nl - 1 / (2 * beta)) ** 2 + hp["cpo_alpha"] * nll
   pw_avg, pl_avg = np.exp(pw / nw), np.exp(pl / nl)
   log_odds = np.log(pw_avg / (1 - pw_avg)) - np.log(pl_avg / (1 - pl_avg))
   out["orpo"] = nll - hp["orpo_lambda"] * np_logsig(log_odds)
@@ -94,14 +113,19 @@ def to_logps(x) -> Logps:
 
 
 HP = dict(f_divergence="reverse_kl", f_alpha=0.5, discopop_tau=0.05, simpo_beta=2.0,
-          simpo_gamma=1.0, cpo_alpha=1.0, orpo_lambda=0.1)
+          simpo_gamma=1.0, cpo_alpha=1.0, orpo_lambda=0.1, exo_epsilon=1e-3, bco_shift=False,
+          alphapo_alpha=0.25, nll_per_pair=False)
 
 
+@pytest.mark.parametrize("flag", [False, True], ids=["trl", "paper"])
 @pytest.mark.parametrize("beta,eps", [(0.1, 0.0), (0.5, 0.2), (0.05, 0.1)])
 @pytest.mark.parametrize("name", sorted(losses.LOSSES))
-def test_matches_numpy(name, beta, eps):
+def test_matches_numpy(name, beta, eps, flag):
+  """flag: the paper's choice where TRL departs from it (bco_shift, nll_per_pair)."""
   x = random_inputs(zlib.crc32(f"{name}{beta}{eps}".encode()))
-  hp = dict(HP, simpo_beta=2.0 + beta, orpo_lambda=0.1 + beta, cpo_alpha=1.0 - beta)
+  hp = dict(HP, simpo_beta=2.0 + beta, orpo_lambda=0.1 + beta, cpo_alpha=1.0 - beta,
+            exo_epsilon=max(eps, 1e-3), alphapo_alpha=0.25 - 2 * beta, bco_shift=flag,
+            nll_per_pair=flag)
   want = reference_losses(x, beta, eps, hp)[name]
   got, _ = jax.jit(lambda lp: losses.LOSSES[name].apply(lp, dict(hp, beta=beta, label_smoothing=eps)))(
       to_logps(x))
@@ -109,7 +133,8 @@ def test_matches_numpy(name, beta, eps):
 
 
 @pytest.mark.parametrize("div", ["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"])
-@pytest.mark.parametrize("name", ["sigmoid", "robust", "hinge", "exo_pair", "discopop"])
+@pytest.mark.parametrize("name", ["sigmoid", "robust", "hinge", "ipo", "exo_pair", "discopop",
+                                  "sigmoid_norm"])
 def test_f_divergences_match_numpy(name, div):
   x = random_inputs(7, scale=5.0)  # log-ratios of a few nats: exp terms stay moderate
   hp = dict(HP, f_divergence=div, f_alpha=0.3)
@@ -118,8 +143,7 @@ def test_f_divergences_match_numpy(name, div):
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
 
 
-def _known_at_equal(beta, eps):
-  e = eps if eps > 0 else 1e-3
+def _known_at_equal(beta, eps, e=1e-3):
   return {
       "sigmoid": LN2, "robust": LN2, "hinge": 1.0, "ipo": (1 / (2 * beta)) ** 2,
       "exo_pair": 0.5 * (-LN2 - math.log(1 - e)) + 0.5 * (-LN2 - math.log(e)),
@@ -158,11 +182,13 @@ def test_extreme_margins_finite(sign, div):
   hp = dict(HP, f_divergence=div)
   for lp in cases:
     for name, loss in losses.LOSSES.items():
+      if name == "ipo" and div in ("forward_kl", "alpha_divergence"):
+        continue  # squares a score near exp(80) (TRL's cap): past float32, in TRL too
       def total(lp):
         return loss.apply(lp, dict(hp, beta=0.1, label_smoothing=0.1))[0].sum()
       val, grads = jax.value_and_grad(total)(lp)
       assert np.isfinite(float(val)), (name, div, lp)
-      for g in grads:
+      for g in jax.tree.leaves(grads):
         assert np.all(np.isfinite(np.asarray(g))), (name, div)
 
 
@@ -180,19 +206,37 @@ def test_combination_weights_and_modifiers():
   np.testing.assert_allclose(float(m["loss/ipo"]), ref["ipo"].mean(), rtol=1e-5)
   assert "orpo/log_odds_ratio" in m and "orpo/log_odds_chosen" in m
 
-  # RPO: DPO + alpha * mean NLL of the chosen completion.
-  loss, _ = losses.combined(lp, losses.LossConfig(beta=beta, label_smoothing=eps, rpo_alpha=0.7))
-  np.testing.assert_allclose(float(loss), np.mean(ref["sigmoid"] + 0.7 * (-x["pw"] / x["nw"])),
-                             rtol=1e-5)
+  # RPO: DPO + alpha * NLL of the chosen completion, over the batch's tokens or (paper) per pair.
+  for per_pair in (False, True):
+    loss, _ = losses.combined(lp, losses.LossConfig(beta=beta, label_smoothing=eps, rpo_alpha=0.7,
+                                                    nll_per_pair=per_pair))
+    want = np.mean(ref["sigmoid"] + 0.7 * np_nll(x["pw"], x["nw"], per_pair))
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
-  # WPO: each pair's loss times min(1, exp(logw_w + logw_l)), no gradient through the weight.
+  # WPO: each pair's loss (its RPO term included) times exp(logw_w + logw_l), unclamped, no
+  # gradient through the weight.
   logw = np.random.default_rng(1).normal(-0.5, 1.0, (B, 2))
-  loss, m = losses.combined(lp, cfg, wpo_logw_B2=jnp.asarray(logw, jnp.float32))
-  w = np.minimum(1.0, np.exp(logw.sum(-1)))
-  np.testing.assert_allclose(float(loss), np.mean(w * ref["sigmoid"]), rtol=1e-5)
+  w = np.exp(logw.sum(-1))
+  assert w.max() > 1.0
+  rpo = losses.LossConfig(beta=beta, label_smoothing=eps, rpo_alpha=0.7, wpo=True)
+  loss, m = losses.combined(lp, rpo, wpo_logw_B2=jnp.asarray(logw, jnp.float32))
+  want = np.mean(w * (ref["sigmoid"] + 0.7 * np_nll(x["pw"], x["nw"], False)))
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
   g = jax.grad(lambda lw: losses.combined(lp, cfg, wpo_logw_B2=lw)[0])(
       jnp.asarray(logw, jnp.float32))
   assert np.all(np.asarray(g) == 0.0)
+
+
+def test_nll_terms_read_the_log_probs_before_ld_dpo():
+  """LD-DPO scales the DPO terms' log-probs; the NLL terms (sft, RPO, CPO, ORPO) read the full
+  chosen log-prob `policy_chosen_full`, as TRL's sft term reads the unweighted token log-probs."""
+  x = random_inputs(13)
+  full = to_logps(x)
+  lp = full._replace(policy_chosen=0.5 * full.policy_chosen, policy_chosen_full=full.policy_chosen)
+  want = -x["pw"].sum() / x["nw"].sum()
+  np.testing.assert_allclose(np.asarray(losses.sft(lp, nll_per_pair=False)[0]), want, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(losses.nll_chosen(lp, True)), -x["pw"] / x["nw"],
+                             rtol=1e-5)
 
 
 def test_length_desensitised():
@@ -203,7 +247,7 @@ def test_length_desensitised():
 
 def test_orpo_metrics_are_log_odds():
   x = random_inputs(5)
-  _, m = losses.orpo(to_logps(x), orpo_lambda=0.1)
+  _, m = losses.orpo(to_logps(x), orpo_lambda=0.1, nll_per_pair=False)
   pw, pl = np.exp(x["pw"] / x["nw"]), np.exp(x["pl"] / x["nl"])
   lo = np.log(pw / (1 - pw)) - np.log(pl / (1 - pl))
   np.testing.assert_allclose(float(m["orpo/log_odds_chosen"]), lo.mean(), rtol=1e-4)
@@ -230,7 +274,19 @@ def test_each_loss_declares_exactly_the_hyperparameters_it_reads():
 @pytest.mark.parametrize("flags,match", [
     (dict(simpo_gamma=2.0), "simpo_gamma=2.0 is read by none of --loss_type=sigmoid"),
     (dict(loss_type=("ipo",), label_smoothing=0.1), "label_smoothing=0.1 is read by none"),
-    (dict(loss_type=("ipo",), f_divergence="forward_kl"), "f_divergence='forward_kl' is read by none"),
+    (dict(loss_type=("sigmoid_norm",), label_smoothing=0.1), "label_smoothing=0.1 is read by none"),
+    (dict(loss_type=("nca_pair",), f_divergence="forward_kl"),
+     "f_divergence='forward_kl' is read by none"),
+    # TRL refuses an f-divergence that one loss of the combination would ignore; so do we.
+    (dict(loss_type=("sigmoid", "bco_pair"), f_divergence="js_divergence"),
+     "f_divergence='js_divergence' does not apply to bco_pair of --loss_type=sigmoid,bco_pair"),
+    (dict(loss_type=("sigmoid", "aot"), wpo=True), "wpo=True does not apply to aot"),
+    (dict(loss_type=("simpo",), wpo=True), "wpo=True is read by none of --loss_type=simpo"),
+    (dict(loss_type=("cpo",), rpo_alpha=1.0), "rpo_alpha=1.0 is read by none"),
+    (dict(loss_type=("sft",), ld_alpha=0.5), "ld_alpha=0.5 is read by none"),
+    (dict(nll_per_pair=True), "nll_per_pair=True is read by none of --loss_type=sigmoid"),
+    (dict(loss_type=("exo_pair",), exo_epsilon=0.0), r"exo_epsilon must be in \(0, 0.5\)"),
+    (dict(loss_type=("alphapo",), alphapo_alpha=0.0), "alphapo_alpha must be != 0"),
     (dict(f_alpha=0.3), "f_alpha=0.3 is read only with --f_divergence=alpha_divergence"),
     (dict(beta=0.0), "beta must be > 0"),
     (dict(label_smoothing=0.5), r"label_smoothing must be in \[0, 0.5\)"),
@@ -248,6 +304,17 @@ def test_config_accepts_what_a_selected_loss_reads():
                         f_divergence="alpha_divergence", f_alpha=0.3, rpo_alpha=1.0, wpo=True)
   assert c.weights == (1.0, 1.0) and not c.reference_free
   assert losses.LossConfig(loss_type=("simpo", "orpo")).reference_free
+  # sft takes any f-divergence (it reads no reference), as in TRL; RPO reads nll_per_pair.
+  losses.LossConfig(loss_type=("sigmoid", "sft"), f_divergence="forward_kl", wpo=True)
+  losses.LossConfig(rpo_alpha=1.0, nll_per_pair=True)
+
+
+def test_a_misspelt_hyperparameter_is_an_error():
+  with pytest.raises(TypeError, match="label_smothing"):
+    losses.LossConfig(label_smothing=0.1)
+  with pytest.raises(KeyError, match="label_smothing"):
+    losses.LOSSES["sigmoid"].apply(to_logps(random_inputs(1)), dict(HP, beta=0.1,
+                                                                     label_smothing=0.1))
 
 
 def test_workspace_carries_the_registry_table():
