@@ -1,23 +1,22 @@
-"""Compile-only check (dpo/compile_check.py): lower and compile the DPO step from abstract shapes.
+"""The tools of dpo/tools/: the compile-only check in process, and each tool run once as a user
+runs it (`python -m dpo.tools.NAME`, tiny settings).
 
-The compiler's own per-device argument size must equal what the sharding rules predict, which
-verifies that weights, LoRA factors and optimizer state really are split as the rules say.
+Compile-only check: the compiler's own per-device argument size must equal what the sharding
+rules predict, which verifies that weights, LoRA factors and optimizer state really are split as
+the rules say.
 """
 
 import math
 
-import jax
-import numpy as np
-
 import configs
-from dpo import compile_check, train
+from dpo import train
+from dpo.tools import compile_check
 from models import sharding, transformer
 
 
 def _expected_argument_bytes(cfg, mesh, seq_len):
-  opt, _ = train.optimizer(cfg, cfg.train.learning_rate, max(cfg.train.steps, 1))
-  est = train.memory_estimate(cfg, mesh, opt)
-  rows = cfg.train.global_batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])
+  est = train.memory_estimate(train.StepConfig.dpo(cfg), mesh)
+  rows = cfg.optim.global_batch_size // math.prod(mesh.shape[a] for a in sharding.RULES["batch"])
   batch = 4 * rows * 2 * seq_len * 4  # tokens, positions, segment ids (int32), loss mask (f32)
   scalars = 4 + 8 + 4 + 4  # step, rng key data (2 x uint32), lr_scale, skipped
   return est, est["total"] + batch + scalars
