@@ -1,10 +1,15 @@
 """Benchmark the jitted DPO step: pairs/s, tokens/s and model-FLOP utilisation.
 
-    python -m dpo.bench                      # bench-small (LoRA) and bench-small-full
-    python -m dpo.bench --presets=bench-small --steps=10 --rounds=3
+    python -m dpo.tools.bench                # bench-small with LoRA, then with full fine-tuning
+    python -m dpo.tools.bench --config=bench-small --nofull_ft --timed_steps=10 --rounds=3
+
+Every config flag applies (--config defaults to bench-small here); the tool's own flags are
+--full_ft, --timed_steps, --warmup_steps, --rounds and --matmul_size. The step is the one a run
+jits (`train.jit_step`: sharded over --mesh, state donated), built from the run's initial trees
+(`train.initial_trainable` / `initial_frozen`, the base quantized with --base_quant).
 
 Utilisation is achieved model FLOP/s over the float32 matmul peak measured in the same process
-(a jitted 2048 x 2048 x 2048 matmul). The model FLOPs per step use the formula of
+(a jitted --matmul_size^3 matmul, 2048 by default). The model FLOPs per step use the formula of
 shared/BENCHMARKS.md so figures compare across systems:
 
     FLOPs = 6 * N * T + 12 * n_layers * seq_len^2 * d_model * sequences
@@ -22,18 +27,19 @@ import resource
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
-flags.DEFINE_list("presets", ["bench-small", "bench-small-full"], "configs.py presets to time.")
-flags.DEFINE_integer("steps", 10, "Timed steps per round (after warm-up).")
-flags.DEFINE_integer("warmup", 3, "Untimed steps per round.")
-flags.DEFINE_integer("rounds", 3, "Rounds; the median round is reported.")
+import configs
+from dpo import train
+from models import quant, sharding, transformer
+
 FLAGS = flags.FLAGS
 
 
-def matmul_peak(n: int = 2048, reps: int = 20) -> float:
-  import jax
-  import jax.numpy as jnp
+def matmul_peak(n: int, reps: int = 20) -> float:
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda x, y: x @ y)
   f(a, a).block_until_ready()
@@ -57,7 +63,6 @@ def model_flops(cfg, pairs: int, seq_len: int) -> float:
 
 
 def synthetic_batch(cfg, pairs: int, rng):
-  import numpy as np
   P, C = cfg.data.max_prompt_length, cfg.data.max_target_length
   T = P + C
   tokens = rng.integers(0, cfg.model.vocab_size, (pairs, 2, T)).astype(np.int32)
@@ -69,36 +74,30 @@ def synthetic_batch(cfg, pairs: int, rng):
           "segment_ids": np.ones((pairs, 2, T), np.int32), "loss_mask": loss_mask}
 
 
-def time_preset(name: str) -> dict:
-  import jax
-  import numpy as np
-  import configs
-  from dpo import train
-  from models import lora as lora_lib
-  from models import sharding, transformer
-
-  cfg = configs.get_config(name)
-  mesh = sharding.make_mesh(cfg.train.mesh)
-  pairs = cfg.train.global_batch_size
-  base = transformer.init(cfg.model, jax.random.key(0), mesh)
-  opt, sched = train.optimizer(cfg, cfg.train.learning_rate, 1000)
-  if cfg.lora.enabled:
-    frozen, trainable = base, lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), mesh)
-  else:
-    frozen, trainable = base, jax.tree.map(lambda x: x.copy(), base)
-  state = train.init_state(trainable, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen)
+def time_config(cfg) -> dict:
+  """Median step time of the jitted, sharded DPO step a run uses, from the run's initial trees."""
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  pairs = cfg.optim.global_batch_size
+  key = jax.random.key(cfg.run.seed)
+  base = quant.quantize_params(cfg.model, transformer.init(cfg.model, jax.random.fold_in(key, 0),
+                                                           mesh), mesh)
+  spec = train.StepConfig.dpo(cfg)
+  opt, _ = spec.optimizer()
+  trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.fold_in(key, 1), mesh)
+  frozen = train.initial_frozen(base)
+  state = train.init_state(trainable, opt, cfg.run.seed, mesh)
+  step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
   batch = train.device_batch(mesh, synthetic_batch(cfg, pairs, np.random.default_rng(0)))
   rounds = []
   first_loss = None
   for _ in range(FLAGS.rounds):
-    for _ in range(FLAGS.warmup):
+    for _ in range(FLAGS.warmup_steps):
       state, m = step(state, frozen, batch)
       if first_loss is None:
         first_loss = float(m["loss"])
     jax.block_until_ready(state)
     times = []
-    for _ in range(FLAGS.steps):
+    for _ in range(FLAGS.timed_steps):
       t = time.perf_counter()
       state, m = step(state, frozen, batch)
       jax.block_until_ready(m)
@@ -106,28 +105,45 @@ def time_preset(name: str) -> dict:
     rounds.append(statistics.median(times))
   step_time = statistics.median(rounds)
   seq_len = cfg.data.max_prompt_length + cfg.data.max_target_length
-  return {"preset": name, "lora": cfg.lora.enabled, "step_time": step_time,
+  return {"lora": cfg.lora.enabled, "step_time": step_time,
           "pairs_per_s": pairs / step_time, "tokens_per_s": 2 * pairs * seq_len / step_time,
           "flops": model_flops(cfg, pairs, seq_len), "first_loss": first_loss}
 
 
 def main(argv):
   del argv
-  import jax
-  peak = matmul_peak()
-  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; float32 2048^3 matmul "
-        f"peak {peak / 1e9:.1f} GFLOP/s")
+  cfg = configs.from_flags()
+  variants = [cfg]
+  if FLAGS.full_ft and cfg.lora.enabled:
+    if cfg.model.base_quant == "none":
+      variants.append(cfg.replace(lora_rank=0))
+    else:
+      print(f"no full fine-tuning variant: --base_quant={cfg.model.base_quant} needs LoRA")
+  peak = matmul_peak(FLAGS.matmul_size)
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; float32 "
+        f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s")
   print(f"{'preset':<18} {'variant':<8} {'step s':>8} {'pairs/s':>8} {'tokens/s':>9} "
         f"{'GFLOP':>7} {'util':>7} {'loss@1':>9}")
-  for name in FLAGS.presets:
-    r = time_preset(name)
+  for variant in variants:
+    r = time_config(variant)
     util = r["flops"] / r["step_time"] / peak
-    print(f"{name:<18} {'LoRA' if r['lora'] else 'full FT':<8} {r['step_time']:8.3f} "
+    print(f"{FLAGS.config:<18} {'LoRA' if r['lora'] else 'full FT':<8} {r['step_time']:8.3f} "
           f"{r['pairs_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['flops'] / 1e9:7.1f} "
           f"{100 * util:6.1f}% {r['first_loss']:9.6f}")
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  print(f"peak RSS of this process (all presets): {rss:.0f} MiB")
+  print(f"peak RSS of this process (all variants): {rss:.0f} MiB")
 
 
 if __name__ == "__main__":
+  configs.define_flags()
+  FLAGS.set_default("config", "bench-small")
+  flags.DEFINE_bool("full_ft", True, "With a LoRA config, also time it with lora_rank=0 (every "
+                    "weight trains, frozen reference copy).")
+  flags.DEFINE_integer("timed_steps", 10, "Timed steps per round (after the warm-up steps).",
+                       lower_bound=1)
+  flags.DEFINE_integer("warmup_steps", 3, "Untimed steps per round (the first gives loss@1).",
+                       lower_bound=1)
+  flags.DEFINE_integer("rounds", 3, "Rounds; the median round is reported.", lower_bound=1)
+  flags.DEFINE_integer("matmul_size", 2048, "n of the n x n x n float32 matmul timed as the peak.",
+                       lower_bound=1)
   app.run(main)

@@ -1,14 +1,15 @@
 """Compile the DPO train step for a real-size model from abstract shapes; print per-device memory.
 
-    python -m dpo.compile_check --config=llama3-8b --mesh=fsdp:8
-    python -m dpo.compile_check --config=llama3-8b --mesh=fsdp:4,tensor:2 --fake_devices=8
+    python -m dpo.tools.compile_check --config=llama3-8b --mesh=fsdp:8
+    python -m dpo.tools.compile_check --config=llama3-8b --mesh=fsdp:4,tensor:2 --fake_devices=8
 
 No weights are allocated: parameters, LoRA factors, optimizer state and the batch are
-`jax.ShapeDtypeStruct`s carrying the shardings training would use, and the step is lowered and
-compiled for a mesh of fake CPU devices. The compiler's memory analysis then says what one device
-holds (arguments, outputs, temporaries), which checks that the sharding of a real size fits
-before any accelerator is involved. CPU temporaries approximate, not equal, what an accelerator
-backend schedules. Any config flag of launch.py applies (e.g. --global_batch_size, --lora_rank).
+`jax.ShapeDtypeStruct`s carrying the shardings training would use, and the step a run jits
+(`train.jit_step_with_shardings`) is lowered and compiled for a mesh of fake CPU devices. The
+compiler's memory analysis then says what one device holds (arguments, outputs, temporaries),
+which checks that the sharding of a real size fits before any accelerator is involved. CPU
+temporaries approximate, not equal, what an accelerator backend schedules. Every config flag
+applies (e.g. --global_batch_size, --lora_rank); --fake_devices is this tool's own.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from configs import Config
+import configs
 from dpo import train
-from models import lora as lora_lib
 from models import sharding, transformer
+
+FLAGS = flags.FLAGS
 
 
 def _with_sharding(abstract_tree, sharding_tree):
@@ -31,19 +33,21 @@ def _with_sharding(abstract_tree, sharding_tree):
                       abstract_tree, sharding_tree)
 
 
-def abstract_dpo_inputs(cfg: Config, mesh, seq_len: int) -> tuple[Any, Any, Any, tuple]:
-  """(state, frozen, batch) as sharded ShapeDtypeStructs, plus (opt, sched).
+def _abstract(specs, mesh):
+  return _with_sharding(transformer.abstract(specs), transformer.shardings(specs, mesh))
+
+
+def abstract_dpo_inputs(cfg: configs.Config, mesh, seq_len: int) -> tuple[Any, Any, Any]:
+  """(state, frozen, batch) of the DPO stage as sharded ShapeDtypeStructs.
 
   frozen is the base (LoRA on) or the reference copy (LoRA off, same shapes as the policy).
   """
-  opt, sched = train.optimizer(cfg, cfg.train.learning_rate, max(cfg.train.steps, 1))
-  specs = transformer.param_specs(cfg.model)
-  frozen = _with_sharding(transformer.abstract(specs), transformer.shardings(specs, mesh))
-  if cfg.lora.enabled:
-    lspecs = lora_lib.lora_specs(cfg.model, cfg.lora)
-    trainable = _with_sharding(transformer.abstract(lspecs), transformer.shardings(lspecs, mesh))
-  else:
-    trainable = frozen
+  if cfg.model.base_quant != "none":
+    raise ValueError(f"compile_check models a float base only, got --base_quant="
+                     f"{cfg.model.base_quant}")
+  opt, _ = train.StepConfig.dpo(cfg).optimizer()
+  frozen = train.initial_frozen(_abstract(transformer.param_specs(cfg.model), mesh))
+  trainable = _abstract(train.trainable_specs(cfg.model, cfg.lora), mesh)
   train_sh = jax.tree.map(lambda x: x.sharding, trainable)
   opt_state = _with_sharding(jax.eval_shape(opt.init, trainable),
                              train.opt_state_shardings(opt, trainable, train_sh, mesh))
@@ -52,23 +56,21 @@ def abstract_dpo_inputs(cfg: Config, mesh, seq_len: int) -> tuple[Any, Any, Any,
   state = train.TrainState(step=scalar(jnp.int32), params=trainable, opt_state=opt_state,
                            rng=scalar(jnp.uint32, (2,)), lr_scale=scalar(jnp.float32),
                            skipped=scalar(jnp.int32))
-  shape = (cfg.train.global_batch_size, 2, seq_len)
+  shape = (cfg.optim.global_batch_size, 2, seq_len)
   bsh = train.batch_sharding(mesh)
-  batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
-           "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
-           "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
-           "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=bsh)}
-  return state, frozen, batch, (opt, sched)
+  dtypes = {"tokens": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
+            "loss_mask": jnp.float32}
+  batch = {k: jax.ShapeDtypeStruct(shape, d, sharding=bsh) for k, d in dtypes.items()}
+  return state, frozen, batch
 
 
-def compile_dpo_step(cfg: Config, mesh, seq_len: int | None = None):
+def compile_dpo_step(cfg: configs.Config, mesh, seq_len: int | None = None):
   """Lowers and compiles the jitted DPO step from abstract inputs; returns the Compiled object."""
   seq_len = seq_len or cfg.data.max_prompt_length + cfg.data.max_target_length
-  state, frozen, batch, (opt, sched) = abstract_dpo_inputs(cfg, mesh, seq_len)
-  state_sh = jax.tree.map(lambda x: x.sharding, state)
-  frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
-  step = train.jit_step_with_shardings(train.dpo_step, cfg, opt, sched, mesh, state_sh,
-                                       frozen_sh)
+  state, frozen, batch = abstract_dpo_inputs(cfg, mesh, seq_len)
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  step = train.jit_step_with_shardings(train.dpo_step, train.StepConfig.dpo(cfg), mesh,
+                                       shardings(state), shardings(frozen))
   return step.lower(state, frozen, batch).compile()
 
 
@@ -85,16 +87,17 @@ def memory_report(compiled) -> dict[str, int]:
 
 def main(argv) -> None:
   del argv
-  import launch
-  cfg = launch.config_from_flags()
-  mesh = sharding.make_mesh(cfg.train.mesh)
+  if FLAGS.fake_devices:  # before anything touches a device
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", FLAGS.fake_devices)
+  cfg = configs.from_flags()
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
   seq_len = cfg.data.max_prompt_length + cfg.data.max_target_length
-  opt, _ = train.optimizer(cfg, cfg.train.learning_rate, max(cfg.train.steps, 1))
-  est = train.memory_estimate(cfg, mesh, opt)
+  est = train.memory_estimate(train.StepConfig.dpo(cfg), mesh)
   specs = transformer.param_specs(cfg.model)
   n = transformer.num_params(transformer.abstract(specs))
   print(f"config {FLAGS.config}: {n / 1e9:.2f}B parameters, mesh {dict(mesh.shape)}, "
-        f"batch {cfg.train.global_batch_size} pairs x 2 x {seq_len} tokens, "
+        f"batch {cfg.optim.global_batch_size} pairs x 2 x {seq_len} tokens, "
         f"compute {cfg.model.compute_dtype}, remat {cfg.model.remat}, "
         f"LoRA rank {cfg.lora.lora_rank}")
   dropped = sharding.replicated_axes(specs, mesh)
@@ -102,22 +105,11 @@ def main(argv) -> None:
     print(f"replicated because the mesh axis does not divide the dimension: {dropped}")
   gib = lambda b: f"{b / 2**30:.3f} GiB"
   print("estimate per device: " + ", ".join(f"{k} {gib(v)}" for k, v in est.items()))
-  compiled = compile_dpo_step(cfg, mesh, seq_len)
-  rep = memory_report(compiled)
+  rep = memory_report(compile_dpo_step(cfg, mesh, seq_len))
   print("compiler per device: " + ", ".join(f"{k} {gib(v)}" for k, v in rep.items()))
 
 
-def _main_with_devices(argv) -> None:
-  if FLAGS.fake_devices:  # before anything touches a device
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", FLAGS.fake_devices)
-  main(argv)
-
-
 if __name__ == "__main__":
-  import launch  # defines the config flags (--config, --mesh, every config field)
-  from absl import app, flags
-
+  configs.define_flags()
   flags.DEFINE_integer("fake_devices", 8, "Fake CPU devices to compile for (0: use real devices).")
-  FLAGS = flags.FLAGS
-  app.run(_main_with_devices)
+  app.run(main)

@@ -1,20 +1,27 @@
 """Prints the frozen-base memory of the real-size presets: float32, bfloat16, int8, nf4.
 
-Computed from abstract shapes (nothing is allocated): `python -m models.base_memory`.
+    python -m dpo.tools.base_memory [--presets=llama3.2-1b,qwen2.5-7b]
+
+Computed from abstract shapes (nothing is allocated). --presets is the tool's only flag; it reads
+each preset's model section and nothing else.
 """
 
 import dataclasses
 
+from absl import app, flags
+
 import configs
 from models import quant, transformer
 
+FLAGS = flags.FLAGS
 NAMES = ("llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma2-2b")
 
 
-def main():
+def main(argv) -> None:
+  del argv
   print(f"{'preset':14s} {'params':>8s} {'float32':>10s} {'bf16':>10s} {'int8':>10s} {'nf4':>10s}")
-  for name in NAMES:
-    m = configs.PRESETS[name].model
+  for name in FLAGS.presets:
+    m = configs.get_config(name).model
     n = transformer.num_params(transformer.abstract(transformer.param_specs(m)))
     row = [transformer.nbytes(quant.abstract_quantized(dataclasses.replace(m, base_quant=q)))
            for q in ("none", "int8", "nf4")]
@@ -24,4 +31,7 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  flags.DEFINE_list("presets", list(NAMES), "configs.py presets whose model section is measured.")
+  flags.register_validator("presets", lambda names: set(names) <= set(configs.PRESETS),
+                           f"--presets must name presets from {sorted(configs.PRESETS)}")
+  app.run(main)

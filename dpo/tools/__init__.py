@@ -1,0 +1,13 @@
+"""Benchmarks and one-off checks, apart from the library; each runs as `python -m dpo.tools.NAME`.
+
+Every tool takes absl flags: those that read a config take `--config` and every config field
+(configs.define_flags), plus a few flags of their own.
+
+  bench                 DPO step time, pairs/s, tokens/s and utilisation (bench-small workload)
+  bench_precompute_ref  the run's jitted DPO step with the reference forward vs precomputed log-probs
+  compare_losses        one SFT model, then one DPO run per loss type; held-out metrics per loss
+  compile_check         compile the DPO step from abstract shapes; per-device memory, no weights
+  base_memory           frozen-base bytes of the real-size presets: float32, bfloat16, int8, nf4
+
+Nothing in dpo/ or models/ imports these modules or launch.py.
+"""

@@ -1,0 +1,192 @@
+"""The tools of dpo/tools/: the compile-only check in process, and each tool run once as a user
+runs it (`python -m dpo.tools.NAME`, tiny settings).
+
+Compile-only check: the compiler's own per-device argument size must equal what the sharding
+rules predict, which verifies that weights, LoRA factors and optimizer state really are split as
+the rules say.
+"""
+
+import ast
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import configs
+from dpo import train
+from dpo.tools import compile_check
+from models import sharding, transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _expected_argument_bytes(cfg, mesh, seq_len):
+  est = train.memory_estimate(train.StepConfig.dpo(cfg), mesh)
+  rows = cfg.optim.global_batch_size // math.prod(mesh.shape[a] for a in sharding.RULES["batch"])
+  batch = 4 * rows * 2 * seq_len * 4  # tokens, positions, segment ids (int32), loss mask (f32)
+  scalars = 4 + 8 + 4 + 4  # step, rng key data (2 x uint32), lr_scale, skipped
+  return est, est["total"] + batch + scalars
+
+
+def test_bench_small_compiles_abstractly_with_predicted_per_device_memory():
+  cfg = configs.get_config("bench-small").replace(global_batch_size=8)
+  mesh = sharding.make_mesh("fsdp:4,tensor:2")
+  seq_len = 64
+  compiled = compile_check.compile_dpo_step(cfg, mesh, seq_len)
+  rep = compile_check.memory_report(compiled)
+  est, expected = _expected_argument_bytes(cfg, mesh, seq_len)
+  assert rep["arguments"] == expected
+  # The whole train state is donated: its buffers are reused for the new state.
+  assert rep["aliased"] >= est["trainable"] + est["optimizer"]
+  # Every matrix is split 8 ways (fsdp x tensor); only norms are replicated.
+  specs = transformer.param_specs(cfg.model)
+  full = 4 * transformer.num_params(transformer.abstract(specs))
+  assert full / 8 <= est["frozen"] < full / 8 * 1.01
+  assert rep["temporaries"] > 0
+
+
+def test_llama3_8b_preset_is_the_published_shape():
+  m = configs.get_config("llama3-8b").model
+  n = transformer.num_params(transformer.abstract(transformer.param_specs(m)))
+  # Llama 3.1 8B: 8,030,261,248 parameters (Meta's model card: "8B"); computed independently
+  # from the published dimensions: embed + lm_head + 32 x (attention + MLP + 2 norms) + norm.
+  per_layer = 4096 * (32 * 128 + 2 * 8 * 128) + 32 * 128 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+  assert n == 2 * 128256 * 4096 + 32 * per_layer + 4096 == 8_030_261_248
+
+
+def _imports(path: str):
+  """Every module an `import` statement in the file names (for `from a import b`: a and a.b)."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      yield node.module
+      yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def test_library_never_imports_the_launcher_or_the_tools():
+  offenders = []
+  for package in ("dpo", "models"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, package)):
+      in_tools = os.path.relpath(dirpath, ROOT).startswith(os.path.join("dpo", "tools"))
+      for path in (os.path.join(dirpath, f) for f in files if f.endswith(".py")):
+        offenders += [f"{path}: {m}" for m in _imports(path) if m.split(".")[0] == "launch"
+                      or (m.startswith("dpo.tools") and not in_tools)]
+  assert not offenders
+
+
+# --- each tool as a user runs it -------------------------------------------------------------------
+
+TINY_MODEL = ["--d_model=32", "--n_layers=1", "--n_heads=2", "--n_kv_heads=1", "--head_dim=16",
+              "--mlp_dim=64"]
+TINY_TASK = ["--task_train_pairs=16", "--task_sft_examples=8", "--task_eval_pairs=8",
+             "--task_eval_prompts=4", "--eval_batch_size=4", "--eval_max_new_tokens=4",
+             "--eval_show=0", "--global_batch_size=4"]
+
+
+def _tool_commands(out: str) -> dict[str, tuple[int, list[str]]]:
+  """{tool: (fake CPU devices, arguments)}: tiny settings that run in seconds."""
+  return {
+      "bench": (1, ["--config=bench-small", *TINY_MODEL, "--vocab_size=512",
+                    "--max_prompt_length=8", "--max_target_length=8", "--timed_steps=2",
+                    "--warmup_steps=1", "--rounds=1", "--matmul_size=128"]),
+      "bench_precompute_ref": (2, [*TINY_MODEL, *TINY_TASK, "--timed_steps=3",
+                                   "--learning_rate=0.05", "--warmup_ratio=0"]),
+      "compare_losses": (1, [*TINY_MODEL, *TINY_TASK, "--steps=2", "--sft_steps=2",
+                             "--losses=sigmoid,ipo", f"--output_dir={out}/compare_losses"]),
+      "compile_check": (2, ["--config=bench-small", "--lora_rank=0", *TINY_MODEL,
+                            "--vocab_size=512", "--mesh=fsdp:2", "--fake_devices=2",
+                            "--global_batch_size=2", "--max_prompt_length=8",
+                            "--max_target_length=8"]),
+      "base_memory": (1, []),
+  }
+
+
+@pytest.fixture(scope="module")
+def tool_output(tmp_path_factory):
+  """Every tool started at once (their compiles overlap on the CPU cores); the fixture's value
+  waits for one tool, asserts it exited 0 and returns its stdout lines."""
+  out = tmp_path_factory.mktemp("tools")
+  procs = {}
+  for name, (devices, args) in _tool_commands(str(out)).items():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    with open(out / f"{name}.stdout", "w") as so, open(out / f"{name}.stderr", "w") as se:
+      procs[name] = subprocess.Popen([sys.executable, "-m", f"dpo.tools.{name}", *args],
+                                     cwd=ROOT, env=env, stdout=so, stderr=se)
+
+  def output(name: str) -> list[str]:
+    rc = procs[name].wait(timeout=300)
+    stdout, stderr = ((out / f"{name}.{s}").read_text() for s in ("stdout", "stderr"))
+    assert rc == 0, f"dpo.tools.{name} exited {rc}:\n{stdout}\n{stderr[-4000:]}"
+    return stdout.splitlines()
+
+  output.dir = str(out)
+  yield output
+  for p in procs.values():
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+
+
+def test_bench_prints_a_row_per_variant_with_loss_log2_at_the_first_step(tool_output):
+  lines = tool_output("bench")
+  assert lines[0].startswith("devices: 1 x cpu; float32 128^3 matmul peak")
+  assert lines[1].split() == ["preset", "variant", "step", "s", "pairs/s", "tokens/s", "GFLOP",
+                              "util", "loss@1"]
+  rows = [l.split() for l in lines[2:4]]
+  assert [r[:2] for r in rows] == [["bench-small", "LoRA"], ["bench-small", "full"]]
+  for r in rows:
+    assert float(r[3]) > 0 and r[-2].endswith("%")
+    # The policy starts equal to the reference (LoRA B = 0, or a copy): sigmoid loss = log 2.
+    assert float(r[-1]) == pytest.approx(math.log(2), abs=1e-6)
+  assert lines[4].startswith("peak RSS of this process")
+
+
+def test_bench_precompute_ref_times_both_variants_to_the_same_loss(tool_output):
+  lines = tool_output("bench_precompute_ref")
+  assert lines[0].startswith("precompute: 16 pairs in ") and lines[0].endswith("(cache miss)")
+  assert lines[1].startswith("config=default lora_rank=16 batch=4 ") and "steps=3" in lines[1]
+  assert "'data': 2" in lines[1]
+  losses = [float(x.split()[-1]) for x in lines[2].split(":", 1)[1].split(",")]
+  assert losses[0] == pytest.approx(losses[1], abs=1e-5) and losses[0] != pytest.approx(math.log(2))
+  assert lines[3].startswith("in-step reference:") and lines[4].startswith("precomputed:")
+  assert lines[5].startswith("saving:")
+
+
+def test_compare_losses_reports_one_row_per_loss(tool_output):
+  lines = tool_output("compare_losses")
+  rows = [json.loads(l) for l in lines if l.startswith("{")]
+  assert [r["loss_type"] for r in rows] == ["sigmoid", "ipo"]
+  for r in rows:
+    assert (r["steps"], r["sft_steps"], r["skipped_steps"]) == (2, 2, 0)
+    assert 0.0 <= r["reward_accuracy"] <= 1.0 and r["perplexity"] > 1.0
+  with open(os.path.join(tool_output.dir, "compare_losses", "results.jsonl")) as f:
+    assert [json.loads(l) for l in f] == rows
+  assert any(l.startswith("SFT: 2 steps in ") for l in lines)
+
+
+def test_compile_check_takes_config_flags(tool_output):
+  lines = tool_output("compile_check")
+  assert lines[0].startswith("config bench-small: ")
+  assert "mesh {'data': 1, 'fsdp': 2, 'tensor': 1}" in lines[0] and "LoRA rank 0" in lines[0]
+  assert "batch 2 pairs x 2 x 16 tokens" in lines[0]
+  assert lines[-2].startswith("estimate per device: frozen ")
+  assert lines[-1].startswith("compiler per device: arguments ")
+
+
+def test_base_memory_prints_the_real_size_presets(tool_output):
+  lines = tool_output("base_memory")
+  assert lines[0].split() == ["preset", "params", "float32", "bf16", "int8", "nf4"]
+  rows = {l.split()[0]: l.split()[1:] for l in lines[1:]}
+  assert list(rows) == ["llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma2-2b"]
+  # Llama 3.1 8B: 8,030,261,248 parameters (see the test above); float32 4 bytes, bf16 2 each.
+  assert rows["llama3.1-8b"][:3] == ["8.03B", f"{8_030_261_248 * 4 / 2**30:.2f}G",
+                                     f"{8_030_261_248 * 2 / 2**30:.2f}G"]
+  for params, f32, bf16, int8, nf4 in rows.values():
+    assert float(f32[:-1]) > float(bf16[:-1]) > float(int8[:-1]) > float(nf4[:-1])
