@@ -31,10 +31,6 @@ from models import quant, sharding, transformer
 
 
 
-def _to_py(tree) -> dict:
-  return {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()) for k, v in tree.items()}
-
-
 class Data:
   """Tokenized SFT, training and held-out arrays for one run.
 
