@@ -295,11 +295,10 @@ def _hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
       ("layers", "k_norm"): (attn + "k_norm.weight", "flat"),
       ("lm_head",): ("lm_head.weight", "linear"),
   }
-  for p in "qkvo":
-    names[("layers", p)] = (attn + f"{p}_proj.weight", "linear")
-    names[("layers", f"{p}_bias")] = (attn + f"{p}_proj.bias", "flat")
-  for p in ("gate", "up", "down"):
-    names[("layers", p)] = (f"model.layers.{{i}}.mlp.{p}_proj.weight", "linear")
+  for t in lora_lib.TARGETS.values():
+    *group, leaf = t.path
+    names[t.path] = (f"model.layers.{{i}}.{t.hf_module}.weight", "linear")
+    names[(*group, leaf + "_bias")] = (f"model.layers.{{i}}.{t.hf_module}.bias", "flat")
   return names
 
 
@@ -463,11 +462,6 @@ def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConf
     json.dump(config, f, indent=2)
 
 
-_PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-                 "down": "mlp.down_proj"}
-
-
 def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
               base_model: str = ""):
   """LoRA factors alone: PEFT's lora_A.weight [R, in] and lora_B.weight [out, R] per module.
@@ -475,12 +469,14 @@ def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
   PEFT's delta is (alpha / r) * B @ A applied as x @ (B @ A).T, which equals our
   scale * x @ A @ B with A_peft = A.T and B_peft = B.T (flattened over head axes).
   """
+  adapted = [t for t in lora_lib.TARGETS.values() if t.path[-1] in lora[t.path[0]]]
   tensors = {}
-  for name, ab in lora["layers"].items():
-    a, b = _host(ab["a"]), _host(ab["b"])
+  for t in adapted:
+    group, leaf = t.path
+    a, b = _host(lora[group][leaf]["a"]), _host(lora[group][leaf]["b"])
     L, R = a.shape[0], a.shape[-1]
     for i in range(L):
-      key = f"base_model.model.model.layers.{i}.{_PEFT_MODULES[name]}"
+      key = f"base_model.model.model.layers.{i}.{t.hf_module}"
       tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, R).T)
       tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(R, -1).T)
   if jax.process_index() != 0:
@@ -489,7 +485,7 @@ def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
   write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors)
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.lora_rank,
             "lora_alpha": lora_cfg.lora_alpha, "lora_dropout": lora_cfg.lora_dropout,
-            "target_modules": sorted(_PEFT_MODULES[t].split(".")[1] for t in lora["layers"]),
+            "target_modules": sorted(t.hf_module.split(".")[-1] for t in adapted),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "base_model_name_or_path": base_model, "inference_mode": True}
   with open(os.path.join(directory, "adapter_config.json"), "w") as f:
