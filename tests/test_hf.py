@@ -7,6 +7,7 @@ log-probs match; the export (LoRA merged) loads back into transformers with the 
 PEFT adapter equals the merged delta; import errors name the offending tensor.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import configs  # noqa: E402
 from dpo import logprobs  # noqa: E402
-from models import hf, lora as lora_lib, sharding, transformer  # noqa: E402
+from models import archs, hf, lora as lora_lib, sharding, transformer  # noqa: E402
 
 V, T = 96, 10
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -95,7 +96,7 @@ def mesh():
   return sharding.make_mesh("data:2,fsdp:2,tensor:2")
 
 
-@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+@pytest.mark.parametrize("arch", archs.ARCHS)
 def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   model = _hf_model(arch)
   src = tmp_path / "src"
@@ -130,6 +131,7 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   hf.save(str(out), cfg, params, lora, lcfg, source=json.load(open(src / "config.json")))
   back = transformers.AutoModelForCausalLM.from_pretrained(
       out, attn_implementation="eager", dtype=torch.float32).eval()
+  assert type(back).__name__ == archs.ARCHITECTURES[arch].hf_class
   # Our tensor names are exactly the ones transformers wrote.
   assert set(hf.SafetensorsDir(str(out)).entries) == set(hf.SafetensorsDir(str(src)).entries)
   diff_export = np.abs(_hf_logits(back, tokens, seg) - policy)[real].max()
@@ -165,6 +167,33 @@ def test_peft_export_covers_only_the_configured_targets(mesh, tmp_path):
                    for i in range(2) for m in ("self_attn.v_proj", "mlp.gate_proj") for x in "AB"}
   acfg = json.load(open(tmp_path / "adapter_config.json"))
   assert acfg["target_modules"] == ["gate_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("arch", archs.ARCHS)
+def test_registry_matches_transformers(arch):
+  """Each registered architecture: transformers' default config for its model_type imports, with
+  the family's switches, and the registry's class is the one transformers builds for it."""
+  a = archs.ARCHITECTURES[arch]
+  assert a.model_type == arch
+  hf_cfg = transformers.AutoConfig.for_model(arch)
+  cfg = hf.config_from_hf(hf_cfg.to_dict())
+  assert cfg.arch == arch
+  assert {k: getattr(cfg, k) for k in a.switches._fields} == a.switches._asdict()
+  mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+  assert mapping[arch] == a.hf_class
+  assert hf.hf_config(cfg)["architectures"] == [a.hf_class]
+
+
+def test_registry_switches_are_model_config_fields():
+  fields = {f.name: f for f in dataclasses.fields(configs.ModelConfig)}
+  for name in archs.Switches._fields:
+    assert fields[name].type in (bool, "bool"), name
+
+
+def test_export_rejects_switches_the_family_lacks():
+  cfg = configs.ModelConfig(arch="llama", post_norms=True)
+  with pytest.raises(hf.HFError, match=r"post_norms=True does not match model_type llama"):
+    hf.hf_config(cfg)
 
 
 @pytest.fixture(scope="module")
