@@ -15,9 +15,9 @@ bfloat16 (via ml_dtypes, a JAX dependency) and lazy slicing; no extra package is
 
 Layouts. HF linear weights are [out, in]; ours are [layers, *in, *out] (q: [L, D, H, Hd],
 o: [L, H, Hd, D]), so a layer's matrix is HF.T reshaped. Norm scales and biases are flat
-vectors in both. Names by family (mlp_norm is Llama's post_attention_layernorm but Gemma's
-pre_feedforward_layernorm, because Gemma's post_attention_layernorm normalizes the attention
-output) are in `_hf_names`.
+vectors in both. What differs by family (switches, config.json keys, tensor names) is in
+models/archs.py ARCHITECTURES; the projections' names are the LoRA targets' modules
+(models/lora.py TARGETS).
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from configs import ARCHS, LoraConfig, ModelConfig
+from configs import LoraConfig, ModelConfig
+from models import archs
 from models import lora as lora_lib
-from models import quant, transformer
+from models import quant, sharding, transformer
 
 
 class HFError(ValueError):
@@ -119,9 +120,6 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict 
 
 # --- config.json <-> ModelConfig ---------------------------------------------------------------
 
-_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
          "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -158,21 +156,23 @@ def _rope(hf: dict, where: str) -> dict:
   return out
 
 
-def _layer_types(hf: dict, arch: str, n_layers: int, where: str) -> list[bool]:
-  """Per layer: True = sliding-window attention."""
-  if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-    raise HFError(f"{where}: use_sliding_window=true is not supported for {arch}")
-  if "layer_types" in hf and hf["layer_types"] is not None and arch not in ("qwen2", "qwen3"):
-    types = hf["layer_types"]
+def _layer_types(hf: dict, a: archs.Arch, n_layers: int, where: str) -> list[bool]:
+  """Per layer: True = sliding-window attention (how config.json says so: `Arch.sliding`)."""
+  if a.sliding == "none":
+    if hf.get("use_sliding_window"):
+      raise HFError(f"{where}: use_sliding_window=true is not supported for {a.model_type}")
+    return [False] * n_layers
+  types = hf.get("layer_types")
+  if types is not None:
     bad = set(types) - {"sliding_attention", "full_attention"}
     if bad or len(types) != n_layers:
       raise HFError(f"{where}: layer_types {types} not understood")
     return [t == "sliding_attention" for t in types]
-  if arch == "mistral":
+  if a.sliding == "all":
     return [bool(hf.get("sliding_window"))] * n_layers
-  if arch == "gemma2":
+  if a.sliding == "alternate":
     return [i % 2 == 0 for i in range(n_layers)]
-  if arch == "gemma3_text":
+  if a.sliding == "periodic":
     n = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
     return [(i + 1) % n != 0 for i in range(n_layers)]
   return [False] * n_layers
@@ -181,14 +181,15 @@ def _layer_types(hf: dict, arch: str, n_layers: int, where: str) -> list[bool]:
 def config_from_hf(hf: dict, where: str = "config.json", base: ModelConfig | None = None) -> ModelConfig:
   """A ModelConfig for a transformers config dict; raises HFError for what it cannot express."""
   arch = hf.get("model_type")
-  if arch not in ARCHS:
-    raise HFError(f"{where}: model_type {arch!r} is not supported; supported: {ARCHS}")
-  gemma = arch.startswith("gemma")
+  if arch not in archs.ARCHITECTURES:
+    raise HFError(f"{where}: model_type {arch!r} is not supported; supported: {archs.ARCHS}")
+  a = archs.ARCHITECTURES[arch]
   for key in ("mlp_bias", "use_bidirectional_attention"):
     if hf.get(key):
       raise HFError(f"{where}: {key}=true is not supported")
-  if hf.get("attention_bias") and arch != "qwen2":
+  if hf.get("attention_bias") and not a.switches.qkv_bias:
     raise HFError(f"{where}: attention_bias=true is not supported for {arch}")
+  scalars = hf if a.gemma_scalars else {}  # keys only Gemma's config.json gives meaning to
   act_name = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
   if act_name not in _ACTS:
     raise HFError(f"{where}: activation {act_name!r} is not supported")
@@ -198,16 +199,15 @@ def config_from_hf(hf: dict, where: str = "config.json", base: ModelConfig | Non
         arch=arch, vocab_size=hf["vocab_size"], d_model=D, n_layers=L, n_heads=H,
         n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or D // H,
         mlp_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)), mlp_act=_ACTS[act_name],
-        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3_text"),
-        norm_plus_one=gemma, post_norms=gemma, embed_scale=gemma,
-        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
-        final_softcap=float(hf.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
-        query_scale=float(hf.get("query_pre_attn_scalar") or 0.0) if gemma else 0.0,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", a.tied_default)),
+        mlp_act=_ACTS[act_name], **a.switches._asdict(),
+        attn_softcap=float(scalars.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(scalars.get("final_logit_softcapping") or 0.0),
+        query_scale=float(scalars.get("query_pre_attn_scalar") or 0.0),
         **_rope(hf, where))
   except KeyError as e:
     raise HFError(f"{where}: missing field {e.args[0]!r}") from None
-  local = _layer_types(hf, arch, L, where)
+  local = _layer_types(hf, a, L, where)
   if any(local):
     window = hf.get("sliding_window")
     if not window:
@@ -226,7 +226,11 @@ def config_from_hf(hf: dict, where: str = "config.json", base: ModelConfig | Non
 def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
   """The transformers config.json dict for `cfg` (over `source`'s non-architecture keys)."""
   arch = cfg.arch
-  gemma = arch.startswith("gemma")
+  a = archs.ARCHITECTURES[arch]
+  for name, want in a.switches._asdict().items():
+    if getattr(cfg, name) != want:
+      raise HFError(f"{name}={getattr(cfg, name)} does not match model_type {arch} "
+                    f"({name}={want})")
   drop = {"rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "layer_types",
           "sliding_window_pattern", "_sliding_window_pattern", "use_sliding_window",
           "sliding_window", "architectures", "dtype", "torch_dtype", "hidden_act",
@@ -234,13 +238,13 @@ def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
   out = {k: v for k, v in (source or {}).items() if k not in drop}
   act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.mlp_act]
   out.update({
-      "model_type": arch, "architectures": [_CLASSES[arch]], "vocab_size": cfg.vocab_size,
+      "model_type": arch, "architectures": [a.hf_class], "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
       "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
       "rope_theta": cfg.rope_theta, "torch_dtype": "float32",
-      ("hidden_activation" if gemma else "hidden_act"): act,
+      a.act_key: act,
   })
   out.setdefault("max_position_embeddings", 8192)
   if cfg.rope_scaling == "linear":
@@ -251,25 +255,24 @@ def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
                            "high_freq_factor": cfg.rope_high_freq_factor,
                            "original_max_position_embeddings": cfg.rope_original_max_len}
   if cfg.rope_local_theta:
-    if arch != "gemma3_text":
+    if not a.local_rope:
       raise HFError(f"rope_local_theta cannot be expressed in a {arch} config.json")
     out["rope_local_base_freq"] = cfg.rope_local_theta
   local = cfg.layer_is_local()
   if any(local):
     out["sliding_window"] = cfg.sliding_window
-    if arch in ("gemma2", "gemma3_text"):
+    if a.sliding in ("alternate", "periodic"):
       out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
       out["sliding_window_pattern"] = cfg.sliding_pattern
-    elif not (arch == "mistral" and all(local)):
+    elif not (a.sliding == "all" and all(local)):
       raise HFError(f"a sliding-window pattern of {cfg.sliding_pattern} cannot be expressed "
                     f"in a {arch} config.json")
-  elif arch in ("mistral", "gemma2", "gemma3_text"):
-    out["sliding_window"] = None if arch == "mistral" else max(cfg.rope_original_max_len, 4096)
-    if arch != "mistral":
-      out["layer_types"] = ["full_attention"] * cfg.n_layers
-  if arch == "qwen2" and not cfg.qkv_bias or arch != "qwen2" and cfg.qkv_bias:
-    raise HFError(f"qkv_bias={cfg.qkv_bias} does not match model_type {arch}")
-  if gemma:
+  elif a.sliding == "all":
+    out["sliding_window"] = None
+  elif a.sliding in ("alternate", "periodic"):
+    out["sliding_window"] = max(cfg.rope_original_max_len, 4096)
+    out["layer_types"] = ["full_attention"] * cfg.n_layers
+  if a.gemma_scalars:
     scalar = cfg.query_scale or cfg.head_dim
     out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                attn_logit_softcapping=cfg.attn_softcap or None,
@@ -279,27 +282,18 @@ def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
 
 # --- parameter names and layouts ---------------------------------------------------------------
 
-def _hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
-  """{our param path: (HF name, with {i} for the layer; layout)}. Layout "linear" = a layer's
-  weight is HF[out, in].T reshaped; "flat" = the same values in row-major order."""
-  attn = "model.layers.{i}.self_attn."
-  names = {
-      ("embed",): ("model.embed_tokens.weight", "flat"),
-      ("final_norm",): ("model.norm.weight", "flat"),
-      ("layers", "attn_norm"): ("model.layers.{i}.input_layernorm.weight", "flat"),
-      ("layers", "mlp_norm"): ("model.layers.{i}." + ("pre_feedforward_layernorm.weight"
-                                if cfg.post_norms else "post_attention_layernorm.weight"), "flat"),
-      ("layers", "post_attn_norm"): ("model.layers.{i}.post_attention_layernorm.weight", "flat"),
-      ("layers", "post_mlp_norm"): ("model.layers.{i}.post_feedforward_layernorm.weight", "flat"),
-      ("layers", "q_norm"): (attn + "q_norm.weight", "flat"),
-      ("layers", "k_norm"): (attn + "k_norm.weight", "flat"),
-      ("lm_head",): ("lm_head.weight", "linear"),
-  }
-  for p in "qkvo":
-    names[("layers", p)] = (attn + f"{p}_proj.weight", "linear")
-    names[("layers", f"{p}_bias")] = (attn + f"{p}_proj.bias", "flat")
-  for p in ("gate", "up", "down"):
-    names[("layers", p)] = (f"model.layers.{{i}}.mlp.{p}_proj.weight", "linear")
+def _tensor_names(arch: str) -> dict[tuple[str, ...], str]:
+  """{our param path: HF tensor name, with {i} for the layer}: the family's own names, then each
+  projection's weight and bias under its module's name.
+
+  A matrix (spec.fan_in > 0) is stored as HF[out, in], so a layer's weight is HF.T reshaped;
+  anything else holds the same values in row-major order.
+  """
+  names = dict(archs.ARCHITECTURES[arch].tensor_names)
+  for t in lora_lib.TARGETS.values():
+    *group, leaf = t.path
+    names[t.path] = archs.LAYER + t.hf_module + ".weight"
+    names[(*group, leaf + "_bias")] = archs.LAYER + t.hf_module + ".bias"
   return names
 
 
@@ -309,9 +303,9 @@ def _flat_specs(specs) -> dict[tuple[str, ...], transformer.ParamSpec]:
   return out
 
 
-def _hf_shape(spec: transformer.ParamSpec, layout: str, stacked: bool) -> tuple[int, ...]:
+def _hf_shape(spec: transformer.ParamSpec, stacked: bool) -> tuple[int, ...]:
   shape = spec.shape[1:] if stacked else spec.shape
-  if layout == "linear":
+  if spec.fan_in:
     return (math.prod(shape[spec.fan_in:]), math.prod(shape[:spec.fan_in]))
   return tuple(shape) if spec.axes == ("vocab", "embed") else (math.prod(shape),)
 
@@ -322,12 +316,12 @@ def _flat_indices(shape, slices) -> np.ndarray:
   return np.ravel_multi_index(np.ix_(*ranges), shape).ravel() if shape else np.zeros(1, int)
 
 
-def _read_block(tensor: np.ndarray, layout: str, shape, fan_in: int, slices) -> np.ndarray:
+def _read_block(tensor: np.ndarray, shape, fan_in: int, slices) -> np.ndarray:
   """Our block `slices` of a per-layer array of `shape`, read from the HF tensor."""
   block_shape = tuple(len(range(*s.indices(n))) for s, n in zip(slices, shape))
-  if layout == "flat" and tensor.shape == tuple(shape):  # e.g. the embedding: slice directly
+  if not fan_in and tensor.shape == tuple(shape):  # e.g. the embedding: slice directly
     return np.asarray(tensor[tuple(slices)])
-  if layout == "flat":
+  if not fan_in:
     flat = _flat_indices(shape, slices)
     lo, hi = flat.min(), flat.max() + 1
     return np.asarray(tensor.reshape(-1)[lo:hi])[flat - lo].reshape(block_shape)
@@ -353,12 +347,12 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
   cfg = config_from_hf(hf, where, base)
   files = SafetensorsDir(directory)
   specs = transformer.param_specs(cfg)
-  names = _hf_names(cfg)
+  names = _tensor_names(cfg.arch)
   plan = {}
   for path, spec in _flat_specs(specs).items():
-    template, layout = names[path]
+    template = names[path]
     stacked = path[0] == "layers"
-    want = _hf_shape(spec, layout, stacked)
+    want = _hf_shape(spec, stacked)
     layer_names = [template.format(i=i) for i in range(cfg.n_layers)] if stacked else [template]
     for name in layer_names:
       got = files.shape(name)
@@ -367,17 +361,17 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
       if got != want:
         raise HFError(f"{directory}: tensor {name!r} has shape {list(got)}, expected "
                       f"{list(want)} from config.json")
-    plan[path] = (spec, layout, stacked, layer_names)
+    plan[path] = (spec, stacked, layer_names)
 
-  def build(spec, layout, stacked, layer_names):
+  def build(spec, stacked, layer_names):
     def callback(index):
       index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
       if not stacked:
-        return _read_block(files.get(layer_names[0]), layout, spec.shape, spec.fan_in,
+        return _read_block(files.get(layer_names[0]), spec.shape, spec.fan_in,
                            index).astype(np.float32)
       layers = range(*index[0].indices(spec.shape[0]))
-      return np.stack([_read_block(files.get(layer_names[l]), layout, spec.shape[1:],
-                                   spec.fan_in, index[1:]) for l in layers]).astype(np.float32)
+      return np.stack([_read_block(files.get(layer_names[l]), spec.shape[1:], spec.fan_in,
+                                   index[1:]) for l in layers]).astype(np.float32)
     sh = transformer.shardings(spec, mesh)
     return jax.make_array_from_callback(spec.shape, sh, callback)
 
@@ -397,19 +391,11 @@ def source_config(init_from: str) -> dict | None:
 
 # --- export --------------------------------------------------------------------------------------
 
-def _host(x) -> np.ndarray:
-  """A global array's value on this host (gathered across processes when needed)."""
-  if getattr(x, "is_fully_addressable", True):
-    return np.asarray(jax.device_get(x))
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _to_hf(value: np.ndarray, spec, layout: str, stacked: bool) -> list[np.ndarray]:
+def _to_hf(value: np.ndarray, spec, stacked: bool) -> list[np.ndarray]:
   """Our array -> HF tensor(s), one per layer when stacked."""
   per_layer = list(value) if stacked else [value]
-  shape = _hf_shape(spec, layout, stacked)
-  if layout == "linear":
+  shape = _hf_shape(spec, stacked)
+  if spec.fan_in:
     n_in = math.prod((spec.shape[1:] if stacked else spec.shape)[:spec.fan_in])
     return [np.ascontiguousarray(v.reshape(n_in, -1).T) for v in per_layer]
   return [v.reshape(shape) for v in per_layer]
@@ -420,20 +406,23 @@ def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConf
   """Writes config.json + model(-0000k-of-0000n).safetensors of params (+ merged LoRA).
 
   A quantized base is dequantized first, so the export is the model the policy computes.
-  Every process takes part in gathering; only process 0 writes.
+  Every process takes part in gathering; only process 0 writes. Raises HFError before writing
+  anything when `cfg` cannot be expressed as a transformers config.json.
   """
+  config = hf_config(cfg, source)
+  config["torch_dtype"] = dtype
   params = jax.tree.map(lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, params,
                         is_leaf=quant.is_quantized)
   if lora is not None:
     params = lora_lib.merge(params, lora, lora_cfg)
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-  names = _hf_names(cfg)
+  names = _tensor_names(cfg.arch)
   tensors = {}
   for path, spec in _flat_specs(transformer.param_specs(cfg)).items():
-    template, layout = names[path]
-    value = _host(params[path[0]] if len(path) == 1 else params["layers"][path[1]])
+    template = names[path]
+    value = sharding.to_host(params[path[0]] if len(path) == 1 else params["layers"][path[1]])
     stacked = path[0] == "layers"
-    for i, t in enumerate(_to_hf(value, spec, layout, stacked)):
+    for i, t in enumerate(_to_hf(value, spec, stacked)):
       tensors[template.format(i=i)] = t.astype(np_dtype)
   if jax.process_index() != 0:
     return
@@ -457,15 +446,8 @@ def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConf
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                  "weight_map": weight_map}, f, indent=2)
-  config = hf_config(cfg, source)
-  config["torch_dtype"] = dtype
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
-
-
-_PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-                 "down": "mlp.down_proj"}
 
 
 def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
@@ -475,12 +457,14 @@ def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
   PEFT's delta is (alpha / r) * B @ A applied as x @ (B @ A).T, which equals our
   scale * x @ A @ B with A_peft = A.T and B_peft = B.T (flattened over head axes).
   """
+  adapted = [t for t in lora_lib.TARGETS.values() if t.path[-1] in lora[t.path[0]]]
   tensors = {}
-  for name, ab in lora["layers"].items():
-    a, b = _host(ab["a"]), _host(ab["b"])
+  for t in adapted:
+    group, leaf = t.path
+    a, b = sharding.to_host(lora[group][leaf]["a"]), sharding.to_host(lora[group][leaf]["b"])
     L, R = a.shape[0], a.shape[-1]
     for i in range(L):
-      key = f"base_model.model.model.layers.{i}.{_PEFT_MODULES[name]}"
+      key = "base_model.model." + (archs.LAYER + t.hf_module).format(i=i)
       tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, R).T)
       tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(R, -1).T)
   if jax.process_index() != 0:
@@ -489,7 +473,7 @@ def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
   write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors)
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.lora_rank,
             "lora_alpha": lora_cfg.lora_alpha, "lora_dropout": lora_cfg.lora_dropout,
-            "target_modules": sorted(_PEFT_MODULES[t].split(".")[1] for t in lora["layers"]),
+            "target_modules": sorted(t.hf_module.split(".")[-1] for t in adapted),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "base_model_name_or_path": base_model, "inference_mode": True}
   with open(os.path.join(directory, "adapter_config.json"), "w") as f:

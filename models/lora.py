@@ -5,34 +5,64 @@ A: (layers, *in, R) and B: (layers, R, *out), so the delta for one layer is
 scale * A @ B with scale = alpha / R (Hu et al. 2021, "LoRA", eq. 3). B starts at zero, so a
 fresh adapter leaves the model unchanged. Factor shardings follow the base weight's logical axes,
 so A and B are split exactly like the rows and columns of W.
+
+`TARGETS` is the one list of adaptable projections: the flag value, where the weight sits in the
+params pytree, and the transformers / PEFT module it is (which also names the projection's
+weight and bias in a Hugging Face checkpoint, models/hf.py).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from configs import LoraConfig, ModelConfig
 from models import transformer
 from models.transformer import ParamSpec
 
+if TYPE_CHECKING:
+  from configs import LoraConfig, ModelConfig
+
+
+class Target(NamedTuple):
+  """One adaptable projection."""
+  name: str              # as written in --lora_targets
+  path: tuple[str, ...]  # its weight in the params pytree
+  hf_module: str         # its module under model.layers.{i} in transformers and PEFT
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("q", ("layers", "q"), "self_attn.q_proj"),
+    Target("k", ("layers", "k"), "self_attn.k_proj"),
+    Target("v", ("layers", "v"), "self_attn.v_proj"),
+    Target("o", ("layers", "o"), "self_attn.o_proj"),
+    Target("gate", ("layers", "gate"), "mlp.gate_proj"),
+    Target("up", ("layers", "up"), "mlp.up_proj"),
+    Target("down", ("layers", "down"), "mlp.down_proj"),
+)}
+
 
 def lora_specs(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> dict:
-  """{"layers": {target: {"a": ParamSpec, "b": ParamSpec}}} for the configured targets."""
-  base = transformer.param_specs(model_cfg)["layers"]
+  """{"a": ParamSpec, "b": ParamSpec} at each configured target's param path.
+
+  The LoRA pytree mirrors the params pytree: {"layers": {"q": {"a", "b"}, ...}}.
+  """
+  base = transformer.param_specs(model_cfg)
   R = lora_cfg.lora_rank
-  out = {}
+  out: dict = {"layers": {}}
   for name in lora_cfg.lora_targets:
-    s = base[name]
+    group, leaf = TARGETS[name].path
+    s = base[group][leaf]
     n_in = s.fan_in
     in_shape, out_shape = s.shape[1:1 + n_in], s.shape[1 + n_in:]
     in_axes, out_axes = s.axes[1:1 + n_in], s.axes[1 + n_in:]
-    out[name] = {
+    out.setdefault(group, {})[leaf] = {
         "a": ParamSpec((s.shape[0], *in_shape, R), ("layers", *in_axes, "lora_rank"), "normal", n_in),
         "b": ParamSpec((s.shape[0], R, *out_shape), ("layers", "lora_rank", *out_axes), "zeros", 1),
     }
-  return {"layers": out}
+  return out
 
 
 def init(model_cfg: ModelConfig, lora_cfg: LoraConfig, key: jax.Array, mesh: Mesh):

@@ -9,8 +9,8 @@ dequantizes there, on the fly, so a float copy of a matrix exists only transient
 * nf4: the per-layer matrix is flattened (row-major) into 64-element blocks; each block stores
   its absmax (float32) and, per element, the index of the nearest of the 16 NF4 levels to
   W / absmax, two indices per byte. The levels are the NormalFloat4 code book of Dettmers et
-  al. 2023, "QLoRA" (Appendix E; the bitsandbytes table). The block axis is sharded over
-  `fsdp` ("qblocks" in sharding.RULES). Double quantization of the absmax values is not done.
+  al. 2023, "QLoRA" (Appendix E; the bitsandbytes table). The block axis has the logical
+  name "qblocks" (split as sharding.RULES says). Double quantization of absmax is not done.
 
 Which leaves are quantized: the per-layer matrices (q, k, v, o, gate, up, down). The embedding
 table, an untied lm_head (kept in float as bitsandbytes' 4-bit loading does by default, since
@@ -134,13 +134,13 @@ def _quantize_tree(specs, mode: str, tree):
   return out
 
 
-def quantize_params(cfg, params, mesh: Mesh):
-  """The base params with their matrices quantized per `cfg.base_quant`, born sharded."""
-  from models import transformer  # transformer imports this module for dense()
-  mode = cfg.base_quant
+def quantize_params(specs, mode: str, params, mesh: Mesh):
+  """`params` with their matrices quantized per `mode` (ModelConfig.base_quant), born sharded.
+
+  `specs` is the ParamSpec tree the params were built from (transformer.param_specs(cfg)).
+  """
   if mode == "none":
     return params
-  specs = transformer.param_specs(cfg)
   quantize = lambda tree: _quantize_tree(specs, mode, tree)
   shapes = jax.eval_shape(quantize, params)
   out_sh = jax.tree.map(lambda x: x.sharding, params)
@@ -152,11 +152,9 @@ def quantize_params(cfg, params, mesh: Mesh):
   return jax.jit(quantize, out_shardings=out_sh)(params)
 
 
-def abstract_quantized(cfg):
-  """Shapes and dtypes of the (quantized) base for `cfg`, without allocating anything."""
-  from models import transformer
-  specs = transformer.param_specs(cfg)
-  base = transformer.abstract(specs)
-  if cfg.base_quant == "none":
-    return base
-  return jax.eval_shape(lambda tree: _quantize_tree(specs, cfg.base_quant, tree), base)
+def abstract_quantized(specs, mode: str, abstract_params):
+  """Shapes and dtypes `quantize_params` gives for float params of these shapes; allocates
+  nothing. `abstract_params` is transformer.abstract(specs)."""
+  if mode == "none":
+    return abstract_params
+  return jax.eval_shape(lambda tree: _quantize_tree(specs, mode, tree), abstract_params)

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import ModelConfig
 from models import sharding, transformer
+
+if TYPE_CHECKING:
+  from configs import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -154,6 +155,19 @@ def shard_bytes(abstract_tree, sharding_tree) -> int:
     raise ValueError(f"{len(leaves)} arrays but {len(shards)} shardings")
   return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
              for x, s in zip(leaves, shards))
+
+
+def batch_shards(mesh: Mesh) -> int:
+  """How many ways the batch is split: the product of the mesh sizes "batch" maps to."""
+  return math.prod(mesh.shape[m] for m in RULES["batch"])
+
+
+def to_host(x) -> np.ndarray:
+  """A global array's value as numpy on this host (gathered across processes when it is not
+  fully addressable, which every process must then call together)."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def process_batch_block(mesh: Mesh, global_batch: int) -> tuple[int, int]:

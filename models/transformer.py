@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from configs import ModelConfig
 from models import quant, sharding
+
+if TYPE_CHECKING:
+  from configs import ModelConfig
 
 
 class ParamSpec(NamedTuple):
@@ -214,7 +216,9 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
     if lp is None:
       y = dense(inp, p[name], n_in)
     else:
-      k = None if key is None else jax.random.fold_in(key, _TARGET_ID[name])
+      # Each adapted matrix draws its dropout from its own stream: its index among the layer's
+      # matrices in param_specs order.
+      k = None if key is None else jax.random.fold_in(key, _matrices(cfg).index(name))
       y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate))
     bias = p.get(name + "_bias")
     return y if bias is None else y + bias.astype(y.dtype)
@@ -265,7 +269,10 @@ _ACT_KV = ("batch", "seq", "act_kv_heads", "head_dim")
 _ACT_MLP = ("batch", "seq", "act_mlp")
 _ACT_LOGITS = ("batch", "seq", "act_vocab")
 
-_TARGET_ID = {n: i for i, n in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
+
+def _matrices(cfg: ModelConfig) -> list[str]:
+  """Names of the per-layer matrices (the ones LoRA can adapt), in param_specs order."""
+  return [name for name, s in param_specs(cfg)["layers"].items() if s.fan_in]
 
 
 class KVCache(NamedTuple):
@@ -310,8 +317,8 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
   (logits or hidden, updated cache). Positions (for RoPE) are independent of slots.
   """
   dtype = jnp.dtype(cfg.compute_dtype)
-  # Gather the table's fsdp shards first (rows stay split over tensor); a lookup into a table
-  # whose embed dimension is split makes XLA replicate the whole table instead.
+  # Gather the table's embed dimension first (rows stay split by "vocab"); a lookup into a
+  # table whose embed dimension is split makes XLA replicate the whole table instead.
   table_VD = sharding.constrain(params["embed"].astype(dtype), ("vocab", "act_embed"))
   x_BTD = table_VD[tokens_BT]
   if cfg.embed_scale:

@@ -7,6 +7,7 @@ log-probs match; the export (LoRA merged) loads back into transformers with the 
 PEFT adapter equals the merged delta; import errors name the offending tensor.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import configs  # noqa: E402
 from dpo import logprobs  # noqa: E402
-from models import hf, lora as lora_lib, sharding, transformer  # noqa: E402
+from models import archs, hf, lora as lora_lib, sharding, transformer  # noqa: E402
 
 V, T = 96, 10
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -95,7 +96,7 @@ def mesh():
   return sharding.make_mesh("data:2,fsdp:2,tensor:2")
 
 
-@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+@pytest.mark.parametrize("arch", archs.ARCHS)
 def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   model = _hf_model(arch)
   src = tmp_path / "src"
@@ -121,7 +122,7 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   np.testing.assert_array_equal(np.asarray(n), loss_mask.sum(-1))
 
   # Export with a non-zero LoRA (random B) on every target; transformers must see the merge.
-  lcfg = configs.LoraConfig(lora_rank=2, lora_alpha=4.0, lora_targets=configs.LORA_TARGETS)
+  lcfg = configs.LoraConfig(lora_rank=2, lora_alpha=4.0, lora_targets=tuple(lora_lib.TARGETS))
   lora = lora_lib.init(cfg, lcfg, jax.random.key(1), mesh)
   lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape), lora)
   policy = np.asarray(transformer.forward(cfg, params, tokens, positions, seg, lora=lora,
@@ -130,23 +131,69 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   hf.save(str(out), cfg, params, lora, lcfg, source=json.load(open(src / "config.json")))
   back = transformers.AutoModelForCausalLM.from_pretrained(
       out, attn_implementation="eager", dtype=torch.float32).eval()
+  assert type(back).__name__ == archs.ARCHITECTURES[arch].hf_class
+  # Our tensor names are exactly the ones transformers wrote.
+  assert set(hf.SafetensorsDir(str(out)).entries) == set(hf.SafetensorsDir(str(src)).entries)
   diff_export = np.abs(_hf_logits(back, tokens, seg) - policy)[real].max()
   print(f"{arch}: max |logit diff| export round trip = {diff_export:.2e}")
   assert diff_export < 1e-4, diff_export
   assert np.abs(policy - ours)[real].max() > 1e-3  # the LoRA delta is really in the export
 
-  # PEFT layout: W_hf + (alpha / r) * B_peft @ A_peft reproduces the merged export.
+  # PEFT layout (PEFT itself is not installed): every adapter key is
+  # base_model.model.<an nn.Linear of the transformers model>.lora_{A,B}.weight, and
+  # W_hf + (alpha / r) * B_peft @ A_peft reproduces the merged export.
   hf.save_peft(str(tmp_path / "adapter"), cfg, lora, lcfg)
   adapter = hf.SafetensorsDir(str(tmp_path / "adapter"))
   acfg = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
-  assert acfg["peft_type"] == "LORA" and acfg["r"] == 2 and len(acfg["target_modules"]) == 7
+  assert acfg["peft_type"] == "LORA" and acfg["r"] == 2
+  linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+  adapted = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in adapter.entries}
+  assert adapted == linears - {"lm_head"}
+  assert acfg["target_modules"] == sorted({n.rsplit(".", 1)[1] for n in adapted})
   base_sd, merged_sd = model.state_dict(), back.state_dict()
-  for module in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
-    key = f"model.layers.1.{module}"
-    a = np.asarray(adapter.get(f"base_model.model.{key}.lora_A.weight"))
-    b = np.asarray(adapter.get(f"base_model.model.{key}.lora_B.weight"))
-    w = base_sd[f"{key}.weight"].numpy() + acfg["lora_alpha"] / acfg["r"] * b @ a
-    np.testing.assert_allclose(w, merged_sd[f"{key}.weight"].numpy(), atol=1e-6)
+  for module in adapted:
+    a = np.asarray(adapter.get(f"base_model.model.{module}.lora_A.weight"))
+    b = np.asarray(adapter.get(f"base_model.model.{module}.lora_B.weight"))
+    w = base_sd[f"{module}.weight"].numpy() + acfg["lora_alpha"] / acfg["r"] * b @ a
+    np.testing.assert_allclose(w, merged_sd[f"{module}.weight"].numpy(), atol=1e-6)
+
+
+def test_peft_export_covers_only_the_configured_targets(mesh, tmp_path):
+  cfg = configs.ModelConfig(n_layers=2)
+  lcfg = configs.LoraConfig(lora_rank=2, lora_targets=("v", "gate"))
+  hf.save_peft(str(tmp_path), cfg, lora_lib.init(cfg, lcfg, jax.random.key(0), mesh), lcfg)
+  names = set(hf.SafetensorsDir(str(tmp_path)).entries)
+  assert names == {f"base_model.model.model.layers.{i}.{m}.lora_{x}.weight"
+                   for i in range(2) for m in ("self_attn.v_proj", "mlp.gate_proj") for x in "AB"}
+  acfg = json.load(open(tmp_path / "adapter_config.json"))
+  assert acfg["target_modules"] == ["gate_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("arch", archs.ARCHS)
+def test_registry_matches_transformers(arch):
+  """Each registered architecture: transformers' default config for its model_type imports, with
+  the family's switches, and the registry's class is the one transformers builds for it."""
+  a = archs.ARCHITECTURES[arch]
+  assert a.model_type == arch
+  hf_cfg = transformers.AutoConfig.for_model(arch)
+  cfg = hf.config_from_hf(hf_cfg.to_dict())
+  assert cfg.arch == arch
+  assert {k: getattr(cfg, k) for k in a.switches._fields} == a.switches._asdict()
+  mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+  assert mapping[arch] == a.hf_class
+  assert hf.hf_config(cfg)["architectures"] == [a.hf_class]
+
+
+def test_registry_switches_are_model_config_fields():
+  fields = {f.name: f for f in dataclasses.fields(configs.ModelConfig)}
+  for name in archs.Switches._fields:
+    assert fields[name].type in (bool, "bool"), name
+
+
+def test_export_rejects_switches_the_family_lacks():
+  cfg = configs.ModelConfig(arch="llama", post_norms=True)
+  with pytest.raises(hf.HFError, match=r"post_norms=True does not match model_type llama"):
+    hf.hf_config(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from models import sharding, transformer
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   mlp_dim=48, init_std=0.2)
-ALL = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.5, lora_targets=(
-    "q", "k", "v", "o", "gate", "up", "down"))
+ALL = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.5,
+                 lora_targets=tuple(lora_lib.TARGETS))
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,30 @@ def _randomize_b(lora, key):
   leaves, tree = jax.tree.flatten(lora)
   keys = jax.random.split(key, len(leaves))
   return tree.unflatten([0.1 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def test_targets_are_the_layer_matrices():
+  """Every per-layer matrix (in param_specs order: the dropout stream ids) is a target."""
+  specs = transformer.param_specs(CFG)
+  matrices = [("layers", n) for n, s in specs["layers"].items() if s.fan_in]
+  assert [t.path for t in lora_lib.TARGETS.values()] == matrices
+  assert all(name == t.name for name, t in lora_lib.TARGETS.items())
+
+
+@pytest.mark.parametrize("targets", [("v", "q"), ("down",), tuple(lora_lib.TARGETS)])
+def test_specs_sit_at_the_target_paths(targets):
+  """The LoRA tree mirrors the params tree: each target's factors at its weight's path."""
+  specs = lora_lib.lora_specs(CFG, LoraConfig(lora_rank=3, lora_targets=targets))
+  base = transformer.param_specs(CFG)
+  got = {path[:-1] for path, _ in jax.tree_util.tree_flatten_with_path(
+      specs, is_leaf=lambda x: isinstance(x, transformer.ParamSpec))[0]}
+  want = {tuple(jax.tree_util.DictKey(k) for k in lora_lib.TARGETS[t].path) for t in targets}
+  assert got == want
+  for t in targets:
+    group, leaf = lora_lib.TARGETS[t].path
+    w, ab = base[group][leaf], specs[group][leaf]
+    assert ab["a"].shape[:-1] == w.shape[:1 + w.fan_in] and ab["a"].shape[-1] == 3
+    assert ab["b"].shape[0] == w.shape[0] and ab["b"].shape[2:] == w.shape[1 + w.fan_in:]
 
 
 def test_shapes_follow_base_specs():

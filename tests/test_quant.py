@@ -70,7 +70,7 @@ def test_logit_error_vs_float32_and_memory(mode):
   cfg = _cfg(mode)
   mesh = sharding.make_mesh("data:-1")
   params = transformer.init(cfg, jax.random.key(0), mesh)
-  qparams = quant.quantize_params(cfg, params, mesh)
+  qparams = quant.quantize_params(transformer.param_specs(cfg), mode, params, mesh)
   batch = _batch()
   fwd = jax.jit(lambda p: transformer.forward(cfg, p, *batch))
   ref, got = np.asarray(fwd(params)), np.asarray(fwd(qparams))
@@ -89,7 +89,9 @@ def test_logit_error_vs_float32_and_memory(mode):
   else:
     want = sum(math.prod(s.shape) // 2 + 4 * math.prod(s.shape) // 64 for s in mats) + 4 * rest
   assert transformer.nbytes(qparams) == want
-  assert transformer.nbytes(quant.abstract_quantized(cfg)) == want
+  abstract = quant.abstract_quantized(specs, mode, transformer.abstract(specs))
+  assert transformer.nbytes(abstract) == want
+  assert jax.tree.structure(abstract) == jax.tree.structure(qparams)
 
 
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
@@ -97,7 +99,7 @@ def test_forward_is_dequantized_float_forward_sharded_and_lora_trains(mode):
   cfg = _cfg(mode)
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
   params = transformer.init(cfg, jax.random.key(0), mesh)
-  qparams = quant.quantize_params(cfg, params, mesh)
+  qparams = quant.quantize_params(transformer.param_specs(cfg), mode, params, mesh)
   deq = jax.tree.map(lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, qparams,
                      is_leaf=quant.is_quantized)
   batch = _batch()
@@ -114,3 +116,13 @@ def test_forward_is_dequantized_float_forward_sharded_and_lora_trains(mode):
   for a, b in zip(jax.tree.leaves(g_q), jax.tree.leaves(g_f)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
   assert float(jnp.abs(g_q["layers"]["q"]["b"]).sum()) > 0
+
+
+def test_none_leaves_params_alone():
+  cfg = _cfg("none")
+  mesh = sharding.make_mesh("data:-1")
+  params = transformer.init(cfg, jax.random.key(0), mesh)
+  specs = transformer.param_specs(cfg)
+  assert quant.quantize_params(specs, "none", params, mesh) is params
+  base = transformer.abstract(specs)
+  assert quant.abstract_quantized(specs, "none", base) is base

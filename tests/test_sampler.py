@@ -122,7 +122,7 @@ def test_sampling_deterministic_given_seed(params):
 
 def test_sharded_batch_matches_single_device(params, mesh):
   tokens, segments = sampler.left_pad(PROMPTS, PAD)
-  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.RULES["batch"]))
   t_sh, s_sh = jax.device_put(tokens, spec), jax.device_put(segments, spec)
   scfg = _scfg(temperature=1.0)
   sharded = sampler.generate(CFG, scfg, params, t_sh, s_sh, jax.random.key(9))

@@ -81,6 +81,27 @@ def test_shard_bytes_matches_addressable_shards():
   assert total / 4 < got < total  # every matrix split 4 ways (fsdp x tensor), norms replicated
 
 
+@pytest.mark.parametrize("spec, ways", [("data:8", 8), ("fsdp:8", 8), ("tensor:8", 1),
+                                        ("data:2,fsdp:2,tensor:2", 4), ("fsdp:4,tensor:2", 4)])
+def test_batch_shards_counts_distinct_batch_blocks(spec, ways):
+  mesh = sharding.make_mesh(spec)
+  assert sharding.batch_shards(mesh) == ways
+  # The same number, read off the sharding the rules give a batch-major array.
+  rows = sharding.named(mesh, ("batch",), (64,)).devices_indices_map((64,)).values()
+  assert len({r[0].indices(64) for r in rows}) == ways
+
+
+def test_to_host_gathers_a_sharded_array():
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  want = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+  x = jax.device_put(want, sharding.named(mesh, ("batch", "act_mlp"), want.shape))
+  assert len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+  got = sharding.to_host(x)
+  assert type(got) is np.ndarray
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(sharding.to_host(want[0]), want[0])  # numpy passes through
+
+
 def test_process_batch_block_single_process():
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
   assert sharding.process_batch_block(mesh, 8) == (0, 1)

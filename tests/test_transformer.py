@@ -1,6 +1,9 @@
 """Model tests: shapes, jit, causality, padding, and a golden check against a numpy transformer."""
 
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +165,17 @@ def test_bfloat16_and_remat(mesh1, params):
 def test_bad_config_rejected():
   with pytest.raises(ValueError, match="n_kv_heads"):
     ModelConfig(n_heads=4, n_kv_heads=3)
+
+
+def test_model_modules_import_neither_configs_nor_each_other_in_a_cycle():
+  """configs.py imports models.lora and models.archs; none of models/ but hf.py may import it
+  back, and quant (imported by transformer) must not import transformer."""
+  code = ("import sys\n"
+          "import models.archs, models.quant\n"
+          "assert 'models.transformer' not in sys.modules\n"
+          "import models.lora, models.sampler, models.sharding\n"
+          "bad = sorted(m for m in sys.modules if m == 'configs' or m.startswith('dpo'))\n"
+          "assert not bad, bad\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                 env={**os.environ, "PYTHONPATH": root})
