@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpo.losses import LossConfig
+from models import archs
+from models import lora as lora_lib
 
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
            "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig", "MeshConfig",
@@ -41,7 +43,7 @@ def _check(ok: bool, message: str) -> None:
     raise ValueError(message)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+ARCHS = archs.ARCHS  # the architecture registry (models/archs.py)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class ModelConfig:
                  for i in range(self.n_layers))
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_TARGETS = tuple(lora_lib.TARGETS)  # the LoRA target registry (models/lora.py)
 
 
 @dataclass(frozen=True)

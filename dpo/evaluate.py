@@ -19,7 +19,6 @@ with other settings it is the log-ratio on the samples actually drawn.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Sequence
 
 import jax
@@ -30,11 +29,6 @@ from dpo import data as data_lib
 from dpo import logprobs, losses, train
 from dpo.formats import distinct_n
 from models import sampler, sharding
-
-
-def batch_shards(mesh) -> int:
-  """Ways the batch axis is split (rows per batch must be a multiple of it)."""
-  return math.prod(mesh.shape[a] for a in sharding.RULES["batch"])
 
 
 def _policy_and_reference(score_fn, model, lora_cfg, policy_params, lora, ref_params, batch):
@@ -119,7 +113,7 @@ def sample(cfg, mesh, scfg: sampler.SamplingConfig, params, lora,
   for start in range(0, len(prompts), bs):
     chunk = list(prompts[start:start + bs])
     n = len(chunk)
-    chunk += [chunk[-1]] * (-n % batch_shards(mesh))  # pad rows so the batch splits over devices
+    chunk += [chunk[-1]] * (-n % sharding.batch_shards(mesh))  # pad rows so the batch splits over devices
     tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8)
     # Every process holds all prompts, so each passes the whole batch.
     batch = train.device_batch(mesh, {"tokens": tokens, "segment_ids": segments}, len(chunk))
@@ -141,7 +135,7 @@ def completion_logps(cfg, mesh, policy_params, lora, ref_params,
   rows = [(list(p), list(c)) for p, c in zip(prompts, completions)]
   seq_len = -(-max(len(p) + len(c) for p, c in rows) // 8) * 8
   arrays = data_lib._pack_rows(rows, seq_len, pad_id)
-  bs = cfg.eval.eval_batch_size + (-cfg.eval.eval_batch_size % batch_shards(mesh))
+  bs = cfg.eval.eval_batch_size + (-cfg.eval.eval_batch_size % sharding.batch_shards(mesh))
   fn = _jitted_scores(logprobs.sequence_logps, cfg.model, cfg.lora, mesh)
   pol, counts, ref, _ = _in_batches(mesh, lambda b: fn(policy_params, lora, ref_params, b),
                                     arrays, bs)

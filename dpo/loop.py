@@ -150,7 +150,7 @@ class Program:
 
 
 def _check_batch(cfg, mesh) -> None:
-  shards = evaluate.batch_shards(mesh)
+  shards = sharding.batch_shards(mesh)
   if cfg.optim.global_batch_size % shards:
     raise ValueError(f"--global_batch_size={cfg.optim.global_batch_size} is not divisible by "
                      f"the {shards} ways the mesh {dict(mesh.shape)} splits the batch")
@@ -193,7 +193,8 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   c, mesh, summary = p.cfg, p.mesh, {}
   if c.model.base_quant != "none":
     before = transformer.nbytes(params)
-    params = quant.quantize_params(c.model, params, mesh)
+    params = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, params,
+                                   mesh)
     after = transformer.nbytes(params)
     logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",
                  c.model.base_quant, before / 2**20, after / 2**20, (before - after) / 2**20,

@@ -28,16 +28,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpo import train
+from models import sharding
 
 CACHE_VERSION = 1
 _REF_KEYS = ("ref_logps", "ref_shared_logps")
-
-
-def _host(x) -> np.ndarray:
-  if getattr(x, "is_fully_addressable", True):
-    return np.asarray(jax.device_get(x))
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def fingerprint(spec: train.StepConfig, arrays: dict, tok, frozen: train.Frozen) -> str:
@@ -56,7 +50,7 @@ def fingerprint(spec: train.StepConfig, arrays: dict, tok, frozen: train.Frozen)
   h.update(repr(spec.model).encode())
   h.update(f"lora_scale={spec.lora.scale if frozen.ref_lora is not None else 1.0}".encode())
   for path, leaf in jax.tree_util.tree_leaves_with_path((frozen.params, frozen.ref_lora)):
-    a = _host(leaf)
+    a = sharding.to_host(leaf)
     h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
     h.update(np.ascontiguousarray(a).tobytes())
   return h.hexdigest()

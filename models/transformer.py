@@ -13,7 +13,6 @@ head, K kv heads (in names) / head_dim (in einsums), F mlp hidden, V vocab, R Lo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 

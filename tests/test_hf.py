@@ -13,7 +13,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -116,7 +115,8 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   print(f"{arch}: max |logit diff| vs transformers = {diff:.2e}")
   assert diff < 1e-4, diff
 
-  lp, n = logprobs.sequence_logps(cfg, params, tokens, positions, seg, loss_mask)
+  lp, n = logprobs.sequence_logps(cfg, params, {"tokens": tokens, "positions": positions,
+                                                "segment_ids": seg, "loss_mask": loss_mask})
   np.testing.assert_allclose(np.asarray(lp), _torch_completion_logps(ref, tokens, loss_mask),
                              atol=1e-4, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(n), loss_mask.sum(-1))

@@ -1,6 +1,5 @@
 """Sampler: KV-cache decoding against full recomputation, filters against numpy, EOS, batching."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

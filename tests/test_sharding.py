@@ -129,7 +129,7 @@ def test_optimizer_state_inherits_param_shardings():
   mesh = sharding.make_mesh("fsdp:4,tensor:2")
   cfg = configs.Config(model=configs.ModelConfig(n_heads=4, n_kv_heads=2))
   params = transformer.init(cfg.model, jax.random.key(0), mesh)
-  opt, _ = train.optimizer(cfg, 1e-3, 10)
+  opt, _ = train.optimizer(cfg.optim, 1e-3, 10)
   state = train.init_state(params, opt, 0, mesh)
   adam = state.opt_state[1][0]
   for moments in (adam.mu, adam.nu):
@@ -162,13 +162,11 @@ def _run_dpo(cfg, mesh, batches):
   """Two DPO steps from the same seeds on `mesh`; returns metrics, final params, opt state."""
   key = jax.random.key(0)
   params = transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh)
-  opt, sched = train.optimizer(cfg, cfg.train.learning_rate, 10)
-  if cfg.lora.enabled:
-    frozen, trainable = params, lora_lib.init(cfg.model, cfg.lora, jax.random.fold_in(key, 1), mesh)
-  else:
-    frozen, trainable = params, jax.tree.map(lambda x: x.copy(), params)
-  state = train.init_state(trainable, opt, 0, mesh)
-  step = train.jit_step(train.dpo_step, cfg, opt, sched, mesh, state, frozen)
+  spec = train.StepConfig.dpo(cfg)
+  trainable = train.initial_trainable(cfg.model, cfg.lora, params, jax.random.fold_in(key, 1), mesh)
+  frozen = train.initial_frozen(params)
+  state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
+  step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
   metrics = []
   for b in batches:
     state, m = step(state, frozen, train.device_batch(mesh, b, len(b["tokens"])))
@@ -185,8 +183,8 @@ def batches():
 def _cfg(lora_rank):
   return configs.Config(
       model=MODEL, lora=configs.LoraConfig(lora_rank=lora_rank, lora_dropout=0.1,
-                                           lora_targets=("q", "v", "o", "down")),
-      train=configs.TrainConfig(learning_rate=1e-2, warmup_ratio=0.0, beta=0.5))
+                                           lora_targets=("q", "v", "o", "down"))).replace(
+          learning_rate=1e-2, warmup_ratio=0.0, beta=0.5, steps=10)
 
 
 @pytest.fixture(scope="module")

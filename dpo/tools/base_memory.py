@@ -6,7 +6,6 @@ Computed from abstract shapes (nothing is allocated). --presets is the tool's on
 each preset's model section and nothing else.
 """
 
-import dataclasses
 
 from absl import app, flags
 
@@ -21,10 +20,10 @@ def main(argv) -> None:
   del argv
   print(f"{'preset':14s} {'params':>8s} {'float32':>10s} {'bf16':>10s} {'int8':>10s} {'nf4':>10s}")
   for name in FLAGS.presets:
-    m = configs.get_config(name).model
-    n = transformer.num_params(transformer.abstract(transformer.param_specs(m)))
-    row = [transformer.nbytes(quant.abstract_quantized(dataclasses.replace(m, base_quant=q)))
-           for q in ("none", "int8", "nf4")]
+    specs = transformer.param_specs(configs.get_config(name).model)
+    base = transformer.abstract(specs)
+    n = transformer.num_params(base)
+    row = [transformer.nbytes(quant.abstract_quantized(specs, q, base)) for q in ("none", "int8", "nf4")]
     gib = lambda b: f"{b / 2**30:8.2f}G"
     print(f"{name:14s} {n / 1e9:7.2f}B {gib(row[0]):>10s} {gib(2 * n):>10s} {gib(row[1]):>10s} "
           f"{gib(row[2]):>10s}")
