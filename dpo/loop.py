@@ -122,6 +122,9 @@ def log_memory_estimate(cfg, mesh) -> dict[str, int]:
   return est
 
 
+_STEPS = {"sft": (train.sft_step, train.StepConfig.sft), "dpo": (train.dpo_step, train.StepConfig.dpo)}
+
+
 @dataclasses.dataclass
 class Program:
   """What the stages of one run share."""
@@ -131,10 +134,11 @@ class Program:
   writer: MetricsWriter
   extra_hooks: Mapping[str, Sequence[Hook]]
 
-  def stage(self, name: str, step_fn, spec: train.StepConfig, fresh, frozen, arrays,
-            hooks: list, identity: dict) -> Stage:
-    """A Stage over `arrays`, resuming from <output_dir>/checkpoints/<name>."""
+  def stage(self, name: str, fresh, frozen, arrays, hooks: list, identity: dict) -> Stage:
+    """Stage `name` (sft or dpo) over `arrays`, resuming from <output_dir>/checkpoints/<name>;
+    `identity` is what a checkpoint must match to be resumed."""
     c, o = self.cfg, self.cfg.optim
+    step_fn, spec = _STEPS[name][0], _STEPS[name][1](c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
 
     def dispatch(state, frozen, batch):  # jit_step is cached: one compile per stage
@@ -181,7 +185,7 @@ def _sft(p: Program, params, sft_out: str):
                                    p.mesh)
   stage_hooks = [hooks.LogMetrics(c.run.log_every),
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
-  state = p.stage("sft", train.sft_step, spec, fresh, None, p.data.sft, stage_hooks,
+  state = p.stage("sft", fresh, None, p.data.sft, stage_hooks,
                   {"init_from": c.checkpoint.init_from, "lora": False}).run()
   checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step))
   logging.info("sft: model -> %s", sft_out)
@@ -233,7 +237,7 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
                  hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
                  *([hooks.UpdateReference(c.reference)] if tr_dpo else [])]
   t_dpo = time.perf_counter()
-  state = p.stage("dpo", train.dpo_step, spec, fresh, frozen, pairs, stage_hooks,
+  state = p.stage("dpo", fresh, frozen, pairs, stage_hooks,
                   {"reference": reference_path, "lora": c.lora.enabled}).run()
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy, lora = split(state.params)

@@ -74,5 +74,5 @@ def test_sections_and_help_derive_from_the_dataclasses():
               "loss", "loss", "optim", "guard", "eval", "run")
   assert cfg.replace(output_dir="x").loss is cfg.loss  # untouched sections are shared
   import launch
-  assert launch.FLAGS["simpo_gamma"].help.startswith("[loss] SimPO target reward margin")
+  assert launch.FLAGS["simpo_gamma"].help.startswith("[loss] SimPO / AlphaPO target reward margin")
   assert not [n for n in launch.FLAGS if n.startswith("debug_")]  # fault injection is test-only

@@ -79,8 +79,8 @@ def time_config(cfg) -> dict:
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   pairs = cfg.optim.global_batch_size
   key = jax.random.key(cfg.run.seed)
-  base = quant.quantize_params(cfg.model, transformer.init(cfg.model, jax.random.fold_in(key, 0),
-                                                           mesh), mesh)
+  base = quant.quantize_params(transformer.param_specs(cfg.model), cfg.model.base_quant,
+                               transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh), mesh)
   spec = train.StepConfig.dpo(cfg)
   opt, _ = spec.optimizer()
   trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.fold_in(key, 1), mesh)
