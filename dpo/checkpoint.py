@@ -213,10 +213,11 @@ class Manager:
 
   def restore(self, step: int, like) -> tuple[Any, dict]:
     path = self.path(step)
+    meta = read_meta(path)
     for k, v in self.identity.items():
-      if read_meta(path).get(k) != v:
-        raise CheckpointError(f"{path}: {k} is {read_meta(path).get(k)!r} but this run has "
-                              f"{v!r}; use a fresh --output_dir or the original settings")
+      if meta.get(k) != v:
+        raise CheckpointError(f"{path}: {k} is {meta.get(k)!r} but this run has {v!r}; use a "
+                              f"fresh --output_dir or the original settings")
     return load(path, like)
 
   def delete_from(self, step: int) -> list[int]:
