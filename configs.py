@@ -228,11 +228,6 @@ class GuardConfig:
   def enabled(self) -> bool:
     return self.kl_max > 0 or self.kl_spike_factor > 0
 
-  @property
-  def step_kl(self) -> bool:
-    """Whether the DPO step computes the token KL (a consumer reads it)."""
-    return self.log_kl or self.enabled
-
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -321,6 +316,13 @@ class Config:
     _check(not self.guard.enabled or not (self.reference.precompute_ref or self.loss.reference_free),
            "the KL guard (--kl_max, --kl_spike_factor) measures KL against the reference in the "
            "step; it cannot run with --precompute_ref or reference-free losses")
+
+  @property
+  def step_kl(self) -> bool:
+    """Whether the DPO step computes the token KL: a consumer reads it (--log_kl or the guard)
+    and the reference runs in the step (not precomputed, not reference-free)."""
+    in_step = not (self.reference.precompute_ref or self.loss.reference_free)
+    return in_step and (self.guard.log_kl or self.guard.enabled)
 
   def replace(self, **flat) -> "Config":
     """Returns a copy with flat field overrides (flag names) routed to their section."""

@@ -209,6 +209,10 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
         c, mesh, params, None, params, p.data.held, c.optim.global_batch_size)["perplexity"]
   spec = train.StepConfig.dpo(c)
   opt, _ = spec.optimizer()
+  if c.guard.log_kl and not spec.kl:
+    logging.warning("--log_kl: no reference forward runs in the step (precompute_ref or a "
+                    "reference-free loss), so the step logs no token KL; the evaluation's "
+                    "on-policy KL is still reported")
   if c.lora.enabled:
     logging.info("LoRA: rank %d on %s, %.3fM trainable parameters", c.lora.lora_rank,
                  ",".join(c.lora.lora_targets), transformer.num_params(transformer.abstract(

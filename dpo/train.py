@@ -60,7 +60,7 @@ class StepConfig:
   @classmethod
   def dpo(cls, cfg) -> "StepConfig":
     return cls(cfg.model, cfg.optim, cfg.optim.learning_rate, cfg.optim.steps, cfg.lora, cfg.loss,
-               cfg.guard.step_kl)
+               cfg.step_kl)
 
   def optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
     return optimizer(self.optim, self.peak_lr, self.total_steps)

@@ -162,3 +162,6 @@ def test_config_rejects_bad_combinations():
     configs.DEFAULT.replace(precompute_ref=True, loss_type=("simpo",))
   with pytest.raises(ValueError, match="KL guard"):
     configs.DEFAULT.replace(precompute_ref=True, kl_max=0.5)
+  # --log_kl cannot be honoured without the reference in the step: the step computes no KL.
+  assert configs.DEFAULT.step_kl and not configs.DEFAULT.replace(precompute_ref=True).step_kl
+  assert not configs.DEFAULT.replace(loss_type=("simpo",)).step_kl
