@@ -164,13 +164,14 @@ class Evaluator:
   """
 
   def __init__(self, cfg, mesh, tok, prompts: Sequence[str], ref_params,
-               held: dict | None = None, reward_fn: Callable[[str], float] | None = None):
+               held: dict | None = None, reward_fn: Callable[[str], float] | None = None,
+               well_formed_fn: Callable[[str, str], bool] | None = None):
     self.cfg, self.mesh, self.tok, self.ref_params = cfg, mesh, tok, ref_params
     self.prompt_texts = list(prompts)
     stats = data_lib.TruncationStats(examples=len(prompts))
     self.prompt_ids = [data_lib.encode_prompt(tok, p, cfg.data.max_prompt_length, stats)
                        for p in prompts]
-    self.held, self.reward_fn = held, reward_fn
+    self.held, self.reward_fn, self.well_formed_fn = held, reward_fn, well_formed_fn
     self.scfg = sampling_config(cfg, tok)
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 7)
     self.policy_key, self.ref_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
@@ -180,45 +181,92 @@ class Evaluator:
     if self._ref is None and self.prompt_ids:
       comps = sample(self.cfg, self.mesh, self.scfg, self.ref_params, None, self.prompt_ids,
                      self.ref_key)
-      texts = [self.tok.decode(c) for c in comps]
-      rewards = None if self.reward_fn is None else np.array([self.reward_fn(t) for t in texts])
-      self._ref = (comps, texts, rewards)
+      self._ref = (comps, *self._judge(comps))
     return self._ref
 
-  def __call__(self, policy_params, lora) -> tuple[dict, list[tuple[str, str, str]]]:
-    """(metrics, [(prompt, policy text, reference text)]). Unavailable metrics are None."""
+  def _judge(self, comps):
+    """(texts, true rewards or None, well-formed flags or None) of sampled completions."""
+    texts = [self.tok.decode(c) for c in comps]
+    rewards = None if self.reward_fn is None else np.array([self.reward_fn(t) for t in texts])
+    formed = (None if self.well_formed_fn is None else
+              np.array([self.well_formed_fn(p, t) for p, t in zip(self.prompt_texts, texts)]))
+    return texts, rewards, formed
+
+  def __call__(self, policy_params, lora) -> tuple[dict, list[dict]]:
+    """(metrics, samples): one record per sampling prompt (prompt, both responses, their true
+    rewards and well-formedness where the task defines them). Unavailable metrics are None."""
     m: dict = {}
     if self.held is not None:
       m.update(pair_metrics(self.cfg, self.mesh, policy_params, lora, self.ref_params, self.held,
                             self.cfg.optim.global_batch_size))
     else:
       m.update(reward_accuracy=None, reward_margin=None, perplexity=None)
-    examples: list[tuple[str, str, str]] = []
     if not self.prompt_ids:
       m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None,
-               kl_per_sequence=None, kl_per_token=None)
-      return m, examples
-    ref_comps, ref_texts, ref_rewards = self._reference()
+               kl_per_sequence=None, kl_per_token=None, policy_wellformed_rate=None,
+               reference_wellformed_rate=None)
+      return m, []
+    ref_comps, ref_texts, ref_rewards, ref_formed = self._reference()
     comps = sample(self.cfg, self.mesh, self.scfg, policy_params, lora, self.prompt_ids,
                    self.policy_key)
-    texts = [self.tok.decode(c) for c in comps]
+    texts, rewards, formed = self._judge(comps)
     pol, ref, counts = completion_logps(self.cfg, self.mesh, policy_params, lora, self.ref_params,
                                         self.prompt_ids, comps, self.tok.pad_id)
     m["kl_per_sequence"] = float(np.mean(pol - ref))
     m["kl_per_token"] = float(np.sum(pol - ref) / max(np.sum(counts), 1.0))
     m["policy_logp_per_token"] = float(np.sum(pol) / max(np.sum(counts), 1.0))
-    if ref_rewards is None:
+    if rewards is None:
       m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None)
     else:
-      rewards = np.array([self.reward_fn(t) for t in texts])
       m["win_rate"] = win_rate(rewards, ref_rewards)
       m["policy_true_reward"] = float(rewards.mean())
       m["reference_true_reward"] = float(ref_rewards.mean())
+    m["policy_wellformed_rate"] = None if formed is None else float(formed.mean())
+    m["reference_wellformed_rate"] = None if ref_formed is None else float(ref_formed.mean())
     m.update(_length_stats("policy", comps, texts, self.tok.eos_id))
     m.update(_length_stats("reference", ref_comps, ref_texts, self.tok.eos_id))
     m["eval_prompts"] = len(self.prompt_ids)
-    examples = list(zip(self.prompt_texts, texts, ref_texts))
-    return m, examples
+    value = lambda a, i: None if a is None else a[i].item()
+    samples = [{"prompt": prompt, "policy": texts[i], "reference": ref_texts[i],
+                "policy_reward": value(rewards, i), "reference_reward": value(ref_rewards, i),
+                "policy_well_formed": value(formed, i),
+                "reference_well_formed": value(ref_formed, i),
+                "log_ratio": float(pol[i] - ref[i])}
+               for i, prompt in enumerate(self.prompt_texts)]
+    return m, samples
+
+
+# The recipe's targets (the defaults of DEVELOPERS' source article): win rate above 70%, KL
+# between 0.01 and 0.1 nats per token; and two that keep the alignment honest: the policy's
+# held-out perplexity within 1.5x the reference's, and (where the task can tell) well-formed
+# samples, so that a reward won by breaking the language does not pass.
+WIN_RATE_MIN = 0.7
+KL_PER_TOKEN_BAND = (0.01, 0.1)
+PERPLEXITY_RATIO_MAX = 1.5
+WELLFORMED_MIN = 0.95
+
+
+def verdicts(metrics: dict, reference_perplexity: float | None) -> list[dict]:
+  """PASS / FAIL per recipe target, with the measured value; a target whose figure the run
+  cannot measure (no reward function, no held-out pairs) is "n/a", never a PASS."""
+  lo, hi = KL_PER_TOKEN_BAND
+  ppl, ratio = metrics.get("perplexity"), None
+  if ppl is not None and reference_perplexity:
+    ratio = ppl / reference_perplexity
+  checks = [
+      ("win rate", f">= {WIN_RATE_MIN}", metrics.get("win_rate"), lambda v: v >= WIN_RATE_MIN),
+      ("KL per token (nats)", f"in [{lo}, {hi}]", metrics.get("kl_per_token"),
+       lambda v: lo <= v <= hi),
+      ("perplexity / reference's", f"<= {PERPLEXITY_RATIO_MAX}", ratio,
+       lambda v: v <= PERPLEXITY_RATIO_MAX),
+      ("well-formed: policy", f">= {WELLFORMED_MIN}", metrics.get("policy_wellformed_rate"),
+       lambda v: v >= WELLFORMED_MIN),
+      ("well-formed: reference", f">= {WELLFORMED_MIN}",
+       metrics.get("reference_wellformed_rate"), lambda v: v >= WELLFORMED_MIN),
+  ]
+  return [{"target": name, "want": want, "value": value,
+           "verdict": "n/a" if value is None else ("PASS" if ok(value) else "FAIL")}
+          for name, want, value, ok in checks]
 
 
 def _fmt(v) -> str:
@@ -227,8 +275,9 @@ def _fmt(v) -> str:
   return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def report(metrics: dict, examples: Sequence[tuple[str, str, str]], show: int) -> str:
-  """A short terminal table of the main figures and `show` side-by-side samples."""
+def report(metrics: dict, samples: Sequence[dict], show: int,
+           verdict_rows: Sequence[dict] = ()) -> str:
+  """A short terminal table of the main figures, `show` side-by-side samples and the verdicts."""
   rows = [
       ("true-reward win rate (policy vs reference)", "win_rate"),
       ("mean true reward: policy", "policy_true_reward"),
@@ -238,6 +287,8 @@ def report(metrics: dict, examples: Sequence[tuple[str, str, str]], show: int) -
       ("held-out implicit reward accuracy", "reward_accuracy"),
       ("held-out implicit reward margin", "reward_margin"),
       ("chosen perplexity under policy", "perplexity"),
+      ("well-formed samples: policy / reference",
+       ("policy_wellformed_rate", "reference_wellformed_rate")),
       ("response length: policy (mean)", "policy_length_mean"),
       ("response length: reference (mean)", "reference_length_mean"),
       ("distinct-1 / distinct-2: policy", ("policy_distinct_1", "policy_distinct_2")),
@@ -248,11 +299,20 @@ def report(metrics: dict, examples: Sequence[tuple[str, str, str]], show: int) -
   for label, key in rows:
     keys = key if isinstance(key, tuple) else (key,)
     lines.append(f"{label:<{width}}  " + " / ".join(_fmt(metrics.get(k)) for k in keys))
-  if examples and show:
+  if samples and show:
     lines.append("")
     lines.append("--- samples (same prompt): policy | reference ---")
-    for prompt, pol, ref in examples[:show]:
-      lines.append(f"{prompt}")
-      lines.append(f"  policy:    {pol!r}")
-      lines.append(f"  reference: {ref!r}")
+    for s in samples[:show]:
+      lines.append(f"{s['prompt']}")
+      lines.append(f"  policy:    {s['policy']!r}")
+      lines.append(f"  reference: {s['reference']!r}")
+  if verdict_rows:
+    lines.append("")
+    lines.append("=== verdict " + "=" * width)
+    for v in verdict_rows:
+      lines.append(f"{v['verdict']:<5} {v['target']:<26} {v['want']:<16} {_fmt(v['value'])}")
+    failed = sum(v["verdict"] == "FAIL" for v in verdict_rows)
+    unmeasured = sum(v["verdict"] == "n/a" for v in verdict_rows)
+    lines.append(f"{'all measured targets met' if not failed else f'{failed} target(s) failed'}"
+                 + (f" ({unmeasured} not measurable on this data)" if unmeasured else ""))
   return "\n".join(lines)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata as md
 import json
 import logging
 import os
+import platform
 import time
 from typing import Any, Mapping, Sequence
 
@@ -84,6 +87,7 @@ class Data:
     # them the generation metrics (win rate, true rewards, KL, lengths) are reported as null.
     self.eval_prompts = task.eval_prompts(d.task_eval_prompts) if self.embedded else []
     self.reward_fn = task.true_reward if self.embedded else None
+    self.well_formed_fn = task.well_formed if self.embedded else None
     logging.info("data: %d SFT examples (T=%d), %d train pairs (T=%d), %d held-out pairs",
                  len(self.sft["tokens"]), self.sft["tokens"].shape[-1],
                  len(self.pairs["tokens"]), self.pairs["tokens"].shape[-1],
@@ -232,7 +236,7 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   # every loss and reference scheme, so runs stay comparable (TR-DPO moves the training
   # reference).
   evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, params, p.data.held,
-                                 p.data.reward_fn)
+                                 p.data.reward_fn, p.data.well_formed_fn)
   split = lambda t: (params, t) if c.lora.enabled else (t, None)
   evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
   log = hooks.LogMetrics(c.run.log_every)
@@ -246,13 +250,35 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy, lora = split(state.params)
   _export(c, params, policy, lora, int(state.step), reference_path)
-  final, examples = evaluate_state(c.optim.steps, state)
+  final, samples = evaluate_state(c.optim.steps, state)
   summary.update(final)
   summary["skipped_steps"] = int(state.skipped)
   summary["lr_scale"] = float(state.lr_scale)
+  summary["verdicts"] = evaluate.verdicts(final, summary.get("reference_perplexity"))
   if p.writer.enabled:
-    print(evaluate.report(final, examples, c.eval.eval_show), flush=True)
+    if samples:
+      _write_jsonl(os.path.join(c.run.output_dir, "samples.jsonl"), samples)
+    print(evaluate.report(final, samples, c.eval.eval_show, summary["verdicts"]), flush=True)
   return summary
+
+
+def _write_jsonl(path: str, records: Sequence[dict]) -> None:
+  """All records, replacing the file whole (written aside, then renamed)."""
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  os.replace(path + ".tmp", path)
+
+
+def provenance(cfg, mesh) -> dict[str, Any]:
+  """What a result was measured with: package versions, devices, mesh, the resolved config's
+  hash."""
+  versions = {name: md.version(name) for name in ("jax", "jaxlib", "optax", "numpy")}
+  versions["python"] = platform.python_version()
+  config_json = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+  return {"versions": versions, "device_kind": jax.devices()[0].device_kind,
+          "device_count": jax.device_count(), "process_count": jax.process_count(),
+          "mesh": dict(mesh.shape),
+          "config_sha256": hashlib.sha256(config_json.encode()).hexdigest()}
 
 
 def _export(c, base, policy, lora, step: int, reference_path: str) -> None:
@@ -300,7 +326,9 @@ def run(cfg, mesh=None, init_params=None,
                "%d of %d)", transformer.num_params(params) / 1e6, dict(mesh.shape),
                jax.process_count(), pid, nproc)
   log_memory_estimate(cfg, mesh)
-  summary: dict[str, Any] = {"data": data.reports} if data.reports else {}
+  summary: dict[str, Any] = provenance(cfg, mesh)
+  if data.reports:
+    summary["data"] = data.reports
   program = Program(cfg, mesh, data, writer, extra_hooks or {})
   ckroot = os.path.join(out, "checkpoints")
   init_from = cfg.checkpoint.init_from

@@ -96,11 +96,11 @@ def test_self_win_rate_is_half(params, mesh):
   greedy = CFG.replace(eval_temperature=0.0)
   m, ex = evaluate.Evaluator(greedy, mesh, TOK, PROMPTS[:32], params, reward_fn=_hash_reward)(
       params, None)
-  assert m["win_rate"] == 0.5 and all(p == r for _, p, r in ex)
+  assert m["win_rate"] == 0.5 and all(s["policy"] == s["reference"] for s in ex)
   # Sampled: independent draws from the same model; 0.5 in expectation (sd ~0.03 for 256).
   ev = evaluate.Evaluator(CFG, mesh, TOK, task.eval_prompts(256), params, reward_fn=_hash_reward)
   m, ex = ev(params, None)
-  assert sum(p != r for _, p, r in ex) > 200
+  assert sum(s["policy"] != s["reference"] for s in ex) > 200
   assert abs(m["win_rate"] - 0.5) < 0.12
   assert m["policy_true_reward"] != m["reference_true_reward"]
 
@@ -109,8 +109,9 @@ def test_no_ground_truth_reward_reports_na(params, lora, mesh):
   ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS[:16], params, reward_fn=None)
   m, ex = ev(params, lora)
   for k in ("win_rate", "policy_true_reward", "reference_true_reward", "reward_accuracy",
-            "reward_margin", "perplexity"):
+            "reward_margin", "perplexity", "policy_wellformed_rate", "reference_wellformed_rate"):
     assert m[k] is None, k
+  assert ex[0]["policy_reward"] is None and ex[0]["policy_well_formed"] is None
   assert m["kl_per_sequence"] is not None and len(ex) == 16
   table = evaluate.report(m, ex, show=2)
   assert "n/a" in table and PROMPTS[0] in table
@@ -133,3 +134,30 @@ def test_pair_metrics_match_numpy(params, lora, mesh):
   assert m["reward_margin"] == pytest.approx(np.mean(rc - rr), rel=1e-4, abs=1e-4)
   ppl = np.exp(-lp["chosen"][0].sum() / lp["chosen"][2].sum())
   assert m["perplexity"] == pytest.approx(ppl, rel=1e-4)
+
+
+def test_samples_carry_rewards_and_well_formedness(params, lora, mesh):
+  ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS[:16], params, reward_fn=task.true_reward,
+                          well_formed_fn=task.well_formed)
+  m, samples = ev(params, lora)
+  assert [s["prompt"] for s in samples] == PROMPTS[:16]
+  for s in samples:
+    assert s["policy_reward"] == task.true_reward(s["policy"])
+    assert s["reference_well_formed"] == task.well_formed(s["prompt"], s["reference"])
+  assert m["policy_wellformed_rate"] == np.mean([s["policy_well_formed"] for s in samples])
+
+
+def test_verdicts_pass_fail_and_unmeasured():
+  good = {"win_rate": 0.85, "kl_per_token": 0.05, "perplexity": 1.4,
+          "policy_wellformed_rate": 0.97, "reference_wellformed_rate": 0.99}
+  rows = evaluate.verdicts(good, reference_perplexity=1.35)
+  assert [r["verdict"] for r in rows] == ["PASS"] * 5
+  bad = {**good, "kl_per_token": 0.3, "policy_wellformed_rate": 0.48}
+  rows = {r["target"]: r for r in evaluate.verdicts(bad, reference_perplexity=1.35)}
+  assert rows["KL per token (nats)"]["verdict"] == "FAIL"
+  assert rows["well-formed: policy"] == {"target": "well-formed: policy", "want": ">= 0.95",
+                                         "value": 0.48, "verdict": "FAIL"}
+  none = evaluate.verdicts({"win_rate": None, "kl_per_token": 0.05}, reference_perplexity=None)
+  assert [r["verdict"] for r in none] == ["n/a", "PASS", "n/a", "n/a", "n/a"]
+  table = evaluate.report(bad, [], 0, evaluate.verdicts(bad, 1.35))
+  assert "2 target(s) failed" in table and "FAIL  KL per token" in table

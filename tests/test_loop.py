@@ -20,7 +20,17 @@ def test_short_run_learns_preferences(tmp_path):
   summary = loop.run(cfg, mesh=sharding.make_mesh("data:2", jax.devices()[:2]))
   assert summary["reward_accuracy"] > 0.75, summary
   assert summary["reward_margin"] > 0
-  assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "summary.json"]
+  assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "samples.jsonl",
+                                     "summary.json"]
+  samples = [json.loads(l) for l in open(out / "samples.jsonl")]
+  assert len(samples) == 16 and {"prompt", "policy", "reference", "policy_reward",
+                                 "reference_reward", "policy_well_formed",
+                                 "reference_well_formed"} <= set(samples[0])
+  assert summary["policy_wellformed_rate"] == sum(s["policy_well_formed"] for s in samples) / 16
+  assert [v["target"] for v in summary["verdicts"]][0] == "win rate"
+  assert set(summary["versions"]) >= {"jax", "jaxlib", "optax", "numpy"}
+  assert summary["device_count"] == jax.device_count() and summary["mesh"]["data"] == 2
+  assert len(summary["config_sha256"]) == 64
   records = [json.loads(l) for l in open(out / "metrics.jsonl")]
   dpo = [r for r in records if r["stage"] == "dpo"]
   assert [r["step"] for r in dpo] == [30, 60]

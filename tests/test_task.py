@@ -32,3 +32,19 @@ def test_sft_data_is_mixed_quality():
 def test_deterministic():
   assert task.preference_records(20, 3) == task.preference_records(20, 3)
   assert task.preference_records(20, 3) != task.preference_records(20, 4)
+
+
+def test_well_formed_accepts_the_grammar_and_refuses_fragments():
+  recs = task.preference_records(300, seed=1) + task.preference_records(100, 1, held_out=True)
+  assert all(task.well_formed(r.prompt, t) for r in recs for t in (r.chosen, r.rejected))
+  prompt = "Review the cafe in Oslo:"
+  assert task.well_formed(prompt, " warm coffee, rude staff, fresh bread.")
+  for text in (" lovely staff, lold cake, l, lty bread.",  # fragments (a hacked policy's sample)
+               " warm coffee, rude staff, fresh bread",  # no final period
+               "warm coffee, rude staff, fresh bread.",  # no leading space
+               " warm coffee, rude staff, fresh room.",  # a hotel's noun in a cafe
+               " warm coffee, lovely lovely staff, fresh bread.",
+               " warm coffee, rude staff, fresh bread, great cake.",  # four clauses
+               " warm coffee, rude staff.", ""):
+    assert not task.well_formed(prompt, text), text
+  assert not task.well_formed("Describe the cafe in Oslo:", " warm coffee, rude staff, fresh bread.")
