@@ -1,0 +1,182 @@
+"""The reward-KL frontier on the embedded task (the DPO paper's Figure 2, Rafailov et al. 2023).
+
+    python -m dpo.tools.frontier --output_dir=runs/frontier
+
+One SFT model (the preset's SFT stage, trained once under <output_dir>/sft) is the reference and
+the starting point of every method:
+  * DPO (sigmoid loss) at each beta of --betas, one run each;
+  * Preferred-FT: supervised fine-tuning on the chosen responses of the same pairs (the `sft`
+    loss of dpo/losses.py: the chosen NLL, no reference), with the same LoRA and schedule;
+  * best-of-N from the SFT model, N in --best_of: --best_of_max samples per prompt drawn once,
+    the first N of them ranked by the true reward. Its KL is the analytic log N - (N - 1) / N
+    (Stiennon et al. 2020, app. G.3; an upper bound, Beirami et al. 2024).
+Each DPO and Preferred-FT run is evaluated every --eval_every steps, so a run contributes one
+point per evaluation: mean true reward of the policy's samples against KL(policy || SFT) per
+sequence (nats), both from dpo/evaluate.py on the held-out prompts. The tool writes
+<output_dir>/frontier.jsonl (one record per point), frontier.md (the table and the area under
+each method's curve) and, with matplotlib installed, frontier.png.
+
+The area under a curve is the trapezoid integral of its upper envelope (best reward reached at
+KL <= k) over [0, --kl_range] nats, divided by --kl_range: a mean reward over that KL budget,
+comparable between methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+import configs
+from dpo import evaluate, loop, task
+from dpo.tools import compare_losses
+from models import sharding
+
+FLAGS = flags.FLAGS
+
+
+def run_points(cfg, mesh, params, method: str, value: float) -> list[dict]:
+  """One DPO-stage run from the SFT model; a point per evaluation in its metrics.jsonl."""
+  t = time.perf_counter()
+  loop.run(cfg, mesh, init_params=params)
+  points = []
+  with open(os.path.join(cfg.run.output_dir, "metrics.jsonl")) as f:
+    for line in f:
+      r = json.loads(line)
+      if r["stage"] == "eval":
+        if not points:  # every run starts at the SFT model: KL 0, its samples' mean reward
+          points.append({"method": method, "param": value, "step": 0, "kl_per_sequence": 0.0,
+                         "true_reward": r["eval/reference_true_reward"],
+                         "wellformed_rate": r["eval/reference_wellformed_rate"]})
+        points.append({"method": method, "param": value, "step": r["step"],
+                       "kl_per_sequence": r["eval/kl_per_sequence"],
+                       "true_reward": r["eval/policy_true_reward"],
+                       "wellformed_rate": r["eval/policy_wellformed_rate"]})
+  print(f"{method} {value}: {len(points)} points in {time.perf_counter() - t:.0f}s", flush=True)
+  return points
+
+
+def best_of_n(cfg, mesh, params, ns: list[int], n_max: int) -> list[dict]:
+  """Mean true reward of the best of the first N SFT samples per prompt, for each N."""
+  data = loop.Data(cfg)
+  ev = evaluate.Evaluator(cfg, mesh, data.tok, data.eval_prompts, params)
+  key = jax.random.fold_in(jax.random.key(cfg.run.seed), 11)
+  rewards, formed = [], []
+  for i in range(n_max):
+    comps = evaluate.sample(cfg, mesh, ev.scfg, params, None, ev.prompt_ids,
+                            jax.random.fold_in(key, i))
+    texts = [data.tok.decode(c) for c in comps]
+    rewards.append([task.true_reward(t) for t in texts])
+    formed.append([task.well_formed(p, t) for p, t in zip(ev.prompt_texts, texts)])
+  r, w = np.array(rewards), np.array(formed)  # [n_max, prompts]
+  points = []
+  for n in ns:
+    best = np.argmax(r[:n], axis=0)  # first maximum: ties keep the earlier sample
+    cols = np.arange(r.shape[1])
+    points.append({"method": "best-of-N", "param": n, "step": 0,
+                   "kl_per_sequence": float(np.log(n) - (n - 1) / n),
+                   "true_reward": float(r[best, cols].mean()),
+                   "wellformed_rate": float(w[best, cols].mean())})
+  return points
+
+
+def area(points: list[dict], kl_range: float) -> float:
+  """Mean over k in [0, kl_range] of the best reward reached at KL <= k (trapezoid rule); the
+  reward below the first point's KL is that point's (every run's first point is the SFT model
+  at KL 0)."""
+  pts = sorted((p["kl_per_sequence"], p["true_reward"]) for p in points)
+  grid = np.linspace(0.0, kl_range, 513)
+  kl = np.array([max(k, 0.0) for k, _ in pts])
+  envelope = np.maximum.accumulate(np.array([r for _, r in pts]))
+  idx = np.searchsorted(kl, grid, side="right") - 1
+  values = np.where(idx >= 0, envelope[np.maximum(idx, 0)], envelope[0])
+  return float(np.trapezoid(values, grid) / kl_range)
+
+
+def table(points: list[dict], kl_range: float) -> str:
+  lines = ["| method | parameter | step | KL per sequence (nats) | mean true reward | well-formed |",
+           "|---|---|---|---|---|---|"]
+  for p in sorted(points, key=lambda p: (p["method"], p["param"], p["step"])):
+    lines.append(f"| {p['method']} | {p['param']:g} | {p['step']} | {p['kl_per_sequence']:.3f} | "
+                 f"{p['true_reward']:.3f} | {p['wellformed_rate']:.3f} |")
+  lines += ["", f"Area under the curve (mean best reward over KL in [0, {kl_range:g}] nats):", "",
+            "| method | area |", "|---|---|"]
+  for method in sorted({p["method"] for p in points}):
+    lines.append(f"| {method} | {area([p for p in points if p['method'] == method], kl_range):.3f} |")
+  return "\n".join(lines)
+
+
+def plot(points: list[dict], path: str) -> bool:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("frontier.png skipped: pip install matplotlib (the `plot` extra) to draw it")
+    return False
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for method in sorted({p["method"] for p in points}):
+    pts = sorted((p["kl_per_sequence"], p["true_reward"]) for p in points if p["method"] == method)
+    ax.plot(*zip(*pts), "o" if method.startswith("DPO") else "s-", label=method, ms=4)
+  ax.set_xlabel("KL(policy || SFT) per sequence (nats)")
+  ax.set_ylabel("mean true reward")
+  ax.set_title("Reward-KL frontier, embedded review task")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def main(argv) -> None:
+  del argv
+  for name in ("loss_type", "loss_weights", "stage", "beta"):
+    if FLAGS[name].present:
+      raise app.UsageError(f"--{name} is set per run by the frontier tool")
+  cfg = configs.from_flags()
+  if max(int(n) for n in FLAGS.best_of) > FLAGS.best_of_max:
+    raise app.UsageError("--best_of_max must be at least the largest --best_of")
+  if cfg.data.train_data:
+    raise app.UsageError("the frontier needs the embedded task's true reward; drop --train_data")
+  out = cfg.run.output_dir
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  t0 = time.perf_counter()
+  params = compare_losses.sft_model(cfg.replace(output_dir=os.path.join(out, "sft")), mesh)
+  print(f"SFT: {time.perf_counter() - t0:.0f}s", flush=True)
+  points = best_of_n(cfg, mesh, params, [int(n) for n in FLAGS.best_of], FLAGS.best_of_max)
+  for beta in FLAGS.betas:
+    points += run_points(cfg.replace(stage="dpo", loss_type=("sigmoid",), beta=float(beta),
+                                     output_dir=os.path.join(out, f"dpo_beta{beta}")),
+                         mesh, params, f"DPO beta={beta}", float(beta))
+  points += run_points(cfg.replace(stage="dpo", loss_type=("sft",),
+                                   output_dir=os.path.join(out, "preferred_ft")),
+                       mesh, params, "Preferred-FT", 0.0)
+  # One DPO curve over all betas (the paper's frontier), beside the per-beta points.
+  dpo = [{**p, "method": "DPO"} for p in points if p["method"].startswith("DPO beta")]
+  curves = [p for p in points if not p["method"].startswith("DPO beta")] + dpo
+  with open(os.path.join(out, "frontier.jsonl"), "w") as f:
+    f.writelines(json.dumps(p) + "\n" for p in points)
+  text = table(curves, FLAGS.kl_range)
+  with open(os.path.join(out, "frontier.md"), "w") as f:
+    f.write(text + "\n")
+  print(text)
+  if plot(points, os.path.join(out, "frontier.png")):
+    print(f"plot: {os.path.join(out, 'frontier.png')}")
+  print(f"total {time.perf_counter() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+  configs.define_flags()
+  FLAGS.set_default("output_dir", "runs/frontier")
+  FLAGS.set_default("eval_every", 50)
+  flags.DEFINE_list("betas", ["0.02", "0.05", "0.1", "0.3", "1.0"], "DPO betas, one run each.")
+  flags.DEFINE_list("best_of", ["1", "2", "4", "8", "16"], "N values of the best-of-N baseline.")
+  flags.DEFINE_integer("best_of_max", 16, "Samples per prompt drawn for best-of-N (>= max N).")
+  flags.DEFINE_float("kl_range", 8.0, "KL budget (nats per sequence) of the area under a curve.")
+  flags.register_validator("best_of_max", lambda n: n >= 1, "--best_of_max must be >= 1")
+  app.run(main)

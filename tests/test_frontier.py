@@ -1,0 +1,49 @@
+"""The reward-KL frontier tool: the area under a curve, and a tiny sweep end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dpo.tools import frontier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pts(*kr):
+  return [{"kl_per_sequence": k, "true_reward": r} for k, r in kr]
+
+
+def test_area_is_the_mean_of_the_upper_envelope():
+  # A step from 0 to 1 at KL 2, over [0, 4]: half the budget at reward 1.
+  assert frontier.area(_pts((0.0, 0.0), (2.0, 1.0)), 4.0) == pytest.approx(0.5, abs=1e-2)
+  # A later point below the envelope does not lower it.
+  assert frontier.area(_pts((0.0, 0.0), (2.0, 1.0), (3.0, 0.2)), 4.0) == pytest.approx(0.5, abs=1e-2)
+  # A curve that reaches the same reward at lower KL has the larger area.
+  assert frontier.area(_pts((0.0, 0.0), (1.0, 1.0)), 4.0) > frontier.area(
+      _pts((0.0, 0.0), (2.0, 1.0)), 4.0)
+
+
+def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
+  out = tmp_path / "frontier"
+  cmd = [sys.executable, "-m", "dpo.tools.frontier", f"--output_dir={out}", "--sft_steps=4",
+         "--steps=4", "--eval_every=2", "--betas=0.1,1.0", "--best_of=1,2,4", "--best_of_max=4",
+         "--task_train_pairs=16", "--task_sft_examples=16", "--task_eval_pairs=8",
+         "--task_eval_prompts=8", "--eval_max_new_tokens=8", "--global_batch_size=8",
+         "--log_every=2", "--mesh=data:1"]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert res.returncode == 0, res.stderr[-3000:]
+  points = [json.loads(l) for l in open(out / "frontier.jsonl")]
+  methods = {p["method"] for p in points}
+  assert methods == {"best-of-N", "DPO beta=0.1", "DPO beta=1.0", "Preferred-FT"}
+  # Per run: the SFT origin and one point per evaluation (steps 2 and 4).
+  assert [p["step"] for p in points if p["method"] == "Preferred-FT"] == [0, 2, 4]
+  assert [p["kl_per_sequence"] for p in points if p["method"] == "best-of-N"] == pytest.approx(
+      [0.0, 0.6931 - 0.5, 1.3863 - 0.75], abs=1e-3)
+  table = (out / "frontier.md").read_text()
+  for method in ("| DPO |", "| Preferred-FT |", "| best-of-N |"):
+    assert method in table
+  assert (out / "frontier.png").stat().st_size > 10_000
