@@ -20,6 +20,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from dpo import checkpoint, evaluate, formats, hooks, prepare, reference, task, train
 from dpo import data as data_lib
@@ -36,14 +37,15 @@ class Data:
 
   With --train_data the pairs go through dpo.prepare (any supported format, quality filters,
   chat template, held-out split, cached tokenisation); SFT then uses --sft_data or, failing
-  that, the chosen rows of the training pairs.
+  that, the chosen rows of the training pairs. A data set smaller than one global batch is a
+  DataError naming the file and the flag. `inspect` writes what the model is trained on.
   """
 
-  def __init__(self, cfg, tok=None):
+  def __init__(self, cfg, tok=None, check_sizes: bool = True):
     d, seed = cfg.data, cfg.run.seed
     self.tok = tok or tokenizer_lib.load_tokenizer(d.tokenizer, d.bos_token, d.eos_token,
                                                    d.pad_token)
-    if cfg.model.vocab_size < self.tok.vocab_size:
+    if check_sizes and cfg.model.vocab_size < self.tok.vocab_size:
       raise ValueError(f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                        f"{self.tok.vocab_size} ids")
     self.embedded = not d.train_data
@@ -57,18 +59,19 @@ class Data:
       self.held = (data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs")
                    if held else None)
     else:
+      if d.eval_data and d.eval_split:
+        raise ValueError("give either --eval_data or --eval_split, not both")
       spec = formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field, d.rejected_field)
       cache_dir = ("" if d.data_cache_dir == "none" else
                    d.data_cache_dir or os.path.join(cfg.run.output_dir, "data_cache"))
       prep = functools.partial(prepare.prepare_pairs, tok=self.tok, spec=spec,
                                template=d.chat_template, max_prompt_length=lens[0],
-                               max_target_length=lens[1], cache_dir=cache_dir)
+                               max_target_length=lens[1], cache_dir=cache_dir,
+                               skip_bad=d.skip_bad_records)
       train_prep = prep(d.train_data, eval_split=d.eval_split)
       self.reports.append(train_prep.report)
       self.pairs, self.held = train_prep.train, train_prep.held
       if d.eval_data:
-        if d.eval_split:
-          raise ValueError("give either --eval_data or --eval_split, not both")
         eval_prep = prep(d.eval_data, eval_split=0.0)
         self.reports.append(eval_prep.report)
         self.held = eval_prep.train
@@ -80,6 +83,16 @@ class Data:
                                        *lens, what="sft data")
     else:  # the chosen row of each training pair is a (prompt, completion) SFT example
       self.sft = {k: v[:, 0] for k, v in self.pairs.items()}
+    if check_sizes:
+      batch, stage = cfg.optim.global_batch_size, cfg.run.stage
+      for arrays, used, what in ((self.pairs, stage in ("dpo", "all"),
+                                  d.train_data or "the embedded task's pairs"),
+                                 (self.sft, stage in ("sft", "all"),
+                                  d.sft_data or d.train_data or "the embedded task's SFT data")):
+        if used and len(arrays["tokens"]) < batch:
+          raise data_lib.DataError(
+              f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
+              f"held-out split, fewer than one batch of --global_batch_size={batch}")
     # Sampling prompts and the ground-truth reward exist only for the embedded task; without
     # them the generation metrics (win rate, true rewards, KL, lengths) are reported as null.
     self.eval_prompts = task.eval_prompts(d.task_eval_prompts) if self.embedded else []
@@ -88,6 +101,44 @@ class Data:
                  len(self.sft["tokens"]), self.sft["tokens"].shape[-1],
                  len(self.pairs["tokens"]), self.pairs["tokens"].shape[-1],
                  0 if self.held is None else len(self.held["tokens"]))
+
+  def preview(self, n: int) -> list[dict]:
+    """The first `n` training pairs as the model sees them: the text decoded from the token
+    ids, the ids, and the positions whose tokens are scored (loss_mask = 1)."""
+    out, t = [], self.pairs
+    for i in range(min(n, len(t["tokens"]))):
+      rec = {"index": i}
+      for side, name in ((0, "chosen"), (1, "rejected")):
+        tokens, mask = t["tokens"][i, side], t["loss_mask"][i, side]
+        length = int(t["segment_ids"][i, side].sum())
+        scored = [int(k) for k in np.flatnonzero(mask)]
+        start = scored[0] if scored else length
+        if side == 0:
+          rec["prompt_ids"] = [int(x) for x in tokens[:start]]
+          rec["prompt_text"] = self.tok.decode(rec["prompt_ids"])
+        ids = [int(x) for x in tokens[start:length]]
+        rec.update({f"{name}_text": self.tok.decode(ids), f"{name}_ids": ids,
+                    f"{name}_scored_positions": scored})
+      out.append(rec)
+    return out
+
+  def inspect(self, n: int, output_dir: str, show: int = 3) -> dict:
+    """--inspect_data=N: <output_dir>/data_preview.jsonl and the first `show` pairs printed."""
+    records = self.preview(n)
+    path = os.path.join(output_dir, "data_preview.jsonl")
+    if jax.process_index() == 0:
+      os.makedirs(output_dir, exist_ok=True)
+      with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+          f.write(json.dumps(r, ensure_ascii=False) + "\n")
+      for r in records[:show]:
+        print(f"--- pair {r['index']}: {len(r['prompt_ids'])} prompt tokens, "
+              f"{len(r['chosen_scored_positions'])} / {len(r['rejected_scored_positions'])} "
+              f"scored chosen / rejected tokens")
+        for k in ("prompt_text", "chosen_text", "rejected_text"):
+          print(f"{k}: {r[k]!r}")
+      print(f"wrote {len(records)} pairs to {path}; --inspect_data: not training", flush=True)
+    return {"inspect_data": path, "pairs": len(records), "data": self.reports}
 
 
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
@@ -286,6 +337,8 @@ def run(cfg, mesh=None, init_params=None,
   """
   t_start = time.perf_counter()
   out = cfg.run.output_dir
+  if cfg.data.inspect_data:
+    return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)
