@@ -12,6 +12,7 @@ import json
 import os
 
 from dpo import chat
+from dpo.data import DataError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")  # transformers' named special tokens
@@ -69,13 +70,13 @@ class HFTokenizer:
       path = os.path.join(path, "tokenizer.json")
     path = os.path.abspath(path)
     if not os.path.isfile(path):
-      raise ValueError(f"--tokenizer: {path} does not exist (give a tokenizer.json or the "
+      raise DataError(f"--tokenizer: {path} does not exist (give a tokenizer.json or the "
                        f"Hugging Face tokenizer folder holding it)")
     self.path = path
     try:
       self._tok = Tokenizer.from_file(path)
     except Exception as e:  # the Rust error type is not importable; name the file instead
-      raise ValueError(f"--tokenizer: {path} is not a tokenizers JSON file ({e})") from None
+      raise DataError(f"--tokenizer: {path} is not a tokenizers JSON file ({e})") from None
     self.directory = os.path.dirname(path)
     config = {}
     config_path = os.path.join(self.directory, "tokenizer_config.json")
@@ -84,7 +85,7 @@ class HFTokenizer:
         with open(config_path, encoding="utf-8") as f:
           config = json.load(f)
       except (OSError, ValueError) as e:
-        raise ValueError(f"{config_path}: cannot read ({e})") from None
+        raise DataError(f"{config_path}: cannot read ({e})") from None
     self._config = config
     self.chat_template = chat.read_chat_template(self.directory)
     default = "<|endoftext|>" if self._tok.token_to_id("<|endoftext|>") is not None else None
