@@ -269,9 +269,12 @@ def read_chat_template(directory: str) -> str | None:
 Template = Union[ChatTemplate, JinjaTemplate]
 
 
-def resolve_template(name: str, tok) -> Template:
+def resolve_template(name, tok) -> Template:
   """--chat_template: "auto" (the tokenizer's own template if it has one, else plain),
-  "tokenizer" (its own, required), a hand-written family, or a path to a .jinja file."""
+  "tokenizer" (its own, required), a hand-written family, or a path to a .jinja file. A
+  template object passes through."""
+  if isinstance(name, (ChatTemplate, JinjaTemplate)):
+    return name
   own = getattr(tok, "chat_template", None)
   if name in ("auto", "tokenizer"):
     if own:
@@ -294,6 +297,21 @@ def resolve_template(name: str, tok) -> Template:
 
 def template_fingerprint(t: Template) -> str:
   return t.fingerprint() if isinstance(t, JinjaTemplate) else t.name
+
+
+def end_of_turn_ids(t: Template, tok) -> list[int]:
+  """EOS, then the special tokens that close an assistant turn of `t` (Gemma's <end_of_turn>,
+  Qwen's <|im_end|>, ...): what `generate` must stop on."""
+  probe = ChatRecord((Message("user", "Hi"),), (Message("assistant", "Yes"),),
+                     (Message("assistant", "No"),))
+  if isinstance(t, JinjaTemplate):  # a fresh copy: the probe must not decide emits_bos
+    t = JinjaTemplate(t.source, t.special, t.name)
+  try:
+    completion = render_record(probe, t).chosen
+  except ValueError:  # a template with stricter rules than the probe meets: EOS alone
+    return [tok.eos_id]
+  specials = tok.special_ids()
+  return list(dict.fromkeys([tok.eos_id, *(i for i in tok.encode(completion) if i in specials)]))
 
 
 def render_record(record: Record, t: Template, where: str = "") -> PreferenceRecord:

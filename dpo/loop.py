@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from dpo import checkpoint, evaluate, formats, hooks, prepare, reference, task, train
+from dpo import chat, checkpoint, evaluate, formats, hooks, prepare, reference, task, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
@@ -49,6 +49,7 @@ class Data:
       raise ValueError(f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                        f"{self.tok.vocab_size} ids")
     self.embedded = not d.train_data
+    self.template = chat.resolve_template(d.chat_template, self.tok)
     lens = (d.max_prompt_length, d.max_target_length)
     self.reports = []
     if self.embedded:
@@ -65,7 +66,7 @@ class Data:
       cache_dir = ("" if d.data_cache_dir == "none" else
                    d.data_cache_dir or os.path.join(cfg.run.output_dir, "data_cache"))
       prep = functools.partial(prepare.prepare_pairs, tok=self.tok, spec=spec,
-                               template=d.chat_template, max_prompt_length=lens[0],
+                               template=self.template, max_prompt_length=lens[0],
                                max_target_length=lens[1], cache_dir=cache_dir,
                                skip_bad=d.skip_bad_records)
       train_prep = prep(d.train_data, eval_split=d.eval_split)
@@ -296,7 +297,7 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
                   {"reference": reference_path, "lora": c.lora.enabled}).run()
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy, lora = split(state.params)
-  _export(c, params, policy, lora, int(state.step), reference_path)
+  _export(c, params, policy, lora, int(state.step), reference_path, p.data)
   final, examples = evaluate_state(c.optim.steps, state)
   summary.update(final)
   summary["skipped_steps"] = int(state.skipped)
@@ -306,26 +307,74 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   return summary
 
 
-def _export(c, base, policy, lora, step: int, reference_path: str) -> None:
-  """The policy (LoRA merged) as a dpo-jax params checkpoint, and with --export_hf for
-  transformers (plus the adapter alone for PEFT)."""
+def _export(c, base, policy, lora, step: int, reference_path: str, data: Data) -> None:
+  """The policy (LoRA merged) as a dpo-jax params checkpoint, and with --export_hf a folder
+  transformers loads as it is: the merged policy with the tokenizer (and the chat template the
+  data was rendered with) and generation_config.json (stopping at every end-of-turn id). With
+  LoRA, `adapter/` holds the PEFT adapter; its base is the `--init_from=hf:` folder when the
+  DPO stage started from exactly that model, else the DPO stage's base (the SFT model, a random
+  base, or a quantized base dequantized), exported as `base/` beside it."""
   policy_out = os.path.join(c.run.output_dir, "checkpoints", "policy")
-  if c.model.base_quant == "none":
+  quantized = c.model.base_quant != "none"
+  if not quantized:
     merged = lora_lib.merge(base, lora, c.lora) if lora is not None else policy
     checkpoint.save_params(policy_out, merged, c.model, stage="dpo", step=step,
                            reference=reference_path)
     logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
   else:
-    logging.info("dpo: base_quant=%s; no merged policy export (the adapters are in %s)",
+    logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
                  c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
   out_hf, init_from = c.checkpoint.export_hf, c.checkpoint.init_from
-  if out_hf:
-    from models import hf
-    hf.save(out_hf, c.model, policy, lora, c.lora, source=hf.source_config(init_from))
-    if lora is not None:
-      hf.save_peft(os.path.join(out_hf, "adapter"), c.model, lora, c.lora,
-                   base_model=init_from.removeprefix("hf:"))
-    logging.info("exported the policy (LoRA merged) to %s", out_hf)
+  if not out_hf:
+    return
+  from models import hf
+  tok, template = data.tok, data.template
+  info = {"step": str(step), "stage": c.run.stage, "init_from": init_from,
+          "base_quant": c.model.base_quant}
+  if quantized:
+    info["note"] = (f"the merged weights are the {c.model.base_quant}-dequantized base plus "
+                    f"the LoRA delta (the model the policy computed), not the float base's")
+
+  def extras(directory: str) -> None:
+    if isinstance(tok, tokenizer_lib.HFTokenizer):
+      source = template.source if isinstance(template, chat.JinjaTemplate) else None
+      if source is None and data.embedded is False and template.name != "plain":
+        logging.warning("--export_hf: the hand-written %r template has no Jinja form; the "
+                        "exported tokenizer carries no chat template", template.name)
+      hf.save_tokenizer(directory, tok, source)
+    hf.save_generation_config(directory, tok.bos_id, chat.end_of_turn_ids(template, tok),
+                              tok.pad_id)
+
+  hf.save(out_hf, c.model, policy, lora, c.lora, source=hf.source_config(init_from),
+          metadata={f"dpo_jax_{k}": v for k, v in info.items()})
+  extras(out_hf)
+  if not isinstance(tok, tokenizer_lib.HFTokenizer):
+    logging.warning("--export_hf: the byte tokenizer has no Hugging Face form; %s has no "
+                    "tokenizer files (ids 0-255 are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)",
+                    out_hf)
+  what = "LoRA merged" if lora is not None else "all weights"
+  if quantized:
+    what += f", over the {c.model.base_quant}-dequantized base"
+  logging.info("exported the policy (%s) to %s", what, out_hf)
+  if lora is not None:
+    if c.run.stage == "dpo" and init_from.startswith("hf:") and not quantized:
+      adapter_base = os.path.abspath(init_from[3:])
+    else:
+      adapter_base = os.path.abspath(os.path.join(out_hf, "base"))
+      hf.save(adapter_base, c.model, base, source=hf.source_config(init_from),
+              metadata={f"dpo_jax_{k}": v for k, v in {**info, "role": "adapter base"}.items()})
+      extras(adapter_base)
+      logging.info("exported the adapter's base (%s) to %s", "the SFT model" if c.run.stage ==
+                   "all" else f"{c.model.base_quant}-dequantized" if quantized else
+                   "the DPO base", adapter_base)
+    adapter_dir = os.path.join(out_hf, "adapter")
+    hf.save_peft(adapter_dir, c.model, lora, c.lora, base_model=adapter_base,
+                 metadata={f"dpo_jax_{k}": v for k, v in info.items()})
+    logging.info("exported the PEFT adapter to %s (base: %s)", adapter_dir, adapter_base)
+  if jax.process_index() == 0:
+    with open(os.path.join(out_hf, "dpo_jax_export.json"), "w") as f:
+      json.dump({**info, "adapter_base": adapter_base if lora is not None else None,
+                 "chat_template": template.name, "tokenizer": tok.name}, f, indent=2)
 
 
 def run(cfg, mesh=None, init_params=None,

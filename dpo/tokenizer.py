@@ -108,6 +108,11 @@ class HFTokenizer:
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.name = os.path.basename(self.directory) or path
 
+  @property
+  def config(self) -> dict:
+    """tokenizer_config.json beside the file ({} when there is none)."""
+    return dict(self._config)
+
   def special_tokens(self) -> dict[str, str]:
     """The template variables transformers passes to a chat template (its special_tokens_map):
     the named special tokens of tokenizer_config.json, with BOS/EOS/PAD as resolved here."""
