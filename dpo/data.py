@@ -1,8 +1,8 @@
 """Preference and SFT data: files -> records -> token arrays -> per-process batches.
 
 Every data file is read by `iter_objects`: JSONL or a JSON array, optionally gzipped (detected
-from the magic bytes, not the name), with or without a UTF-8 byte-order mark. JSONL is read lazily; a JSON array is parsed whole (the
-format allows nothing else). Errors are `DataError`s whose message starts with the record's
+from the magic bytes, not the name), with or without a UTF-8 byte-order mark. JSONL is read
+lazily; a JSON array is parsed whole (the format allows nothing else). Errors are `DataError`s whose message starts with the record's
 location, `file:LINE` for JSONL (1-based line) or `file[INDEX]` for JSON arrays (0-based), and
 names the offending field. `dpo.formats` parses the objects of the preference formats users
 bring; `load_preference_jsonl` / `load_sft_jsonl` read the plain string records.

@@ -308,7 +308,8 @@ def test_format_is_decided_over_all_records(tmp_path):
     ({**ROWS["sharegpt"], "conversations": ROWS["sharegpt"]["conversations"][:2]},
      r"field 'conversations' ends with an assistant turn"),
     ({**ROWS["conversational"], "prompt": MSGS[:3]}, r"field 'prompt' ends with an assistant"),
-    ({**ROWS["sharegpt"], "chosen": {"from": "bot", "value": "x"}}, r"field 'chosen\.from' is 'bot'"),
+    ({**ROWS["sharegpt"], "chosen": {"from": "bot", "value": "x"}},
+     r"field 'chosen\.from' is 'bot'"),
     ({**ROWS["openai"], "preferred_output": [{"role": "assistant", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]},
      r"field 'preferred_output\[0\]\.content\[0\]' is a 'image_url' part; only text"),
