@@ -102,6 +102,12 @@ def _normalise(t: ChatTemplate, messages: Sequence[Message]) -> list[Message]:
   msgs = [Message("system", m.content) if m.role in _SYSTEM_ROLES else m for m in messages]
   if not t.fold_system:
     return msgs
+  lead = next((i for i, m in enumerate(msgs) if m.role != "system"), len(msgs))
+  late = [i for i, m in enumerate(msgs) if m.role == "system" and i > lead]
+  if late:
+    raise ValueError(f"{t.name}: no system role, and the system message at position {late[0]} "
+                     f"comes after the conversation started (only leading ones are merged into "
+                     f"the first user turn)")
   system = [m.content for m in msgs if m.role == "system"]
   rest = [m for m in msgs if m.role != "system"]
   if system:

@@ -89,6 +89,10 @@ def test_developer_role_is_system_and_gemma_needs_a_user_turn():
       "<|im_start|>system\nD<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
   with pytest.raises(ValueError, match="gemma"):
     chat.render_prompt(chat.TEMPLATES["gemma"], [M("system", "S"), M("assistant", "A")])
+  with pytest.raises(ValueError, match="gemma: no system role, and the system message at "
+                                       "position 2 comes after"):
+    chat.render_prompt(chat.TEMPLATES["gemma"], [M("user", "U"), M("assistant", "A"),
+                                                 M("system", "S"), M("user", "V")])
   with pytest.raises(ValueError, match="unknown chat_template"):
     chat.get_template("mistral")
 
