@@ -54,6 +54,7 @@ class ChatTemplate(NamedTuple):
   completion: Callable[[str], str]    # the assistant's text plus its end-of-turn marker
   next_turn: str                      # between two assistant messages of one completion
   fold_system: bool = False           # merge system messages into the first user turn
+  jinja: str = ""                     # the same template in Jinja, for exported tokenizers
 
 
 def _llama3_turn(m: Message) -> str:
@@ -75,19 +76,52 @@ def _plain_turn(m: Message) -> str:
   return f"\n\n{'Assistant' if m.role == 'assistant' else 'Human'}: {m.content}"
 
 
+# The Jinja forms render what the functions render (tests/test_chat.py checks them through
+# transformers' apply_chat_template), BOS included; a final assistant turn has no separator after
+# its end-of-turn marker, as `completion` writes it. Newlines are '\n' expressions, since
+# trim_blocks eats a newline that follows a block tag.
+_SYSTEM = "m.role in ['system', 'developer']"
+_LLAMA3_JINJA = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>"
+    "{{ 'system' if " + _SYSTEM + " else m.role }}<|end_header_id|>{{ '\\n\\n' }}"
+    "{{ m.content }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>{{ '\\n\\n' }}{% endif %}")
+_CHATML_JINJA = (
+    "{% for m in messages %}<|im_start|>{{ 'system' if " + _SYSTEM + " else m.role }}"
+    "{{ '\\n' }}{{ m.content }}<|im_end|>{% if not (loop.last and m.role == 'assistant') %}"
+    "{{ '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
+    "{{ '\\n' }}{% endif %}")
+_GEMMA_JINJA = (
+    "{{ bos_token }}{% set ns = namespace(system=[], started=false) %}{% for m in messages %}"
+    "{% if " + _SYSTEM + " %}{% if ns.started %}{{ raise_exception('gemma: no system role, "
+    "and a system message comes after the conversation started') }}{% endif %}"
+    "{% set ns.system = ns.system + [m.content] %}{% else %}{% set content = m.content %}"
+    "{% if not ns.started and ns.system %}{% if m.role != 'user' %}{{ raise_exception('gemma: "
+    "a system message needs a following user turn to merge into') }}{% endif %}"
+    "{% set content = ns.system | join('\\n\\n') ~ '\\n\\n' ~ m.content %}{% endif %}"
+    "{% set ns.started = true %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}"
+    "{{ '\\n' }}{{ content }}<end_of_turn>{% if not (loop.last and m.role == 'assistant') %}"
+    "{{ '\\n' }}{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<start_of_turn>model{{ '\\n' }}{% endif %}")
+_PLAIN_JINJA = (
+    "{% for m in messages %}{% if " + _SYSTEM + " %}{{ m.content }}{% elif m.role == 'assistant' "
+    "%}{{ '\\n\\nAssistant: ' ~ m.content }}{% else %}{{ '\\n\\nHuman: ' ~ m.content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}")
+
 TEMPLATES: dict[str, ChatTemplate] = {
     "llama3": ChatTemplate(
         "llama3", "<|begin_of_text|>", _llama3_turn,
         "<|start_header_id|>assistant<|end_header_id|>\n\n", lambda t: f"{t}<|eot_id|>",
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        "<|start_header_id|>assistant<|end_header_id|>\n\n", jinja=_LLAMA3_JINJA),
     "chatml": ChatTemplate(
         "chatml", "", _chatml_turn, "<|im_start|>assistant\n", lambda t: f"{t}<|im_end|>",
-        "\n<|im_start|>assistant\n"),
+        "\n<|im_start|>assistant\n", jinja=_CHATML_JINJA),
     "gemma": ChatTemplate(
         "gemma", "<bos>", _gemma_turn, "<start_of_turn>model\n", lambda t: f"{t}<end_of_turn>",
-        "\n<start_of_turn>model\n", fold_system=True),
+        "\n<start_of_turn>model\n", fold_system=True, jinja=_GEMMA_JINJA),
     "plain": ChatTemplate(
-        "plain", "", _plain_turn, "\n\nAssistant:", lambda t: f" {t}", "\n\nAssistant:"),
+        "plain", "", _plain_turn, "\n\nAssistant:", lambda t: f" {t}", "\n\nAssistant:",
+        jinja=_PLAIN_JINJA),
 }
 TEMPLATES["qwen"] = TEMPLATES["chatml"]
 

@@ -337,10 +337,8 @@ def _export(c, base, policy, lora, step: int, reference_path: str, data: Data) -
 
   def extras(directory: str) -> None:
     if isinstance(tok, tokenizer_lib.HFTokenizer):
-      source = template.source if isinstance(template, chat.JinjaTemplate) else None
-      if source is None and data.embedded is False and template.name != "plain":
-        logging.warning("--export_hf: the hand-written %r template has no Jinja form; the "
-                        "exported tokenizer carries no chat template", template.name)
+      source = (template.source if isinstance(template, chat.JinjaTemplate) else
+                template.jinja)  # a hand-written template's Jinja form
       hf.save_tokenizer(directory, tok, source)
     hf.save_generation_config(directory, tok.bos_id, chat.end_of_turn_ids(template, tok),
                               tok.pad_id)

@@ -309,3 +309,28 @@ def test_gemma_refuses_system_and_a_non_extending_template_is_named(tmp_path):
   with pytest.raises(DataError, match=r"f\.jsonl:7: chat template bad: the rendering of prompt "
                                       r"\+ chosen does not extend"):
     chat.render_record(rec, bad, "f.jsonl:7")
+
+
+@needs_gpt2
+@pytest.mark.parametrize("name", ["llama3", "chatml", "gemma", "plain"])
+def test_hand_written_templates_jinja_form_renders_the_same_in_transformers(name):
+  """What an export's tokenizer_config.json carries for a hand-written template: transformers'
+  apply_chat_template renders it to exactly the trained text (BOS text included)."""
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(GPT2))
+  t = chat.TEMPLATES[name]
+  as_dicts = lambda ms: [{"role": m.role, "content": m.content} for m in ms]
+  a2 = M("assistant", "Then the Eiffel Tower.")
+  for conv, answers in ((CONV, [ANSWER]), (CONV, [ANSWER, a2]),
+                        ((M("developer", "D"), M("user", "U")), [ANSWER])):
+    render = lambda ms, gen: hf.apply_chat_template(
+        as_dicts(ms), chat_template=t.jinja, add_generation_prompt=gen, tokenize=False,
+        bos_token=t.bos_text)
+    prompt = t.bos_text + chat.render_prompt(t, conv)
+    assert render(conv, True) == prompt
+    assert render(tuple(conv) + tuple(answers), False) == prompt + chat.render_completion(
+        t, answers)
+  if name == "gemma":
+    with pytest.raises(Exception, match="system message comes after"):
+      hf.apply_chat_template([{"role": "user", "content": "U"},
+                              {"role": "system", "content": "S"}], chat_template=t.jinja)
