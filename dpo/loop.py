@@ -125,6 +125,8 @@ class Data:
 
   def inspect(self, n: int, output_dir: str, show: int = 3) -> dict:
     """--inspect_data=N: <output_dir>/data_preview.jsonl and the first `show` pairs printed."""
+    if n < 0:
+      raise ValueError(f"--inspect_data must be >= 0 (0 = off), got {n}")
     records = self.preview(n)
     path = os.path.join(output_dir, "data_preview.jsonl")
     if jax.process_index() == 0:
@@ -384,7 +386,7 @@ def run(cfg, mesh=None, init_params=None,
   """
   t_start = time.perf_counter()
   out = cfg.run.output_dir
-  if cfg.data.inspect_data:
+  if cfg.data.inspect_data != 0:
     return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
