@@ -334,3 +334,25 @@ def test_hand_written_templates_jinja_form_renders_the_same_in_transformers(name
     with pytest.raises(Exception, match="system message comes after"):
       hf.apply_chat_template([{"role": "user", "content": "U"},
                               {"role": "system", "content": "S"}], chat_template=t.jinja)
+
+
+def test_where_a_folder_keeps_its_template(tmp_path):
+  """chat_template.jinja wins over tokenizer_config.json (as in transformers); a list of named
+  templates gives its "default"; --chat_template=FILE.jinja renders that file."""
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default",
+                                                                 "template": "D"}]}))
+  assert chat.read_chat_template(str(tmp_path)) == "D"
+  (tmp_path / "chat_template.jinja").write_text("J")
+  assert chat.read_chat_template(str(tmp_path)) == "J"
+  (tmp_path / "chat_template.jinja").unlink()
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": [{"name": "tool_use", "template": "T"}]}))
+  with pytest.raises(ValueError, match=r"lists \['tool_use'\] but no 'default'"):
+    chat.read_chat_template(str(tmp_path))
+  path = tmp_path / "mine.jinja"
+  path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+  t = chat.resolve_template(str(path), tokenizer.ByteTokenizer())
+  rec = ChatRecord((M("user", "Hi"),), (M("assistant", "A"),), (M("assistant", "B"),))
+  assert chat.render_record(rec, t) == PreferenceRecord("[user] Hi\n[assistant] ", "A\n", "B\n")
