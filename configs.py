@@ -140,12 +140,20 @@ class DataConfig:
                       "train_data, or the embedded task's held-out pairs.")
   sft_data: str = _f("", "SFT JSONL ({prompt, completion}); empty = the chosen responses of "
                      "train_data, or the embedded task's SFT data.")
-  data_format: str = _f("auto", "auto, standard, conversational, implicit, openai or columns "
-                        "(see dpo/formats.py).")
-  prompt_field: str = _f("", "data_format=columns: the field holding the prompt.")
+  data_format: str = _f("auto", "auto, standard, conversational, implicit, openai, sharegpt or "
+                        "columns (see dpo/formats.py).")
+  prompt_field: str = _f("", "data_format=columns: the field holding the prompt (dotted paths "
+                         "reach nested fields: a.b, a.0.b).")
   chosen_field: str = _f("", "data_format=columns: the field holding the chosen response.")
   rejected_field: str = _f("", "data_format=columns: the field holding the rejected response.")
-  chat_template: str = _f("plain", "How chat data is rendered: plain, llama3, chatml (qwen), gemma.")
+  chat_template: str = _f("auto", "How chat data is rendered: auto (the --tokenizer folder's own "
+                          "chat_template, else plain), tokenizer (its own, required), a .jinja "
+                          "file, or a hand-written one: plain, llama3, chatml (qwen), gemma.")
+  skip_bad_records: bool = _f(False, "Skip (count and log) records that do not fit the data "
+                              "format or that the chat template refuses, instead of stopping.")
+  inspect_data: int = _f(0, "Write the first N training pairs as the model sees them to "
+                         "<output_dir>/data_preview.jsonl, print a few, and exit without "
+                         "training.")
   tokenizer: str = _f("", "Hugging Face tokenizer.json (or its directory); empty = bytes.")
   bos_token: str = _f("", "BOS token text ('none' = no BOS); empty = tokenizer_config.json or "
                       "GPT-2's <|endoftext|>.")

@@ -1,7 +1,17 @@
 """Chat templates: conversation messages -> the exact prompt and completion text a model expects.
 
-One small, explicit function set per family, written from each family's published prompt
-format (not from a Jinja template engine), so a reader can check every character:
+The model's own template comes first: a Hugging Face tokenizer folder's `chat_template`
+(`chat_template.jinja` or `tokenizer_config.json`) is rendered by `JinjaTemplate` with the
+semantics of transformers' `apply_chat_template` (a sandboxed Jinja2 environment with
+`trim_blocks` / `lstrip_blocks`, `raise_exception`, `strftime_now`, `tojson`, `namespace`,
+`add_generation_prompt`, the special tokens as variables; tests/test_chat.py compares text and
+ids with transformers itself). The prompt is the rendering with the generation prompt; each
+completion is the rendering of prompt + its assistant turns minus the prompt, which must be an
+exact prefix of it (an error names the record where it is not). `resolve_template` picks it.
+
+For tokenizers without a template (the byte tokenizer, GPT-2) these hand-written families are
+named choices (`--chat_template=NAME`), one small function set each, written from the family's
+published prompt format, so a reader can check every character:
 
     llama3   Meta Llama 3 instruct: <|start_header_id|>ROLE<|end_header_id|>\\n\\nTEXT<|eot_id|>
     chatml   ChatML as used by Qwen: <|im_start|>ROLE\\nTEXT<|im_end|>\\n
@@ -15,14 +25,22 @@ format (not from a Jinja template engine), so a reader can check every character
 Rendered strings leave out the BOS token (`bos_text` names it): the tokenizer adds BOS as an id
 to every sequence, so the BOS text in a template would be encoded twice. A completion ends with
 the family's end-of-turn marker and no trailing separator; the tokenizer appends EOS only when
-the completion does not already end with it (see `dpo.data.encode_completion`).
+the completion does not already end with it (see `dpo.data.encode_completion`). A Jinja
+template's BOS text is removed from the prompt the same way, and `JinjaTemplate.emits_bos` says
+whether the tokenizer should add the BOS id; its completions get no extra EOS (the template's
+end-of-turn text is what the model learns to stop on; `end_of_turn_ids` names those ids).
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+import datetime
+import hashlib
+import json
+import logging
+import os
+from typing import Callable, NamedTuple, Sequence, Union
 
-from dpo.data import PreferenceRecord
+from dpo.data import DataError, PreferenceRecord
 from dpo.formats import ChatRecord, Message, Record
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -36,6 +54,7 @@ class ChatTemplate(NamedTuple):
   completion: Callable[[str], str]    # the assistant's text plus its end-of-turn marker
   next_turn: str                      # between two assistant messages of one completion
   fold_system: bool = False           # merge system messages into the first user turn
+  jinja: str = ""                     # the same template in Jinja, for exported tokenizers
 
 
 def _llama3_turn(m: Message) -> str:
@@ -57,19 +76,52 @@ def _plain_turn(m: Message) -> str:
   return f"\n\n{'Assistant' if m.role == 'assistant' else 'Human'}: {m.content}"
 
 
+# The Jinja forms render what the functions render (tests/test_chat.py checks them through
+# transformers' apply_chat_template), BOS included; a final assistant turn has no separator after
+# its end-of-turn marker, as `completion` writes it. Newlines are '\n' expressions, since
+# trim_blocks eats a newline that follows a block tag.
+_SYSTEM = "m.role in ['system', 'developer']"
+_LLAMA3_JINJA = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>"
+    "{{ 'system' if " + _SYSTEM + " else m.role }}<|end_header_id|>{{ '\\n\\n' }}"
+    "{{ m.content }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>{{ '\\n\\n' }}{% endif %}")
+_CHATML_JINJA = (
+    "{% for m in messages %}<|im_start|>{{ 'system' if " + _SYSTEM + " else m.role }}"
+    "{{ '\\n' }}{{ m.content }}<|im_end|>{% if not (loop.last and m.role == 'assistant') %}"
+    "{{ '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
+    "{{ '\\n' }}{% endif %}")
+_GEMMA_JINJA = (
+    "{{ bos_token }}{% set ns = namespace(system=[], started=false) %}{% for m in messages %}"
+    "{% if " + _SYSTEM + " %}{% if ns.started %}{{ raise_exception('gemma: no system role, "
+    "and a system message comes after the conversation started') }}{% endif %}"
+    "{% set ns.system = ns.system + [m.content] %}{% else %}{% set content = m.content %}"
+    "{% if not ns.started and ns.system %}{% if m.role != 'user' %}{{ raise_exception('gemma: "
+    "a system message needs a following user turn to merge into') }}{% endif %}"
+    "{% set content = ns.system | join('\\n\\n') ~ '\\n\\n' ~ m.content %}{% endif %}"
+    "{% set ns.started = true %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}"
+    "{{ '\\n' }}{{ content }}<end_of_turn>{% if not (loop.last and m.role == 'assistant') %}"
+    "{{ '\\n' }}{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<start_of_turn>model{{ '\\n' }}{% endif %}")
+_PLAIN_JINJA = (
+    "{% for m in messages %}{% if " + _SYSTEM + " %}{{ m.content }}{% elif m.role == 'assistant' "
+    "%}{{ '\\n\\nAssistant: ' ~ m.content }}{% else %}{{ '\\n\\nHuman: ' ~ m.content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}")
+
 TEMPLATES: dict[str, ChatTemplate] = {
     "llama3": ChatTemplate(
         "llama3", "<|begin_of_text|>", _llama3_turn,
         "<|start_header_id|>assistant<|end_header_id|>\n\n", lambda t: f"{t}<|eot_id|>",
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        "<|start_header_id|>assistant<|end_header_id|>\n\n", jinja=_LLAMA3_JINJA),
     "chatml": ChatTemplate(
         "chatml", "", _chatml_turn, "<|im_start|>assistant\n", lambda t: f"{t}<|im_end|>",
-        "\n<|im_start|>assistant\n"),
+        "\n<|im_start|>assistant\n", jinja=_CHATML_JINJA),
     "gemma": ChatTemplate(
         "gemma", "<bos>", _gemma_turn, "<start_of_turn>model\n", lambda t: f"{t}<end_of_turn>",
-        "\n<start_of_turn>model\n", fold_system=True),
+        "\n<start_of_turn>model\n", fold_system=True, jinja=_GEMMA_JINJA),
     "plain": ChatTemplate(
-        "plain", "", _plain_turn, "\n\nAssistant:", lambda t: f" {t}", "\n\nAssistant:"),
+        "plain", "", _plain_turn, "\n\nAssistant:", lambda t: f" {t}", "\n\nAssistant:",
+        jinja=_PLAIN_JINJA),
 }
 TEMPLATES["qwen"] = TEMPLATES["chatml"]
 
@@ -84,6 +136,12 @@ def _normalise(t: ChatTemplate, messages: Sequence[Message]) -> list[Message]:
   msgs = [Message("system", m.content) if m.role in _SYSTEM_ROLES else m for m in messages]
   if not t.fold_system:
     return msgs
+  lead = next((i for i, m in enumerate(msgs) if m.role != "system"), len(msgs))
+  late = [i for i, m in enumerate(msgs) if m.role == "system" and i > lead]
+  if late:
+    raise ValueError(f"{t.name}: no system role, and the system message at position {late[0]} "
+                     f"comes after the conversation started (only leading ones are merged into "
+                     f"the first user turn)")
   system = [m.content for m in msgs if m.role == "system"]
   rest = [m for m in msgs if m.role != "system"]
   if system:
@@ -103,9 +161,210 @@ def render_completion(t: ChatTemplate, messages: Sequence[Message]) -> str:
   return t.next_turn.join(t.completion(m.content) for m in messages)
 
 
-def render_record(record: Record, t: ChatTemplate) -> PreferenceRecord:
-  """A ChatRecord as prompt/completion text; text records pass through unchanged."""
+# --- the tokenizer's own template (Jinja2) ----------------------------------------------------
+
+def _environment():
+  """The Jinja2 environment of transformers' `_compile_jinja_template` (chat_template_utils.py):
+  templates from the Hub are untrusted code, so it is sandboxed and immutable."""
+  try:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+  except ImportError as e:
+    raise ImportError("a tokenizer's chat template needs Jinja2: pip install 'dpo-jax[hf]' "
+                      "(or pip install jinja2)") from e
+
+  class Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text; it renders its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      return caller()
+
+  class Namespace(jinja2.utils.Namespace):
+    """`namespace(...)` without underscore attributes (no reach into CPython internals)."""
+
+    def __init__(*args, **kwargs):
+      self, args = args[0], args[1:]
+      attrs = dict(*args, **kwargs)
+      for name in attrs:
+        Namespace._check(name)
+      jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+      Namespace._check(name)
+      jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+      if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals.update(raise_exception=raise_exception, namespace=Namespace, dict=dict,
+                     strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  return env, jinja2.exceptions.TemplateError
+
+
+class JinjaTemplate:
+  """A Hugging Face chat template, rendered as `tokenizer.apply_chat_template(messages,
+  add_generation_prompt=..., tokenize=False)` renders it.
+
+  `special` holds the template variables transformers passes from the tokenizer's special
+  tokens (bos_token, eos_token, ...). `emits_bos` is learnt from the first rendering (does it
+  open with the BOS text?) and every later rendering must agree.
+  """
+
+  def __init__(self, source: str, special: dict[str, str], name: str):
+    env, self._error = _environment()
+    try:
+      self._compiled = env.from_string(source)
+    except self._error as e:
+      raise ValueError(f"chat template {name}: not a valid Jinja template ({e})") from None
+    self.source, self.special, self.name = source, dict(special), name
+    self.bos_text = special.get("bos_token") or ""
+    self.emits_bos: bool | None = None
+
+  def fingerprint(self) -> str:
+    """Keys the tokenised-data cache: the source, the variables and, for a template that reads
+    the clock (a date in the system header), today's date."""
+    h = hashlib.sha256(self.source.encode())
+    h.update(repr(sorted(self.special.items())).encode())
+    if "strftime_now" in self.source:
+      h.update(datetime.date.today().isoformat().encode())
+    return "jinja-" + h.hexdigest()[:16]
+
+  def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    """The template's text for `messages` (raises ValueError with the template's own message,
+    e.g. Gemma's "System role not supported")."""
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+      return self._compiled.render(messages=chat, tools=None, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **self.special)
+    except self._error as e:
+      raise ValueError(f"chat template {self.name} refused the conversation: {e}") from None
+
+  def strip_bos(self, prompt: str) -> str:
+    emits = bool(self.bos_text) and prompt.startswith(self.bos_text)
+    if self.emits_bos is None:
+      self.emits_bos = emits
+    elif emits != self.emits_bos:
+      raise ValueError(f"chat template {self.name} opens some prompts with the BOS text "
+                       f"{self.bos_text!r} and others without")
+    return prompt[len(self.bos_text):] if emits else prompt
+
+  def render_pair(self, record: "ChatRecord") -> PreferenceRecord:
+    prompt = self.render(record.prompt, True)
+    sides = []
+    for side, turns in (("chosen", record.chosen), ("rejected", record.rejected)):
+      full = self.render(tuple(record.prompt) + tuple(turns), False)
+      if not full.startswith(prompt):
+        k = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), len(full))
+        raise ValueError(
+            f"chat template {self.name}: the rendering of prompt + {side} does not extend the "
+            f"rendered prompt (with the generation prompt); they differ from character {k}: "
+            f"prompt has {prompt[k:k + 40]!r}, prompt + {side} has {full[k:k + 40]!r}")
+      sides.append(full[len(prompt):])
+    return PreferenceRecord(self.strip_bos(prompt), *sides)
+
+
+def read_chat_template(directory: str) -> str | None:
+  """The chat template of a tokenizer folder: `chat_template.jinja` (transformers >= 4.47 saves
+  it there), else `tokenizer_config.json`'s `chat_template` (a string, or a list of named
+  templates of which "default" is the one apply_chat_template uses)."""
+  jinja_path = os.path.join(directory, "chat_template.jinja")
+  if os.path.exists(jinja_path):
+    with open(jinja_path, encoding="utf-8") as f:
+      return f.read()
+  config_path = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.exists(config_path):
+    return None
+  with open(config_path, encoding="utf-8") as f:
+    value = json.load(f).get("chat_template")
+  if isinstance(value, list):
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if "default" not in named:
+      raise ValueError(f"{config_path}: chat_template lists {sorted(named)} but no 'default'")
+    value = named["default"]
+  if value is not None and not isinstance(value, str):
+    raise ValueError(f"{config_path}: chat_template must be a string, got "
+                     f"{type(value).__name__}")
+  return value
+
+
+Template = Union[ChatTemplate, JinjaTemplate]
+
+
+def resolve_template(name, tok) -> Template:
+  """--chat_template: "auto" (the tokenizer's own template if it has one, else plain),
+  "tokenizer" (its own, required), a hand-written family, or a path to a .jinja file. A
+  template object passes through."""
+  if isinstance(name, (ChatTemplate, JinjaTemplate)):
+    return name
+  own = getattr(tok, "chat_template", None)
+  if name in ("auto", "tokenizer"):
+    if own:
+      return JinjaTemplate(own, tok.special_tokens(), f"{tok.name} (the tokenizer's own)")
+    if name == "tokenizer":
+      raise ValueError(f"--chat_template=tokenizer: {tok.name} has no chat_template "
+                       f"(tokenizer_config.json or chat_template.jinja)")
+    return TEMPLATES["plain"]
+  if name in TEMPLATES:
+    if own:
+      logging.warning("--chat_template=%s replaces %s's own chat template", name, tok.name)
+    return TEMPLATES[name]
+  if os.path.isfile(name):
+    with open(name, encoding="utf-8") as f:
+      special = tok.special_tokens() if hasattr(tok, "special_tokens") else {}
+      return JinjaTemplate(f.read(), special, name)
+  raise ValueError(f"unknown --chat_template {name!r}; choose auto, tokenizer, a .jinja file "
+                   f"or one of {sorted(TEMPLATES)}")
+
+
+def template_fingerprint(t: Template) -> str:
+  return t.fingerprint() if isinstance(t, JinjaTemplate) else t.name
+
+
+def end_of_turn_ids(t: Template, tok) -> list[int]:
+  """EOS, then the special tokens that close an assistant turn of `t` (Gemma's <end_of_turn>,
+  Qwen's <|im_end|>, ...): what `generate` must stop on."""
+  probe = ChatRecord((Message("user", "Hi"),), (Message("assistant", "Yes"),),
+                     (Message("assistant", "No"),))
+  if isinstance(t, JinjaTemplate):  # a fresh copy: the probe must not decide emits_bos
+    t = JinjaTemplate(t.source, t.special, t.name)
+  try:
+    completion = render_record(probe, t).chosen
+  except ValueError:  # a template with stricter rules than the probe meets: EOS alone
+    return [tok.eos_id]
+  specials = tok.special_ids()
+  return list(dict.fromkeys([tok.eos_id, *(i for i in tok.encode(completion) if i in specials)]))
+
+
+def render_record(record: Record, t: Template, where: str = "") -> PreferenceRecord:
+  """A ChatRecord as prompt/completion text; text records pass through unchanged. A template
+  that refuses the conversation raises DataError naming `where`."""
   if isinstance(record, PreferenceRecord):
     return record
-  return PreferenceRecord(render_prompt(t, record.prompt), render_completion(t, record.chosen),
-                          render_completion(t, record.rejected))
+  try:
+    if isinstance(t, JinjaTemplate):
+      return t.render_pair(record)
+    return PreferenceRecord(render_prompt(t, record.prompt), render_completion(t, record.chosen),
+                            render_completion(t, record.rejected))
+  except DataError:
+    raise
+  except ValueError as e:
+    raise DataError(f"{where}: {e}" if where else str(e)) from None

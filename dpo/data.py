@@ -1,8 +1,8 @@
 """Preference and SFT data: files -> records -> token arrays -> per-process batches.
 
 Every data file is read by `iter_objects`: JSONL or a JSON array, optionally gzipped (detected
-from the magic bytes, not the name). JSONL is read lazily; a JSON array is parsed whole (the
-format allows nothing else). Errors are `DataError`s whose message starts with the record's
+from the magic bytes, not the name), with or without a UTF-8 byte-order mark. JSONL is read
+lazily; a JSON array is parsed whole (the format allows nothing else). Errors are `DataError`s whose message starts with the record's
 location, `file:LINE` for JSONL (1-based line) or `file[INDEX]` for JSON arrays (0-based), and
 names the offending field. `dpo.formats` parses the objects of the preference formats users
 bring; `load_preference_jsonl` / `load_sft_jsonl` read the plain string records.
@@ -57,10 +57,17 @@ def _open(path: str) -> io.BufferedIOBase:
   return f
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def _first_char(path: str) -> bytes:
   with _open(path) as f:
     try:
+      first = True
       while chunk := f.read(4096):
+        if first and chunk.startswith(_BOM):
+          chunk = chunk[len(_BOM):]
+        first = False
         stripped = chunk.lstrip()
         if stripped:
           return stripped[:1]
@@ -73,6 +80,8 @@ def iter_objects(path: str) -> Iterator[tuple[str, dict]]:
   """Yields (location, object) for each record; lazy for JSONL."""
   if not os.path.exists(path):
     raise DataError(f"{path}: no such file")
+  if os.path.isdir(path):
+    raise DataError(f"{path}: is a directory; give a JSONL or JSON file")
   if _first_char(path) == b"[":
     yield from _iter_array(path)
   else:
@@ -86,13 +95,17 @@ def _iter_array(path: str) -> Iterator[tuple[str, dict]]:
   except (EOFError, OSError, zlib.error) as e:
     raise DataError(f"{path}: gzip stream is truncated or corrupt ({e})") from None
   try:
-    items = json.loads(raw.decode("utf-8"))
+    items = json.loads(raw.removeprefix(_BOM).decode("utf-8"))
   except UnicodeDecodeError as e:
     line = raw[:e.start].count(b"\n") + 1
     raise DataError(f"{path}: line {line} is not valid UTF-8 ({e.reason})") from None
   except json.JSONDecodeError as e:
     raise DataError(f"{path}: invalid JSON array ({e.msg} at line {e.lineno} column {e.colno})"
                     ) from None
+  except RecursionError:
+    raise DataError(f"{path}: JSON nested too deeply to read") from None
+  if not isinstance(items, list):
+    raise DataError(f"{path}: expected a JSON array of objects, got {type(items).__name__}")
   for i, obj in enumerate(items):
     where = f"{path}[{i}]"
     if not isinstance(obj, dict):
@@ -116,6 +129,8 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:
       if not raw.strip():
         continue
       where = f"{path}:{lineno}"
+      if lineno == 1:
+        raw = raw.removeprefix(_BOM)
       try:
         obj = json.loads(raw.decode("utf-8"))
       except UnicodeDecodeError as e:
@@ -123,6 +138,8 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:
                         ) from None
       except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+      except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read") from None
       if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
       yield where, obj
@@ -136,10 +153,21 @@ def get_field(obj: dict, field: str, where: str):
   return obj[field]
 
 
+def check_text(value: str, field: str, where: str) -> str:
+  """`value`, unless it holds what UTF-8 cannot encode (a lone surrogate such as "\\ud800")."""
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise DataError(f"{where}: field {field!r} holds {value[e.start]!r} at character {e.start}, "
+                    f"a lone surrogate that is not text (an escape cut in half?)") from None
+  return value
+
+
 def text_field(obj: dict, field: str, where: str, allow_empty: bool = False) -> str:
   value = get_field(obj, field, where)
   if not isinstance(value, str):
     raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+  check_text(value, field, where)
   if not allow_empty and not value.strip():
     raise DataError(f"{where}: field {field!r} is empty")
   return value
@@ -179,9 +207,11 @@ class TruncationStats:
                       self.completions_truncated)
 
 
-def encode_prompt(tok, prompt: str, max_len: int, stats: TruncationStats) -> list[int]:
-  """BOS (unless the tokenizer has none) + prompt ids, keeping the end when too long."""
-  bos = [] if tok.bos_id is None else [tok.bos_id]
+def encode_prompt(tok, prompt: str, max_len: int, stats: TruncationStats,
+                  add_bos: bool = True) -> list[int]:
+  """BOS (unless the tokenizer has none, or a chat template that emits none rendered the
+  prompt: `add_bos`) + prompt ids, keeping the end when too long."""
+  bos = [] if tok.bos_id is None or not add_bos else [tok.bos_id]
   ids = bos + tok.encode(prompt)
   if len(ids) > max_len:
     stats.prompts_truncated += 1
@@ -189,10 +219,12 @@ def encode_prompt(tok, prompt: str, max_len: int, stats: TruncationStats) -> lis
   return ids
 
 
-def encode_completion(tok, completion: str, max_len: int, stats: TruncationStats) -> list[int]:
-  """Completion ids + EOS (not doubled when a chat template already ends with the EOS token)."""
+def encode_completion(tok, completion: str, max_len: int, stats: TruncationStats,
+                      add_eos: bool = True) -> list[int]:
+  """Completion ids + EOS (not doubled when a chat template already ends with the EOS token;
+  none with `add_eos=False`: a tokenizer's own template ends the turn itself)."""
   ids = tok.encode(completion)
-  if not ids or ids[-1] != tok.eos_id:
+  if add_eos and (not ids or ids[-1] != tok.eos_id):
     ids.append(tok.eos_id)
   if len(ids) > max_len:
     stats.completions_truncated += 1
@@ -221,14 +253,15 @@ def _pack_rows(rows: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id
 
 
 def tokenize_pairs(records: Sequence[PreferenceRecord], tok, max_prompt_length: int,
-                   max_target_length: int, what: str = "pairs") -> dict[str, np.ndarray]:
+                   max_target_length: int, what: str = "pairs", add_bos: bool = True,
+                   add_eos: bool = True) -> dict[str, np.ndarray]:
   """Arrays of shape [N, 2, T] (chosen, rejected); T is the longest pair rounded up to 8."""
   stats = TruncationStats(examples=len(records))
   chosen, rejected = [], []
   for r in records:
-    p = encode_prompt(tok, r.prompt, max_prompt_length, stats)
-    chosen.append((p, encode_completion(tok, r.chosen, max_target_length, stats)))
-    rejected.append((p, encode_completion(tok, r.rejected, max_target_length, stats)))
+    p = encode_prompt(tok, r.prompt, max_prompt_length, stats, add_bos)
+    chosen.append((p, encode_completion(tok, r.chosen, max_target_length, stats, add_eos)))
+    rejected.append((p, encode_completion(tok, r.rejected, max_target_length, stats, add_eos)))
   stats.report(what)
   seq_len = _round_up(max(len(p) + len(c) for p, c in chosen + rejected), 8)
   c, r = _pack_rows(chosen, seq_len, tok.pad_id), _pack_rows(rejected, seq_len, tok.pad_id)
@@ -257,14 +290,14 @@ class Loader:
   """
 
   def __init__(self, arrays: dict[str, np.ndarray], global_batch: int, seed: int,
-               process_index: int = 0, process_count: int = 1):
+               process_index: int = 0, process_count: int = 1, what: str = "dataset"):
     self.arrays = arrays
     self.n = len(next(iter(arrays.values())))
     if global_batch % process_count:
       raise ValueError(f"global batch {global_batch} not divisible by {process_count} processes")
     if self.n < global_batch:
-      raise ValueError(f"dataset has {self.n} examples, fewer than one global batch of "
-                       f"{global_batch}")
+      raise DataError(f"{what}: {self.n} examples, fewer than one global batch of "
+                      f"--global_batch_size={global_batch}")
     self.global_batch, self.seed = global_batch, seed
     self.local = global_batch // process_count
     self.offset = process_index * self.local

@@ -8,7 +8,9 @@ record is parsed into one of two internal records:
 
 `dpo.chat` renders a ChatRecord into a PreferenceRecord with a model family's template.
 
-Formats (`--data_format`, "auto" detects from the first record's keys):
+Formats (`--data_format`; "auto" decides over all records of the file, and a record that fits
+another format than the file's is an error naming it, or a counted skip with
+--skip_bad_records):
 
     standard        {"prompt": str, "chosen": str, "rejected": str}
     conversational  {"prompt": [msg], "chosen": [assistant msg], "rejected": [assistant msg]}
@@ -20,7 +22,18 @@ Formats (`--data_format`, "auto" detects from the first record's keys):
                     longest common run of messages.
     openai          {"input": {"messages": [msg]}, "preferred_output": [assistant msg],
                     "non_preferred_output": [assistant msg]}  (OpenAI preference fine-tuning)
-    columns         any other names, mapped by --prompt_field / --chosen_field / --rejected_field
+    sharegpt        LLaMA-Factory's ShareGPT preference layout: {"conversations": [{"from",
+                    "value"}], "chosen": {"from": "gpt", "value"}, "rejected": {...}} (chosen /
+                    rejected may also be message lists or strings; an optional "system" string;
+                    roles human, gpt, system, observation (-> tool), function / function_call
+                    (-> assistant); {"role", "content"} messages are accepted too)
+    columns         any other names, mapped by --prompt_field / --chosen_field / --rejected_field,
+                    dotted paths reaching into nested records ("meta.question", "turns.0.text");
+                    a mapped value may be a string or a message list
+
+A message's content is a string or an OpenAI content-part list ([{"type": "text", "text": ...}]:
+the text parts are joined; any other part is an error). The prompt of a conversation must not
+end with an assistant turn (the completion would be a second one).
 
 Errors are `DataError`s whose message starts with the record's location (`file:LINE` or
 `file[INDEX]`, as `iter_objects` yields it) and names the offending field.
@@ -34,9 +47,10 @@ import logging
 import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
-from dpo.data import DataError, PreferenceRecord, get_field, iter_objects, text_field
+from dpo.data import (DataError, PreferenceRecord, check_text, get_field, iter_objects,
+                      text_field)
 
-FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "columns")
+FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "sharegpt", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
 
 
@@ -82,29 +96,105 @@ def _text(obj: dict, field: str, where: str) -> str:
   return text_field(obj, field, where, allow_empty=True)
 
 
+def get_path(obj: dict, path: str, where: str):
+  """The value at a dotted path: object keys, or list indices for lists ("turns.0.text")."""
+  value, seen = obj, []
+  for part in path.split("."):
+    here = ".".join(seen) or "the record"
+    if isinstance(value, dict):
+      if part not in value:
+        raise DataError(f"{where}: missing field {'.'.join([*seen, part])!r} ({here} has "
+                        f"{sorted(value)})")
+      value = value[part]
+    elif isinstance(value, list) and part.lstrip("-").isdigit():
+      if not -len(value) <= int(part) < len(value):
+        raise DataError(f"{where}: field {'.'.join([*seen, part])!r}: index {part} is out of "
+                        f"range ({here} has {len(value)} items)")
+      value = value[int(part)]
+    else:
+      raise DataError(f"{where}: field {'.'.join([*seen, part])!r}: {here} is a "
+                      f"{type(value).__name__}, not an object")
+    seen.append(part)
+  return value
+
+
+_TEXT_PARTS = ("text", "input_text", "output_text")  # OpenAI chat and Responses API part types
+
+
+def content_text(value, field: str, where: str) -> str:
+  """A message's content: a string, or an OpenAI content-part list whose text parts are joined."""
+  if isinstance(value, str):
+    return check_text(value, field, where)
+  if not isinstance(value, list):
+    raise DataError(f"{where}: field {field!r} must be a string or a list of content parts, got "
+                    f"{type(value).__name__}")
+  texts = []
+  for i, part in enumerate(value):
+    name = f"{field}[{i}]"
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+      raise DataError(f"{where}: field {name!r} must be a content part {{\"type\": \"text\", "
+                      f"\"text\": ...}}, got {part!r:.60}")
+    if part["type"] not in _TEXT_PARTS:
+      raise DataError(f"{where}: field {name!r} is a {part['type']!r} part; only text parts "
+                      f"({', '.join(_TEXT_PARTS)}) can be trained on")
+    texts.append(text_field(part, "text", f"{where}: {name}", allow_empty=True))
+  return "".join(texts)
+
+
+# ShareGPT speaker names (LLaMA-Factory's `from` values) -> chat roles.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "observation": "tool", "tool": "tool",
+                  "function": "assistant", "function_call": "assistant"}
+
+
+def _message(m, name: str, where: str, roles: Sequence[str] | None) -> Message:
+  if not isinstance(m, dict):
+    raise DataError(f"{where}: field {name!r} must be a {{role, content}} object, got "
+                    f"{type(m).__name__}")
+  at = f"{where}: {name}"
+  if "from" in m and "role" not in m:  # ShareGPT
+    speaker = _text(m, "from", at)
+    if speaker not in SHAREGPT_ROLES:
+      raise DataError(f"{where}: field '{name}.from' is {speaker!r}; expected one of "
+                      f"{sorted(SHAREGPT_ROLES)}")
+    role, content = SHAREGPT_ROLES[speaker], content_text(get_field(m, "value", at),
+                                                          f"{name}.value", where)
+  else:
+    role = _text(m, "role", at)
+    content = content_text(get_field(m, "content", at), f"{name}.content", where)
+  if roles is not None and role not in roles:
+    raise DataError(f"{where}: field '{name}.role' is {role!r}; expected one of {list(roles)}")
+  return Message(role, content)
+
+
 def _messages(value, field: str, where: str, roles: Sequence[str] | None = None
               ) -> tuple[Message, ...]:
   if not isinstance(value, list):
     raise DataError(f"{where}: field {field!r} must be a list of messages, got "
                     f"{type(value).__name__}")
-  out = []
-  for i, m in enumerate(value):
-    name = f"{field}[{i}]"
-    if not isinstance(m, dict):
-      raise DataError(f"{where}: field {name!r} must be a {{role, content}} object, got "
-                      f"{type(m).__name__}")
-    at = f"{where}: {name}"
-    role, content = _text(m, "role", at), get_field(m, "content", at)
-    if not isinstance(content, str):
-      raise DataError(f"{where}: field '{name}.content' must be a string, got "
-                      f"{type(content).__name__}")
-    if roles is not None and role not in roles:
-      raise DataError(f"{where}: field '{name}.role' is {role!r}; expected one of {list(roles)}")
-    out.append(Message(role, content))
-  return tuple(out)
+  return tuple(_message(m, f"{field}[{i}]", where, roles) for i, m in enumerate(value))
 
 
-_PROMPT_ROLES = ("system", "developer", "user", "assistant")
+def _prompt(value, field: str, where: str) -> tuple[Message, ...]:
+  prompt = _messages(value, field, where, _PROMPT_ROLES)
+  if not prompt:
+    raise DataError(f"{where}: field {field!r} has no messages")
+  if prompt[-1].role == "assistant":
+    raise DataError(f"{where}: field {field!r} ends with an assistant turn; the prompt must end "
+                    f"where the assistant's answer (chosen / rejected) begins")
+  return prompt
+
+
+def _response(value, field: str, where: str) -> tuple[Message, ...]:
+  """A completion: a message list, one message object, or a string (one assistant turn)."""
+  if isinstance(value, str):
+    return (Message("assistant", check_text(value, field, where)),)
+  if isinstance(value, dict):
+    return (_message(value, field, where, ("assistant",)),)
+  return _messages(value, field, where, ("assistant",))
+
+
+_PROMPT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _parse_standard(obj, where, spec, stats) -> Record:
@@ -113,22 +203,25 @@ def _parse_standard(obj, where, spec, stats) -> Record:
 
 
 def _parse_conversational(obj, where, spec, stats) -> Record:
-  prompt = _messages(get_field(obj, "prompt", where), "prompt", where, _PROMPT_ROLES)
-  if not prompt:
-    raise DataError(f"{where}: field 'prompt' has no messages")
-  return ChatRecord(prompt,
+  return ChatRecord(_prompt(get_field(obj, "prompt", where), "prompt", where),
                     _messages(get_field(obj, "chosen", where), "chosen", where, ("assistant",)),
                     _messages(get_field(obj, "rejected", where), "rejected", where, ("assistant",)))
+
+
+def _parse_sharegpt(obj, where, spec, stats) -> Record:
+  prompt = _prompt(get_field(obj, "conversations", where), "conversations", where)
+  system = obj.get("system")
+  if system is not None and system != "":
+    prompt = (Message("system", content_text(system, "system", where)),) + prompt
+  return ChatRecord(prompt, _response(get_field(obj, "chosen", where), "chosen", where),
+                    _response(get_field(obj, "rejected", where), "rejected", where))
 
 
 def _parse_openai(obj, where, spec, stats) -> Record:
   inp = get_field(obj, "input", where)
   if not isinstance(inp, dict):
     raise DataError(f"{where}: field 'input' must be an object, got {type(inp).__name__}")
-  prompt = _messages(get_field(inp, "messages", f"{where}: input"), "input.messages", where,
-                     _PROMPT_ROLES)
-  if not prompt:
-    raise DataError(f"{where}: field 'input.messages' has no messages")
+  prompt = _prompt(get_field(inp, "messages", f"{where}: input"), "input.messages", where)
   return ChatRecord(
       prompt,
       _messages(get_field(obj, "preferred_output", where), "preferred_output", where,
@@ -138,9 +231,22 @@ def _parse_openai(obj, where, spec, stats) -> Record:
 
 
 def _parse_columns(obj, where, spec, stats) -> Record:
-  prompt = _text(obj, spec.prompt_field, where) if spec.prompt_field else ""
-  return PreferenceRecord(prompt, _text(obj, spec.chosen_field, where),
-                          _text(obj, spec.rejected_field, where))
+  """Mapped fields: three strings (text), or a message-list prompt with responses (chat)."""
+  prompt = get_path(obj, spec.prompt_field, where) if spec.prompt_field else ""
+  chosen, rejected = (get_path(obj, f, where) for f in (spec.chosen_field, spec.rejected_field))
+  if isinstance(prompt, list) or not all(isinstance(v, str) for v in (chosen, rejected)):
+    if not isinstance(prompt, list):
+      raise DataError(f"{where}: field {spec.prompt_field!r} must be a list of messages when "
+                      f"the responses are messages, got {type(prompt).__name__}")
+    return ChatRecord(_prompt(prompt, spec.prompt_field, where),
+                      _response(chosen, spec.chosen_field, where),
+                      _response(rejected, spec.rejected_field, where))
+  for field, v in ((spec.prompt_field, prompt), (spec.chosen_field, chosen),
+                   (spec.rejected_field, rejected)):
+    if not isinstance(v, str):
+      raise DataError(f"{where}: field {field!r} must be a string, got {type(v).__name__}")
+    check_text(v, field, where)
+  return PreferenceRecord(prompt, chosen, rejected)
 
 
 def split_transcripts(chosen: str, rejected: str, marker: str = HH_ASSISTANT
@@ -189,6 +295,7 @@ def _parse_implicit(obj, where, spec, stats) -> Record:
     if not isinstance(v, str):
       raise DataError(f"{where}: field {field!r} must be a string or a list of messages, got "
                       f"{type(v).__name__}")
+    check_text(v, field, where)
   prompt, cc, rc, fallback = split_transcripts(c, r)
   if fallback:
     stats["prompt_from_common_prefix"] += 1
@@ -198,41 +305,103 @@ def _parse_implicit(obj, where, spec, stats) -> Record:
 
 
 _PARSERS = {"standard": _parse_standard, "conversational": _parse_conversational,
-            "implicit": _parse_implicit, "openai": _parse_openai, "columns": _parse_columns}
+            "implicit": _parse_implicit, "openai": _parse_openai, "sharegpt": _parse_sharegpt,
+            "columns": _parse_columns}
 
 
-def detect_format(obj: dict, where: str, spec: FormatSpec = FormatSpec()) -> str:
-  """The format of a record from its keys (explicit column flags win)."""
+def record_format(obj: dict) -> str | None:
+  """The format one record's keys say it is in (None: none of them)."""
+  if "input" in obj and "preferred_output" in obj:
+    return "openai"
+  if "chosen" in obj and "rejected" in obj:
+    if "conversations" in obj:
+      return "sharegpt"
+    if "prompt" not in obj:
+      return "implicit"
+    return "conversational" if isinstance(obj["prompt"], list) else "standard"
+  return None
+
+
+def _undetectable(where: str, obj: dict) -> DataError:
+  return DataError(f"{where}: cannot detect the data format from fields {sorted(obj)}; pass "
+                   f"--data_format, or --prompt_field/--chosen_field/--rejected_field to map "
+                   f"other column names")
+
+
+def detect_format(path: str, spec: FormatSpec = FormatSpec(), skips: "Skips | None" = None
+                  ) -> str:
+  """The file's format (explicit flags win): every record's own format, all of which must agree.
+
+  A record of another format than the others (say, one record without a prompt in a file of
+  prompt/chosen/rejected records) is an error naming it and the majority, or a counted skip.
+  """
   if spec.data_format != "auto":
     return spec.data_format
   if spec.chosen_field or spec.rejected_field:
     return "columns"
-  if "input" in obj and "preferred_output" in obj:
-    return "openai"
-  if "chosen" in obj and "rejected" in obj:
-    if "prompt" not in obj:
-      return "implicit"
-    return "conversational" if isinstance(obj["prompt"], list) else "standard"
-  raise DataError(f"{where}: cannot detect the data format from fields {sorted(obj)}; pass "
-                  f"--data_format, or --prompt_field/--chosen_field/--rejected_field to map "
-                  f"other column names")
+  counts, first, unknown = collections.Counter(), {}, None
+  for where, obj in iter_objects(path):
+    fmt = record_format(obj)
+    if fmt is None:  # parsed as the file's format below, which names its missing field
+      unknown = unknown or _undetectable(where, obj)
+      continue
+    counts[fmt] += 1
+    first.setdefault(fmt, where)
+  if not counts:
+    raise unknown or DataError(f"{path}: no records")
+  fmt = counts.most_common(1)[0][0]
+  others = {f: n for f, n in counts.items() if f != fmt}
+  if others and skips is None:
+    f, n = max(others.items(), key=lambda kv: kv[1])
+    raise DataError(f"{first[f]}: this record reads as {f} ({n} such records) but {counts[fmt]} "
+                    f"records of {path} are {fmt}; fix the file, pass --data_format, or "
+                    f"--skip_bad_records to skip the records that do not fit")
+  return fmt
+
+
+class Skips:
+  """Records skipped with --skip_bad_records: counted, the first few logged with their error."""
+
+  def __init__(self, what: str, show: int = 5):
+    self.what, self.show, self.count, self.examples = what, show, 0, []
+
+  def add(self, error: DataError) -> None:
+    self.count += 1
+    if len(self.examples) < self.show:
+      self.examples.append(str(error))
+      logging.warning("%s: skipped a bad record (--skip_bad_records): %s", self.what, error)
+
+  def log(self) -> None:
+    if self.count:
+      logging.warning("%s: skipped %d records that do not fit (--skip_bad_records)", self.what,
+                      self.count)
 
 
 def iter_records(path: str, spec: FormatSpec = FormatSpec(),
-                 stats: collections.Counter | None = None) -> Iterator[tuple[str, Record]]:
-  """Lazily yields (location, record); the format is detected once, from the first record.
+                 stats: collections.Counter | None = None, skips: Skips | None = None
+                 ) -> Iterator[tuple[str, Record]]:
+  """Lazily yields (location, record) in the format `detect_format` decides over the file.
 
-  `stats` (if given) counts records per format and implicit-prompt fallbacks.
+  `stats` (if given) counts records per format and implicit-prompt fallbacks. With `skips`, a
+  record that does not fit the format is counted there and left out instead of raising.
   """
   stats = collections.Counter() if stats is None else stats
-  parse = None
+  fmt = detect_format(path, spec, skips)
+  logging.info("%s: data format %s", path, fmt)
+  parse = _PARSERS[fmt]
   for where, obj in iter_objects(path):
-    if parse is None:
-      fmt = detect_format(obj, where, spec)
-      logging.info("%s: data format %s", path, fmt)
-      parse = _PARSERS[fmt]
+    try:
+      own = record_format(obj) if spec.data_format == "auto" and fmt != "columns" else None
+      if own is not None and own != fmt:
+        raise DataError(f"{where}: this record reads as {own}, not as the file's {fmt}")
+      record = parse(obj, where, spec, stats)
+    except DataError as e:
+      if skips is None:
+        raise
+      skips.add(e)
+      continue
     stats[f"format_{fmt}"] += 1
-    yield where, parse(obj, where, spec, stats)
+    yield where, record
 
 
 # --- quality filters --------------------------------------------------------------------------
@@ -248,6 +417,7 @@ class FilterReport:
   empty_response: int = 0
   chosen_equals_rejected: int = 0
   duplicate_pair: int = 0
+  equal_after_template: int = 0   # chosen != rejected, but their rendered texts are equal
   kept: int = 0
   distinct_1: float = 0.0
   distinct_2: float = 0.0
@@ -259,6 +429,9 @@ class FilterReport:
                  "responses", what, self.records, self.empty_response,
                  self.chosen_equals_rejected, self.duplicate_pair, self.kept, self.distinct_1,
                  self.distinct_2)
+    if self.equal_after_template:
+      logging.warning("%s: dropped %d pairs whose chosen and rejected differ but render to the "
+                      "same text (the chat template trims them?)", what, self.equal_after_template)
     for reason, where in self.examples.items():
       logging.info("%s: %s, e.g. %s", what, reason, ", ".join(where))
     if self.kept and self.distinct_2 < low_distinct2:
@@ -305,4 +478,22 @@ def filter_records(located: Sequence[tuple[str, Record]]) -> tuple[list[tuple[st
   responses = [response_text(x) for _, rec in kept for x in (rec.chosen, rec.rejected)]
   report.distinct_1, report.distinct_2 = distinct_n(responses, 1), distinct_n(responses, 2)
   report.examples = dict(examples)
+  return kept, report
+
+
+def filter_rendered(rendered: Sequence[tuple[str, PreferenceRecord]], report: FilterReport
+                    ) -> tuple[list[tuple[str, PreferenceRecord]], FilterReport]:
+  """Drops (and counts) pairs the template made equal, e.g. answers that differ only by the
+  trailing spaces Gemma's and Llama's templates trim."""
+  kept, examples = [], []
+  for where, rec in rendered:
+    if rec.chosen == rec.rejected:
+      report.equal_after_template += 1
+      if len(examples) < 5:
+        examples.append(where)
+      continue
+    kept.append((where, rec))
+  if examples:
+    report.examples = {**report.examples, "equal_after_template": examples}
+  report.kept = len(kept)
   return kept, report

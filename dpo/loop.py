@@ -23,8 +23,9 @@ import time
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 
-from dpo import checkpoint, evaluate, formats, hooks, prepare, reference, task, train
+from dpo import chat, checkpoint, evaluate, formats, hooks, prepare, reference, task, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
@@ -39,17 +40,19 @@ class Data:
 
   With --train_data the pairs go through dpo.prepare (any supported format, quality filters,
   chat template, held-out split, cached tokenisation); SFT then uses --sft_data or, failing
-  that, the chosen rows of the training pairs.
+  that, the chosen rows of the training pairs. A data set smaller than one global batch is a
+  DataError naming the file and the flag. `inspect` writes what the model is trained on.
   """
 
-  def __init__(self, cfg, tok=None):
+  def __init__(self, cfg, tok=None, check_sizes: bool = True):
     d, seed = cfg.data, cfg.run.seed
     self.tok = tok or tokenizer_lib.load_tokenizer(d.tokenizer, d.bos_token, d.eos_token,
                                                    d.pad_token)
-    if cfg.model.vocab_size < self.tok.vocab_size:
+    if check_sizes and cfg.model.vocab_size < self.tok.vocab_size:
       raise ValueError(f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                        f"{self.tok.vocab_size} ids")
     self.embedded = not d.train_data
+    self.template = chat.resolve_template(d.chat_template, self.tok)
     lens = (d.max_prompt_length, d.max_target_length)
     self.reports = []
     if self.embedded:
@@ -60,18 +63,19 @@ class Data:
       self.held = (data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs")
                    if held else None)
     else:
+      if d.eval_data and d.eval_split:
+        raise ValueError("give either --eval_data or --eval_split, not both")
       spec = formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field, d.rejected_field)
       cache_dir = ("" if d.data_cache_dir == "none" else
                    d.data_cache_dir or os.path.join(cfg.run.output_dir, "data_cache"))
       prep = functools.partial(prepare.prepare_pairs, tok=self.tok, spec=spec,
-                               template=d.chat_template, max_prompt_length=lens[0],
-                               max_target_length=lens[1], cache_dir=cache_dir)
+                               template=self.template, max_prompt_length=lens[0],
+                               max_target_length=lens[1], cache_dir=cache_dir,
+                               skip_bad=d.skip_bad_records)
       train_prep = prep(d.train_data, eval_split=d.eval_split)
       self.reports.append(train_prep.report)
       self.pairs, self.held = train_prep.train, train_prep.held
       if d.eval_data:
-        if d.eval_split:
-          raise ValueError("give either --eval_data or --eval_split, not both")
         eval_prep = prep(d.eval_data, eval_split=0.0)
         self.reports.append(eval_prep.report)
         self.held = eval_prep.train
@@ -83,6 +87,16 @@ class Data:
                                        *lens, what="sft data")
     else:  # the chosen row of each training pair is a (prompt, completion) SFT example
       self.sft = {k: v[:, 0] for k, v in self.pairs.items()}
+    if check_sizes:
+      batch, stage = cfg.optim.global_batch_size, cfg.run.stage
+      for arrays, used, what in ((self.pairs, stage in ("dpo", "all"),
+                                  d.train_data or "the embedded task's pairs"),
+                                 (self.sft, stage in ("sft", "all"),
+                                  d.sft_data or d.train_data or "the embedded task's SFT data")):
+        if used and len(arrays["tokens"]) < batch:
+          raise data_lib.DataError(
+              f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
+              f"held-out split, fewer than one batch of --global_batch_size={batch}")
     # Sampling prompts and the ground-truth reward exist only for the embedded task; without
     # them the generation metrics (win rate, true rewards, KL, lengths) are reported as null.
     self.eval_prompts = task.eval_prompts(d.task_eval_prompts) if self.embedded else []
@@ -92,6 +106,46 @@ class Data:
                  len(self.sft["tokens"]), self.sft["tokens"].shape[-1],
                  len(self.pairs["tokens"]), self.pairs["tokens"].shape[-1],
                  0 if self.held is None else len(self.held["tokens"]))
+
+  def preview(self, n: int) -> list[dict]:
+    """The first `n` training pairs as the model sees them: the text decoded from the token
+    ids, the ids, and the positions whose tokens are scored (loss_mask = 1)."""
+    out, t = [], self.pairs
+    for i in range(min(n, len(t["tokens"]))):
+      rec = {"index": i}
+      for side, name in ((0, "chosen"), (1, "rejected")):
+        tokens, mask = t["tokens"][i, side], t["loss_mask"][i, side]
+        length = int(t["segment_ids"][i, side].sum())
+        scored = [int(k) for k in np.flatnonzero(mask)]
+        start = scored[0] if scored else length
+        if side == 0:
+          rec["prompt_ids"] = [int(x) for x in tokens[:start]]
+          rec["prompt_text"] = self.tok.decode(rec["prompt_ids"])
+        ids = [int(x) for x in tokens[start:length]]
+        rec.update({f"{name}_text": self.tok.decode(ids), f"{name}_ids": ids,
+                    f"{name}_scored_positions": scored})
+      out.append(rec)
+    return out
+
+  def inspect(self, n: int, output_dir: str, show: int = 3) -> dict:
+    """--inspect_data=N: <output_dir>/data_preview.jsonl and the first `show` pairs printed."""
+    if n < 0:
+      raise ValueError(f"--inspect_data must be >= 0 (0 = off), got {n}")
+    records = self.preview(n)
+    path = os.path.join(output_dir, "data_preview.jsonl")
+    if jax.process_index() == 0:
+      os.makedirs(output_dir, exist_ok=True)
+      with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+          f.write(json.dumps(r, ensure_ascii=False) + "\n")
+      for r in records[:show]:
+        print(f"--- pair {r['index']}: {len(r['prompt_ids'])} prompt tokens, "
+              f"{len(r['chosen_scored_positions'])} / {len(r['rejected_scored_positions'])} "
+              f"scored chosen / rejected tokens")
+        for k in ("prompt_text", "chosen_text", "rejected_text"):
+          print(f"{k}: {r[k]!r}")
+      print(f"wrote {len(records)} pairs to {path}; --inspect_data: not training", flush=True)
+    return {"inspect_data": path, "pairs": len(records), "data": self.reports}
 
 
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
@@ -249,7 +303,7 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
                   {"reference": reference_path, "lora": c.lora.enabled}).run()
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy, lora = split(state.params)
-  _export(c, params, policy, lora, int(state.step), reference_path)
+  _export(c, params, policy, lora, int(state.step), reference_path, p.data)
   final, samples = evaluate_state(c.optim.steps, state)
   summary.update(final)
   summary["skipped_steps"] = int(state.skipped)
@@ -281,26 +335,72 @@ def provenance(cfg, mesh) -> dict[str, Any]:
           "config_sha256": hashlib.sha256(config_json.encode()).hexdigest()}
 
 
-def _export(c, base, policy, lora, step: int, reference_path: str) -> None:
-  """The policy (LoRA merged) as a dpo-jax params checkpoint, and with --export_hf for
-  transformers (plus the adapter alone for PEFT)."""
+def _export(c, base, policy, lora, step: int, reference_path: str, data: Data) -> None:
+  """The policy (LoRA merged) as a dpo-jax params checkpoint, and with --export_hf a folder
+  transformers loads as it is: the merged policy with the tokenizer (and the chat template the
+  data was rendered with) and generation_config.json (stopping at every end-of-turn id). With
+  LoRA, `adapter/` holds the PEFT adapter; its base is the `--init_from=hf:` folder when the
+  DPO stage started from exactly that model, else the DPO stage's base (the SFT model, a random
+  base, or a quantized base dequantized), exported as `base/` beside it."""
   policy_out = os.path.join(c.run.output_dir, "checkpoints", "policy")
-  if c.model.base_quant == "none":
+  quantized = c.model.base_quant != "none"
+  if not quantized:
     merged = lora_lib.merge(base, lora, c.lora) if lora is not None else policy
     checkpoint.save_params(policy_out, merged, c.model, stage="dpo", step=step,
                            reference=reference_path)
     logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
   else:
-    logging.info("dpo: base_quant=%s; no merged policy export (the adapters are in %s)",
+    logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
                  c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
   out_hf, init_from = c.checkpoint.export_hf, c.checkpoint.init_from
-  if out_hf:
-    from models import hf
-    hf.save(out_hf, c.model, policy, lora, c.lora, source=hf.source_config(init_from))
-    if lora is not None:
-      hf.save_peft(os.path.join(out_hf, "adapter"), c.model, lora, c.lora,
-                   base_model=init_from.removeprefix("hf:"))
-    logging.info("exported the policy (LoRA merged) to %s", out_hf)
+  if not out_hf:
+    return
+  from models import hf
+  tok, template = data.tok, data.template
+  info = {"step": str(step), "stage": c.run.stage, "init_from": init_from,
+          "base_quant": c.model.base_quant}
+  if quantized:
+    info["note"] = (f"the merged weights are the {c.model.base_quant}-dequantized base plus "
+                    f"the LoRA delta (the model the policy computed), not the float base's")
+
+  def extras(directory: str) -> None:
+    if isinstance(tok, tokenizer_lib.HFTokenizer):
+      source = (template.source if isinstance(template, chat.JinjaTemplate) else
+                template.jinja)  # a hand-written template's Jinja form
+      hf.save_tokenizer(directory, tok, source)
+    hf.save_generation_config(directory, tok.bos_id, chat.end_of_turn_ids(template, tok),
+                              tok.pad_id)
+
+  hf.save(out_hf, c.model, policy, lora, c.lora, source=hf.source_config(init_from),
+          metadata={f"dpo_jax_{k}": v for k, v in info.items()})
+  extras(out_hf)
+  if not isinstance(tok, tokenizer_lib.HFTokenizer):
+    logging.warning("--export_hf: the byte tokenizer has no Hugging Face form; %s has no "
+                    "tokenizer files (ids 0-255 are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)",
+                    out_hf)
+  what = "LoRA merged" if lora is not None else "all weights"
+  if quantized:
+    what += f", over the {c.model.base_quant}-dequantized base"
+  logging.info("exported the policy (%s) to %s", what, out_hf)
+  if lora is not None:
+    if c.run.stage == "dpo" and init_from.startswith("hf:") and not quantized:
+      adapter_base = os.path.abspath(init_from[3:])
+    else:
+      adapter_base = os.path.abspath(os.path.join(out_hf, "base"))
+      hf.save(adapter_base, c.model, base, source=hf.source_config(init_from),
+              metadata={f"dpo_jax_{k}": v for k, v in {**info, "role": "adapter base"}.items()})
+      extras(adapter_base)
+      logging.info("exported the adapter's base (%s) to %s", "the SFT model" if c.run.stage ==
+                   "all" else f"{c.model.base_quant}-dequantized" if quantized else
+                   "the DPO base", adapter_base)
+    adapter_dir = os.path.join(out_hf, "adapter")
+    hf.save_peft(adapter_dir, c.model, lora, c.lora, base_model=adapter_base,
+                 metadata={f"dpo_jax_{k}": v for k, v in info.items()})
+    logging.info("exported the PEFT adapter to %s (base: %s)", adapter_dir, adapter_base)
+  if jax.process_index() == 0:
+    with open(os.path.join(out_hf, "dpo_jax_export.json"), "w") as f:
+      json.dump({**info, "adapter_base": adapter_base if lora is not None else None,
+                 "chat_template": template.name, "tokenizer": tok.name}, f, indent=2)
 
 
 def run(cfg, mesh=None, init_params=None,
@@ -312,6 +412,8 @@ def run(cfg, mesh=None, init_params=None,
   """
   t_start = time.perf_counter()
   out = cfg.run.output_dir
+  if cfg.data.inspect_data != 0:
+    return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)

@@ -5,9 +5,12 @@
 
 Tokenising is the slow part for real data, so the result is stored under
 `<cache_dir>/prefs-<key>.npz`, where the key is a SHA-256 over the file's bytes, the tokenizer's
-fingerprint and every setting that changes the arrays; a second run with the same inputs loads
-the arrays instead of re-reading and re-tokenising. The cache file is written to a temporary
-name and renamed, so concurrent processes (multi-host) never read a half-written file.
+fingerprint, the chat template's and every setting that changes the arrays; a second run with
+the same inputs loads the arrays instead of re-reading and re-tokenising. The cache file is
+written to a temporary name (`.tmp.<host>.<pid>`) and renamed, so concurrent processes
+(multi-host) never read a half-written file; a cache file that does not load (corrupt,
+truncated, missing arrays) is removed and rebuilt, and temporary files left by interrupted
+writes (their process is gone, or they are over an hour old) are removed.
 
 The held-out split hashes the rendered prompt, so it does not depend on file order or seed and
 pairs that share a prompt never straddle train and held-out.
@@ -22,6 +25,9 @@ import io
 import json
 import logging
 import os
+import socket
+import time
+import zipfile
 from typing import NamedTuple
 
 import numpy as np
@@ -29,7 +35,8 @@ import numpy as np
 from dpo import chat, formats
 from dpo.data import DataError, tokenize_pairs
 
-_VERSION = "prefs-v1"
+_VERSION = "prefs-v2"
+_ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 
 class Prepared(NamedTuple):
@@ -55,9 +62,9 @@ def _file_digest(path: str) -> str:
 
 
 def cache_key(path: str, tok, spec: formats.FormatSpec, template: str, lens: tuple[int, int],
-              eval_split: float) -> str:
+              eval_split: float, skip_bad: bool = False) -> str:
   parts = [_VERSION, _file_digest(path), tok.fingerprint(), repr(dataclasses.astuple(spec)),
-           template, repr(tuple(lens)), repr(float(eval_split))]
+           template, repr(tuple(lens)), repr(float(eval_split)), repr(bool(skip_bad))]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -67,63 +74,140 @@ def _save(path: str, prepared: Prepared) -> None:
     flat.update({f"held/{k}": v for k, v in prepared.held.items()})
   buf = io.BytesIO()
   np.savez(buf, report=np.frombuffer(json.dumps(prepared.report).encode(), np.uint8), **flat)
-  tmp = f"{path}.tmp{os.getpid()}"
+  tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
   with open(tmp, "wb") as f:
     f.write(buf.getvalue())
   os.replace(tmp, path)
 
 
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_stale_tmp(cache_dir: str, max_age_s: float = 3600.0) -> list[str]:
+  """Removes the temporary files of interrupted cache writes: this host's whose process is gone,
+  any host's older than `max_age_s` (a live write takes seconds). Returns what it removed."""
+  removed, host = [], socket.gethostname()
+  for name in os.listdir(cache_dir) if os.path.isdir(cache_dir) else ():
+    if ".npz.tmp" not in name:
+      continue
+    path = os.path.join(cache_dir, name)
+    owner = name.rsplit(".tmp", 1)[1].lstrip(".").rsplit(".", 1)
+    ours_dead = (len(owner) == 2 and owner[0] == host and owner[1].isdigit()
+                 and not _pid_alive(int(owner[1])))
+    try:
+      old = time.time() - os.path.getmtime(path) > max_age_s
+      if ours_dead or old:
+        os.remove(path)
+        removed.append(path)
+    except FileNotFoundError:  # another process finished or removed it meanwhile
+      continue
+  for path in removed:
+    logging.warning("removed %s, left by an interrupted cache write", path)
+  return removed
+
+
 def _load(path: str) -> Prepared:
-  with np.load(path) as z:
-    train = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("train/")}
-    held = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("held/")} or None
-    report = json.loads(z["report"].tobytes().decode())
+  """The cached arrays; ValueError when the file is not a complete cache."""
+  try:
+    with np.load(path) as z:
+      train = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("train/")}
+      held = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("held/")} or None
+      report = json.loads(z["report"].tobytes().decode())
+  except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{type(e).__name__}: {e}") from None
+  for part, arrays in (("train", train), ("held", held or {a: None for a in _ARRAYS})):
+    missing = [a for a in _ARRAYS if a not in arrays]
+    if missing:
+      raise ValueError(f"{part} arrays {missing} missing")
+  shapes = {a.shape for a in train.values()}
+  if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+    raise ValueError(f"train arrays disagree in shape: {sorted(shapes)}")
   return Prepared(train, held, report)
 
 
 def prepare_pairs(path: str, tok, spec: formats.FormatSpec = formats.FormatSpec(),
-                  template: str = "plain", max_prompt_length: int = 512,
+                  template: str = "auto", max_prompt_length: int = 512,
                   max_target_length: int = 512, eval_split: float = 0.0,
-                  cache_dir: str = "") -> Prepared:
-  """Reads, filters, renders, splits and tokenises one preference file (or loads the cache)."""
+                  cache_dir: str = "", skip_bad: bool = False) -> Prepared:
+  """Reads, filters, renders, splits and tokenises one preference file (or loads the cache).
+
+  `template` is a --chat_template value (`chat.resolve_template`). With `skip_bad`, records
+  that do not fit the format or that the template refuses are counted and skipped.
+  """
   if not 0.0 <= eval_split < 1.0:
     raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
   if not os.path.exists(path):
     raise DataError(f"{path}: no such file")
-  t = chat.get_template(template)
+  if os.path.isdir(path):
+    raise DataError(f"{path}: is a directory; give a JSONL or JSON file")
+  t = chat.resolve_template(template, tok)
+  jinja = isinstance(t, chat.JinjaTemplate)
   lens = (max_prompt_length, max_target_length)
   cache_path = None
   if cache_dir:
-    key = cache_key(path, tok, spec, t.name, lens, eval_split)
+    remove_stale_tmp(cache_dir)
+    key = cache_key(path, tok, spec, chat.template_fingerprint(t), lens, eval_split, skip_bad)
     cache_path = os.path.join(cache_dir, f"prefs-{key}.npz")
     if os.path.exists(cache_path):
-      prepared = _load(cache_path)
-      logging.info("%s: loaded tokenised pairs from cache %s (%d train, %d held-out)", path,
-                   cache_path, len(prepared.train["tokens"]),
-                   0 if prepared.held is None else len(prepared.held["tokens"]))
-      prepared.report["cache"] = "hit"
-      return prepared
+      try:
+        prepared = _load(cache_path)
+      except ValueError as e:
+        logging.warning("%s: cache file %s does not load (%s); removing it and rebuilding",
+                        path, cache_path, e)
+        try:
+          os.remove(cache_path)
+        except FileNotFoundError:
+          pass
+      else:
+        logging.info("%s: loaded tokenised pairs from cache %s (%d train, %d held-out)", path,
+                     cache_path, len(prepared.train["tokens"]),
+                     0 if prepared.held is None else len(prepared.held["tokens"]))
+        prepared.report["cache"] = "hit"
+        return prepared
 
   stats = collections.Counter()
-  located = list(formats.iter_records(path, spec, stats))
+  skips = formats.Skips(path) if skip_bad else None
+  located = list(formats.iter_records(path, spec, stats, skips))
   if not located:
     raise DataError(f"{path}: no records")
   kept, filt = formats.filter_records(located)
+  train, held, rendered = [], [], []
+  for where, rec in kept:
+    try:
+      text = chat.render_record(rec, t, where)
+    except DataError as e:
+      if skips is None:
+        raise
+      skips.add(e)
+      continue
+    rendered.append((where, text))
+  kept, filt = formats.filter_rendered(rendered, filt)
   filt.log(path)
-  train, held = [], []
-  for _, rec in kept:
-    text = chat.render_record(rec, t)
+  for _, text in kept:
     (held if in_held_out(text.prompt, eval_split) else train).append(text)
+  if skips is not None:
+    skips.log()
   if not train:
     raise DataError(f"{path}: no training pairs left after filtering and the held-out split")
   report = {"path": path, **dict(stats), "filters": dataclasses.asdict(filt),
+            "skipped_bad_records": skips.count if skips is not None else 0,
             "train_pairs": len(train), "held_out_pairs": len(held), "template": t.name,
+            "template_emits_bos": t.emits_bos if jinja else None,
             "tokenizer": tok.fingerprint(), "cache": "miss" if cache_path else "off"}
-  logging.info("%s: %d train pairs, %d held-out (eval_split=%g)", path, len(train), len(held),
-               eval_split)
+  logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
+               len(train), len(held), eval_split, t.name)
+  # A tokenizer's own template writes BOS (or not) and the end of each turn itself.
+  marks = dict(add_bos=t.emits_bos, add_eos=False) if jinja and t.emits_bos is not None else {}
   prepared = Prepared(
-      tokenize_pairs(train, tok, *lens, what=f"{path} train pairs"),
-      tokenize_pairs(held, tok, *lens, what=f"{path} held-out pairs") if held else None,
+      tokenize_pairs(train, tok, *lens, what=f"{path} train pairs", **marks),
+      tokenize_pairs(held, tok, *lens, what=f"{path} held-out pairs", **marks) if held else None,
       report)
   if cache_path:
     os.makedirs(cache_dir, exist_ok=True)

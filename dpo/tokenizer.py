@@ -1,7 +1,8 @@
 """Tokenizers: the zero-dependency byte tokenizer (the default) and Hugging Face tokenizer.json.
 
 Both expose `encode(text) -> ids` (no special tokens), `decode`, `bos_id` (None: no BOS),
-`eos_id`, `pad_id`, `vocab_size` and `fingerprint()` (keys the tokenised-data cache).
+`eos_id`, `pad_id`, `vocab_size`, `chat_template` (None, or the folder's Jinja source),
+`special_ids()` and `fingerprint()` (keys the tokenised-data cache).
 """
 
 from __future__ import annotations
@@ -9,6 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+
+from dpo import chat
+from dpo.data import DataError
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")  # transformers' named special tokens
 
 
 class ByteTokenizer:
@@ -25,6 +32,11 @@ class ByteTokenizer:
 
   def decode(self, ids) -> str:
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+  chat_template = None
+
+  def special_ids(self) -> set[int]:
+    return {self.pad_id, self.bos_id, self.eos_id}
 
   def fingerprint(self) -> str:
     return "bytes-v1"
@@ -56,13 +68,26 @@ class HFTokenizer:
                         "'dpo-jax[hf]' (or pip install tokenizers)") from e
     if os.path.isdir(path):
       path = os.path.join(path, "tokenizer.json")
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+      raise DataError(f"--tokenizer: {path} does not exist (give a tokenizer.json or the "
+                       f"Hugging Face tokenizer folder holding it)")
     self.path = path
-    self._tok = Tokenizer.from_file(path)
+    try:
+      self._tok = Tokenizer.from_file(path)
+    except Exception as e:  # the Rust error type is not importable; name the file instead
+      raise DataError(f"--tokenizer: {path} is not a tokenizers JSON file ({e})") from None
+    self.directory = os.path.dirname(path)
     config = {}
-    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    config_path = os.path.join(self.directory, "tokenizer_config.json")
     if os.path.exists(config_path):
-      with open(config_path) as f:
-        config = json.load(f)
+      try:
+        with open(config_path, encoding="utf-8") as f:
+          config = json.load(f)
+      except (OSError, ValueError) as e:
+        raise DataError(f"{config_path}: cannot read ({e})") from None
+    self._config = config
+    self.chat_template = chat.read_chat_template(self.directory)
     default = "<|endoftext|>" if self._tok.token_to_id("<|endoftext|>") is not None else None
 
     def pick(flag: str, key: str, fallback):
@@ -81,7 +106,26 @@ class HFTokenizer:
     self.eos_id = self._id(self.eos_token)
     self.pad_id = self._id(self.pad_token)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-    self.name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    self.name = os.path.basename(self.directory) or path
+
+  @property
+  def config(self) -> dict:
+    """tokenizer_config.json beside the file ({} when there is none)."""
+    return dict(self._config)
+
+  def special_tokens(self) -> dict[str, str]:
+    """The template variables transformers passes to a chat template (its special_tokens_map):
+    the named special tokens of tokenizer_config.json, with BOS/EOS/PAD as resolved here."""
+    out = {k: _special(self._config.get(k)) for k in SPECIAL_TOKEN_NAMES}
+    out.update(bos_token=self.bos_token, eos_token=self.eos_token)
+    if "pad_token" not in self._config:
+      out["pad_token"] = None
+    return {k: v for k, v in out.items() if v is not None}
+
+  def special_ids(self) -> set[int]:
+    """Ids of the vocabulary's special added tokens (and BOS/EOS/PAD)."""
+    ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+    return ids | {self.eos_id, self.pad_id} | ({self.bos_id} if self.bos_id is not None else set())
 
   def _id(self, token: str) -> int:
     i = self._tok.token_to_id(token)
@@ -100,6 +144,7 @@ class HFTokenizer:
     with open(self.path, "rb") as f:
       h.update(f.read())
     h.update(repr((self.bos_token, self.eos_token, self.pad_token)).encode())
+    h.update((self.chat_template or "").encode())
     return "hf-" + h.hexdigest()[:16]
 
 

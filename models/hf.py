@@ -7,11 +7,13 @@ columns of the tensors that the local devices hold. No host reads the whole mode
 
 `save(...)` writes the policy (LoRA merged, a quantized base dequantized) as `config.json` +
 `model*.safetensors` that transformers loads; `save_peft(...)` writes the LoRA factors alone as
-`adapter_config.json` + `adapter_model.safetensors` with PEFT's key names.
+`adapter_config.json` + `adapter_model.safetensors` with PEFT's key names; `save_tokenizer` and
+`save_generation_config` add the tokenizer files (with the chat template the data was rendered
+with) and `generation_config.json` (its eos_token_id lists every end-of-turn id, so `generate`
+stops at the end of the assistant's turn).
 
-The safetensors container (8-byte little-endian header size, a JSON header of dtype / shape /
-byte offsets, then raw little-endian data) is read and written here with numpy, which keeps
-bfloat16 (via ml_dtypes, a JAX dependency) and lazy slicing; no extra package is needed.
+Safetensors files are read and written with the `safetensors` library (`safe_open` slices only
+the rows and columns asked for, bfloat16 included via ml_dtypes).
 
 Layouts. HF linear weights are [out, in]; ours are [layers, *in, *out] (q: [L, D, H, Hd],
 o: [L, H, Hd, D]), so a layer's matrix is HF.T reshaped. Norm scales and biases are flat
@@ -27,7 +29,7 @@ import glob
 import json
 import math
 import os
-import struct
+import shutil
 from typing import Any
 
 import jax
@@ -45,30 +47,41 @@ class HFError(ValueError):
   """An unsupported or inconsistent Hugging Face checkpoint (names the file and field/tensor)."""
 
 
-# --- safetensors container ---------------------------------------------------------------------
+# --- safetensors files ---------------------------------------------------------------------------
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
-_DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
 
 
-def _read_header(path: str) -> tuple[dict, int]:
-  with open(path, "rb") as f:
-    raw = f.read(8)
-    if len(raw) != 8:
-      raise HFError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", raw)
-    try:
-      header = json.loads(f.read(n))
-    except json.JSONDecodeError as e:
-      raise HFError(f"{path}: corrupt safetensors header ({e})") from None
-  header.pop("__metadata__", None)
-  return header, 8 + n
+def _safe_open(path: str):
+  try:
+    from safetensors import safe_open
+  except ImportError as e:
+    raise ImportError("Hugging Face checkpoints need the `safetensors` package: pip install "
+                      "'dpo-jax[hf]'") from e
+  try:
+    return safe_open(path, framework="numpy")
+  except Exception as e:  # safetensors' own error type: name the file instead
+    raise HFError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+class LazyTensor:
+  """One tensor of a safetensors file; indexing with slices reads only that block."""
+
+  def __init__(self, path: str, name: str, shape: tuple[int, ...]):
+    self.path, self.name, self.shape = path, name, shape
+
+  def __getitem__(self, index):
+    with _safe_open(self.path) as f:
+      return f.get_slice(self.name)[index]
+
+  def __array__(self, dtype=None, copy=None):
+    with _safe_open(self.path) as f:
+      out = f.get_tensor(self.name)
+    return out if dtype is None else out.astype(dtype)
 
 
 class SafetensorsDir:
-  """Every tensor of a checkpoint directory, by name; `get` returns a lazy memory map."""
+  """Every tensor of a checkpoint directory, by name; `get` returns a `LazyTensor`."""
 
   def __init__(self, directory: str):
     self.dir = directory
@@ -81,41 +94,28 @@ class SafetensorsDir:
       files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
       raise HFError(f"{directory}: no *.safetensors files")
-    self.entries: dict[str, tuple[str, Any, tuple[int, ...], int]] = {}
+    self.entries: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for path in files:
-      header, base = _read_header(path)
-      for name, e in header.items():
-        if e["dtype"] not in _DTYPES:
-          raise HFError(f"{path}: tensor {name!r} has unsupported dtype {e['dtype']}")
-        self.entries[name] = (path, _DTYPES[e["dtype"]], tuple(e["shape"]),
-                              base + e["data_offsets"][0])
+      with _safe_open(path) as f:
+        for name in f.keys():
+          sl = f.get_slice(name)
+          if sl.get_dtype() not in _DTYPES:
+            raise HFError(f"{path}: tensor {name!r} has unsupported dtype {sl.get_dtype()}")
+          self.entries[name] = (path, sl.get_dtype(), tuple(sl.get_shape()))
 
   def shape(self, name: str) -> tuple[int, ...] | None:
     e = self.entries.get(name)
     return None if e is None else e[2]
 
-  def get(self, name: str) -> np.ndarray:
-    path, dtype, shape, offset = self.entries[name]
-    if math.prod(shape) == 0:
-      return np.zeros(shape, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+  def get(self, name: str) -> LazyTensor:
+    path, _, shape = self.entries[name]
+    return LazyTensor(path, name, shape)
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None):
-  header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-  offset = 0
-  for name, t in tensors.items():
-    n = t.size * t.dtype.itemsize
-    header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                    "data_offsets": [offset, offset + n]}
-    offset += n
-  raw = json.dumps(header, separators=(",", ":")).encode()
-  raw += b" " * ((-len(raw)) % 8)
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    for t in tensors.values():
-      f.write(np.ascontiguousarray(t).tobytes())
+  import safetensors.numpy
+  safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path,
+                              metadata={"format": "pt", **(metadata or {})})
 
 
 # --- config.json <-> ModelConfig ---------------------------------------------------------------
@@ -321,10 +321,10 @@ def _read_block(tensor: np.ndarray, shape, fan_in: int, slices) -> np.ndarray:
   block_shape = tuple(len(range(*s.indices(n))) for s, n in zip(slices, shape))
   if not fan_in and tensor.shape == tuple(shape):  # e.g. the embedding: slice directly
     return np.asarray(tensor[tuple(slices)])
-  if not fan_in:
+  if not fan_in:  # stored flat (load checked the HF shape is (prod(shape),))
     flat = _flat_indices(shape, slices)
     lo, hi = flat.min(), flat.max() + 1
-    return np.asarray(tensor.reshape(-1)[lo:hi])[flat - lo].reshape(block_shape)
+    return np.asarray(tensor[lo:hi])[flat - lo].reshape(block_shape)
   i_flat = _flat_indices(shape[:fan_in], slices[:fan_in])
   o_flat = _flat_indices(shape[fan_in:], slices[fan_in:])
   ilo, ihi, olo, ohi = i_flat.min(), i_flat.max() + 1, o_flat.min(), o_flat.max() + 1
@@ -402,10 +402,12 @@ def _to_hf(value: np.ndarray, spec, stacked: bool) -> list[np.ndarray]:
 
 
 def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConfig | None = None,
-         source: dict | None = None, dtype: str = "float32", max_shard_bytes: int = 4 << 30):
+         source: dict | None = None, dtype: str = "float32", max_shard_bytes: int = 4 << 30,
+         metadata: dict[str, str] | None = None):
   """Writes config.json + model(-0000k-of-0000n).safetensors of params (+ merged LoRA).
 
-  A quantized base is dequantized first, so the export is the model the policy computes.
+  A quantized base is dequantized first, so the export is the model the policy computes;
+  `metadata` goes into every safetensors header (e.g. that the base was dequantized).
   Every process takes part in gathering; only process 0 writes. Raises HFError before writing
   anything when `cfg` cannot be expressed as a transformers config.json.
   """
@@ -436,12 +438,12 @@ def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConf
     size += t.nbytes
   shards.append(current)
   if len(shards) == 1:
-    write_safetensors(os.path.join(directory, "model.safetensors"), shards[0])
+    write_safetensors(os.path.join(directory, "model.safetensors"), shards[0], metadata)
   else:
     weight_map = {}
     for k, shard in enumerate(shards):
       fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-      write_safetensors(os.path.join(directory, fname), shard)
+      write_safetensors(os.path.join(directory, fname), shard, metadata)
       weight_map.update({name: fname for name in shard})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
@@ -451,7 +453,7 @@ def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConf
 
 
 def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
-              base_model: str = ""):
+              base_model: str = "", metadata: dict[str, str] | None = None):
   """LoRA factors alone: PEFT's lora_A.weight [R, in] and lora_B.weight [out, R] per module.
 
   PEFT's delta is (alpha / r) * B @ A applied as x @ (B @ A).T, which equals our
@@ -470,11 +472,45 @@ def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
   if jax.process_index() != 0:
     return
   os.makedirs(directory, exist_ok=True)
-  write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors)
+  write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors, metadata)
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.lora_rank,
             "lora_alpha": lora_cfg.lora_alpha, "lora_dropout": lora_cfg.lora_dropout,
             "target_modules": sorted(t.hf_module.split(".")[-1] for t in adapted),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "base_model_name_or_path": base_model, "inference_mode": True}
   with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+
+
+# --- tokenizer and generation settings ---------------------------------------------------------
+
+def save_tokenizer(directory: str, tok, chat_template: str | None) -> None:
+  """tokenizer.json and a tokenizer_config.json with the special tokens as the run resolved them
+  and `chat_template` (the Jinja source the data was rendered with), so that
+  `AutoTokenizer.from_pretrained(directory).apply_chat_template` renders what was trained."""
+  if jax.process_index() != 0:
+    return
+  os.makedirs(directory, exist_ok=True)
+  shutil.copyfile(tok.path, os.path.join(directory, "tokenizer.json"))
+  config = {k: v for k, v in tok.config.items() if k != "chat_template"}
+  config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+  config.update(bos_token=tok.bos_token, eos_token=tok.eos_token, pad_token=tok.pad_token)
+  if chat_template:
+    config["chat_template"] = chat_template
+  with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def save_generation_config(directory: str, bos_id: int | None, stop_ids: list[int],
+                           pad_id: int) -> None:
+  """generation_config.json: `generate` stops at any of `stop_ids` (EOS and the chat template's
+  end-of-turn tokens)."""
+  if jax.process_index() != 0:
+    return
+  os.makedirs(directory, exist_ok=True)
+  config = {"eos_token_id": stop_ids[0] if len(stop_ids) == 1 else list(stop_ids),
+            "pad_token_id": pad_id}
+  if bos_id is not None:
+    config["bos_token_id"] = bos_id
+  with open(os.path.join(directory, "generation_config.json"), "w") as f:
     json.dump(config, f, indent=2)

@@ -3,7 +3,7 @@ prompt format (BOS text removed: the tokenizer adds BOS as an id)."""
 
 import pytest
 
-from dpo import chat
+from dpo import chat, formats
 from dpo.data import PreferenceRecord
 from dpo.formats import ChatRecord, Message as M
 
@@ -89,5 +89,270 @@ def test_developer_role_is_system_and_gemma_needs_a_user_turn():
       "<|im_start|>system\nD<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
   with pytest.raises(ValueError, match="gemma"):
     chat.render_prompt(chat.TEMPLATES["gemma"], [M("system", "S"), M("assistant", "A")])
+  with pytest.raises(ValueError, match="gemma: no system role, and the system message at "
+                                       "position 2 comes after"):
+    chat.render_prompt(chat.TEMPLATES["gemma"], [M("user", "U"), M("assistant", "A"),
+                                                 M("system", "S"), M("user", "V")])
   with pytest.raises(ValueError, match="unknown chat_template"):
     chat.get_template("mistral")
+
+
+# --- the tokenizer's own template, against transformers' apply_chat_template -----------------
+# Tiny tokenizer folders: the GPT-2 tokenizer.json with each family's special tokens added, and
+# the family's template written from its published format (no downloads).
+
+import datetime
+import json
+import os
+
+from conftest import SHARED_DATA
+from dpo import data, prepare, tokenizer
+from dpo.data import DataError
+
+GPT2 = os.path.join(SHARED_DATA, "tokenizers", "gpt2", "tokenizer.json")
+needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2), reason="no ../shared/data")
+
+LLAMA31 = r"""{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- set date_string = strftime_now("%d %b %Y") %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+QWEN25 = r"""{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+GEMMA2 = r"""{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"""
+MISTRAL = r"""{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"""
+PHI3 = r"""{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"""
+# Zephyr's multi-line template: trim_blocks / lstrip_blocks decide every newline of it.
+ZEPHYR = """{% for message in messages %}
+{% if message['role'] == 'user' %}
+{{ '<|user|>\\n' + message['content'] + eos_token }}
+{% elif message['role'] == 'system' %}
+{{ '<|system|>\\n' + message['content'] + eos_token }}
+{% elif message['role'] == 'assistant' %}
+{{ '<|assistant|>\\n'  + message['content'] + eos_token }}
+{% endif %}
+{% if loop.last and add_generation_prompt %}
+{{ '<|assistant|>' }}
+{% endif %}
+{% endfor %}"""
+# namespace() and transformers' tojson (no HTML escaping, ensure_ascii off).
+TOJSON = r"""{%- set ns = namespace(turn=0) -%}
+{%- for m in messages -%}
+{%- set ns.turn = ns.turn + 1 -%}
+{{ '[' ~ ns.turn ~ '] ' ~ (m.role | tojson) ~ ': ' ~ (m.content | tojson) ~ '\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '[' ~ (ns.turn + 1) ~ '] "assistant": ' }}{%- endif -%}"""
+
+FAMILIES = {  # name: (template, added special tokens, bos, eos, template in chat_template.jinja)
+    "llama3.1": (LLAMA31, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                           "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>", False),
+    "qwen2.5": (QWEN25, ["<|im_start|>", "<|im_end|>"], None, "<|im_end|>", False),
+    "gemma2": (GEMMA2, ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>",
+               True),
+    "mistral": (MISTRAL, ["<s>", "</s>"], "<s>", "</s>", False),
+    "phi3": (PHI3, ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], "<s>",
+             "<|endoftext|>", False),
+    "zephyr": (ZEPHYR, ["<s>", "</s>"], "<s>", "</s>", True),
+    "tojson": (TOJSON, [], None, "<|endoftext|>", False),
+}
+NO_SYSTEM = ("gemma2", "mistral")
+
+
+def _folder(tmp_path, family):
+  from tokenizers import AddedToken, Tokenizer
+  template, specials, bos, eos, jinja_file = FAMILIES[family]
+  tok = Tokenizer.from_file(GPT2)
+  tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+  d = tmp_path / family
+  d.mkdir()
+  tok.save(str(d / "tokenizer.json"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos}
+  if jinja_file:
+    (d / "chat_template.jinja").write_text(template)
+  else:
+    config["chat_template"] = template
+  (d / "tokenizer_config.json").write_text(json.dumps(config))
+  return str(d)
+
+
+def _conversations(family):
+  system = [] if family in NO_SYSTEM else [{"role": "system", "content": "Be brief. <b>&</b>"}]
+  multi = [{"role": "user", "content": "What is France's capital?"},
+           {"role": "assistant", "content": "Paris."},
+           {"role": "user", "content": "And Spain's?  "}]
+  return [  # (prompt, chosen, rejected)
+      (system + multi, "Madrid, café.", "Barcelona."),
+      ([{"role": "user", "content": "Hi"}], "Hello!\nHow can I help?", "No."),
+  ]
+
+
+def _ids(out):
+  return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@needs_gpt2
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tokenizer_template_matches_transformers(tmp_path, family):
+  transformers = pytest.importorskip("transformers")
+  folder = _folder(tmp_path, family)
+  hf = transformers.AutoTokenizer.from_pretrained(folder)
+  tok = tokenizer.load_tokenizer(folder)
+  t = chat.resolve_template("auto", tok)
+  assert isinstance(t, chat.JinjaTemplate)
+  rows = [{"prompt": p, "chosen": [{"role": "assistant", "content": c}],
+           "rejected": [{"role": "assistant", "content": r}]} for p, c, r in _conversations(family)]
+  path = tmp_path / "d.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  arrays = prepare.prepare_pairs(str(path), tok, max_prompt_length=512,
+                                 max_target_length=512).train
+  records = [rec for _, rec in formats.iter_records(str(path))]
+  for i, (prompt, chosen, rejected) in enumerate(_conversations(family)):
+    text = chat.render_record(records[i], t)
+    bos = hf.bos_token if t.emits_bos else ""
+    want_prompt = hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    assert bos + text.prompt == want_prompt
+    for side, answer, got in ((0, chosen, text.chosen), (1, rejected, text.rejected)):
+      conv = prompt + [{"role": "assistant", "content": answer}]
+      want_full = hf.apply_chat_template(conv, tokenize=False)
+      assert bos + text.prompt + got == want_full
+      # Token ids: the prompt exactly as transformers tokenises it, then the completion's text
+      # (prompt and completion are tokenised apart, so no token spans the boundary).
+      tokens, mask = arrays["tokens"][i, side], arrays["loss_mask"][i, side]
+      start, end = int(mask.argmax()), int(arrays["segment_ids"][i, side].sum())
+      assert tokens[:start].tolist() == _ids(hf.apply_chat_template(
+          prompt, add_generation_prompt=True, tokenize=True))
+      assert tokens[start:end].tolist() == hf(want_full[len(want_prompt):],
+                                              add_special_tokens=False)["input_ids"]
+    # The whole conversation as one string encodes to transformers' ids.
+    assert ([tok.bos_id] if t.emits_bos else []) + tok.encode(text.prompt + text.chosen) == _ids(
+        hf.apply_chat_template(prompt + [{"role": "assistant", "content": chosen}]))
+
+
+@needs_gpt2
+def test_template_details(tmp_path):
+  llama = tokenizer.load_tokenizer(_folder(tmp_path, "llama3.1"))
+  t = chat.resolve_template("auto", llama)
+  prompt = t.render([M("user", "x")], True)
+  assert f"Today Date: {datetime.datetime.now().strftime('%d %b %Y')}\n\n" in prompt
+  assert t.fingerprint() != chat.JinjaTemplate(LLAMA31 + " ", t.special, "x").fingerprint()
+  qwen = chat.resolve_template("auto", tokenizer.load_tokenizer(_folder(tmp_path, "qwen2.5")))
+  assert qwen.render([M("user", "x")], True).startswith(
+      "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+  js = chat.resolve_template("auto", tokenizer.load_tokenizer(_folder(tmp_path, "tojson")))
+  assert js.render([M("user", "é <b>&")], False) == '[1] "user": "é <b>&"\n'
+  # A named hand-written template replaces the tokenizer's own; unknown names are refused.
+  assert chat.resolve_template("chatml", llama) is chat.TEMPLATES["chatml"]
+  with pytest.raises(ValueError, match="has no chat_template"):
+    chat.resolve_template("tokenizer", tokenizer.load_tokenizer(GPT2))
+  assert chat.resolve_template("auto", tokenizer.load_tokenizer(GPT2)) is chat.TEMPLATES["plain"]
+  with pytest.raises(ValueError, match="unknown --chat_template"):
+    chat.resolve_template("mistral", llama)
+  # The sandbox: no attribute access into Python internals.
+  evil = chat.JinjaTemplate("{{ messages.__class__.__mro__ }}", {}, "evil")
+  with pytest.raises(Exception, match="unsafe|not safely|access"):
+    evil.render([M("user", "x")], False)
+
+
+@needs_gpt2
+def test_gemma_refuses_system_and_a_non_extending_template_is_named(tmp_path):
+  tok = tokenizer.load_tokenizer(_folder(tmp_path, "gemma2"))
+  rows = [{"prompt": [{"role": "user", "content": "Hi"}],
+           "chosen": [{"role": "assistant", "content": "A"}],
+           "rejected": [{"role": "assistant", "content": "B"}]},
+          {"prompt": [{"role": "system", "content": "S"}],  # a system message only
+           "chosen": [{"role": "assistant", "content": "A"}],
+           "rejected": [{"role": "assistant", "content": "B"}]},
+          {"prompt": [{"role": "user", "content": "Hi"}],   # differ only by trailing spaces
+           "chosen": [{"role": "assistant", "content": "Same"}],
+           "rejected": [{"role": "assistant", "content": "Same  "}]}]
+  path = tmp_path / "g.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  with pytest.raises(DataError, match=r"g\.jsonl:2: chat template .* System role not supported"):
+    prepare.prepare_pairs(str(path), tok)
+  prep = prepare.prepare_pairs(str(path), tok, skip_bad=True)
+  assert prep.report["skipped_bad_records"] == 1
+  assert prep.report["filters"]["equal_after_template"] == 1
+  assert len(prep.train["tokens"]) == 1
+  bad = chat.JinjaTemplate(
+      "{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% endfor %}"
+      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}", {}, "bad")
+  rec = ChatRecord((M("user", "Hi"),), (M("assistant", "A"),), (M("assistant", "B"),))
+  with pytest.raises(DataError, match=r"f\.jsonl:7: chat template bad: the rendering of prompt "
+                                      r"\+ chosen does not extend"):
+    chat.render_record(rec, bad, "f.jsonl:7")
+
+
+@needs_gpt2
+@pytest.mark.parametrize("name", ["llama3", "chatml", "gemma", "plain"])
+def test_hand_written_templates_jinja_form_renders_the_same_in_transformers(name):
+  """What an export's tokenizer_config.json carries for a hand-written template: transformers'
+  apply_chat_template renders it to exactly the trained text (BOS text included)."""
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(GPT2))
+  t = chat.TEMPLATES[name]
+  as_dicts = lambda ms: [{"role": m.role, "content": m.content} for m in ms]
+  a2 = M("assistant", "Then the Eiffel Tower.")
+  for conv, answers in ((CONV, [ANSWER]), (CONV, [ANSWER, a2]),
+                        ((M("developer", "D"), M("user", "U")), [ANSWER])):
+    render = lambda ms, gen: hf.apply_chat_template(
+        as_dicts(ms), chat_template=t.jinja, add_generation_prompt=gen, tokenize=False,
+        bos_token=t.bos_text)
+    prompt = t.bos_text + chat.render_prompt(t, conv)
+    assert render(conv, True) == prompt
+    assert render(tuple(conv) + tuple(answers), False) == prompt + chat.render_completion(
+        t, answers)
+  if name == "gemma":
+    with pytest.raises(Exception, match="system message comes after"):
+      hf.apply_chat_template([{"role": "user", "content": "U"},
+                              {"role": "system", "content": "S"}], chat_template=t.jinja)
+
+
+def test_where_a_folder_keeps_its_template(tmp_path):
+  """chat_template.jinja wins over tokenizer_config.json (as in transformers); a list of named
+  templates gives its "default"; --chat_template=FILE.jinja renders that file."""
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default",
+                                                                 "template": "D"}]}))
+  assert chat.read_chat_template(str(tmp_path)) == "D"
+  (tmp_path / "chat_template.jinja").write_text("J")
+  assert chat.read_chat_template(str(tmp_path)) == "J"
+  (tmp_path / "chat_template.jinja").unlink()
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": [{"name": "tool_use", "template": "T"}]}))
+  with pytest.raises(ValueError, match=r"lists \['tool_use'\] but no 'default'"):
+    chat.read_chat_template(str(tmp_path))
+  path = tmp_path / "mine.jinja"
+  path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+  t = chat.resolve_template(str(path), tokenizer.ByteTokenizer())
+  rec = ChatRecord((M("user", "Hi"),), (M("assistant", "A"),), (M("assistant", "B"),))
+  assert chat.render_record(rec, t) == PreferenceRecord("[user] Hi\n[assistant] ", "A\n", "B\n")

@@ -35,8 +35,27 @@ ROWS = {
                "non_preferred_output": [{"role": "assistant", "content": BAD}]},
     "implicit_messages": {"chosen": MSGS + [{"role": "assistant", "content": GOOD}],
                           "rejected": MSGS + [{"role": "assistant", "content": BAD}]},
+    # LLaMA-Factory's ShareGPT preference layout (data/README.md, "ranking": true).
+    "sharegpt": {"conversations": [{"from": "human", "value": U1}, {"from": "gpt", "value": A1},
+                                   {"from": "human", "value": U2}],
+                 "system": SYS, "chosen": {"from": "gpt", "value": GOOD},
+                 "rejected": {"from": "gpt", "value": BAD}},
+    # OpenAI content-part lists: the text parts are joined.
+    "openai_parts": {"input": {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": SYS}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text",
+                                                                        "text": "there"}]},
+        {"role": "assistant", "content": A1}, {"role": "user", "content": U2}]},
+        "preferred_output": [{"role": "assistant", "content": [{"type": "text", "text": GOOD}]}],
+        "non_preferred_output": [{"role": "assistant", "content": BAD}]},
+    "columns_nested": {"meta": {"q": TEXT_PROMPT}, "answers": [{"text": f" {GOOD}"},
+                                                               {"text": f" {BAD}"}]},
 }
 COLUMNS = formats.FormatSpec(prompt_field="q", chosen_field="good", rejected_field="bad")
+SPECS = {"columns": COLUMNS, "columns_nested": formats.FormatSpec(
+    prompt_field="meta.q", chosen_field="answers.0.text", rejected_field="answers.-1.text")}
+FORMAT_OF = {"implicit_messages": "implicit", "openai_parts": "openai",
+             "columns_nested": "columns"}
 EXPECTED_TEXT = PreferenceRecord(TEXT_PROMPT, f" {GOOD}", f" {BAD}")
 EXPECTED_CHAT = formats.ChatRecord(
     (formats.Message("system", SYS), formats.Message("user", U1),
@@ -57,14 +76,13 @@ def _write(path, rows, kind="jsonl", gz=False):
                                      ("array", True)])
 def test_every_format_gives_the_same_record(tmp_path, name, kind, gz):
   path = _write(tmp_path / "d", [ROWS[name]] * 2, kind, gz)
-  spec = COLUMNS if name == "columns" else formats.FormatSpec()
+  spec = SPECS.get(name, formats.FormatSpec())
   stats = collections.Counter()
   recs = [r for _, r in formats.iter_records(path, spec, stats)]
   assert len(recs) == 2
-  fmt = "implicit" if name == "implicit_messages" else name
-  assert stats[f"format_{fmt}"] == 2
-  expected = EXPECTED_CHAT if name in ("conversational", "openai", "implicit_messages") else (
-      EXPECTED_TEXT)
+  assert stats[f"format_{FORMAT_OF.get(name, name)}"] == 2
+  expected = EXPECTED_CHAT if name in ("conversational", "openai", "implicit_messages",
+                                       "sharegpt", "openai_parts") else EXPECTED_TEXT
   assert recs[0] == expected
   # Rendered with the plain (base-model) template, chat data equals the text formats.
   assert chat.render_record(recs[0], chat.TEMPLATES["plain"]) == EXPECTED_TEXT
@@ -260,3 +278,70 @@ def test_array_record_location(tmp_path):
                                                          "rejected": None}], "array")
   with pytest.raises(DataError, match=r"a.json\[1\]: field 'rejected' must be a string"):
     list(formats.iter_records(path))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "array"])
+def test_utf8_bom_is_read(tmp_path, kind):
+  path = tmp_path / "bom"
+  path.write_bytes(b"\xef\xbb\xbf" + open(_write(tmp_path / "x", [ROWS["sharegpt"]] * 2, kind),
+                                            "rb").read())
+  assert [r for _, r in formats.iter_records(str(path))] == [EXPECTED_CHAT] * 2
+
+
+def test_format_is_decided_over_all_records(tmp_path):
+  # One prompt-less first record among prompt/chosen/rejected records is named, not followed.
+  rows = [ROWS["implicit"]] + [ROWS["standard"]] * 3
+  path = _write(tmp_path / "m.jsonl", rows)
+  with pytest.raises(DataError, match=r"m\.jsonl:1: this record reads as implicit \(1 such "
+                                      r"records\) but 3 records .* are standard"):
+    list(formats.iter_records(path))
+  skips = formats.Skips(path)
+  assert [r for _, r in formats.iter_records(path, skips=skips)] == [EXPECTED_TEXT] * 3
+  assert skips.count == 1 and "reads as implicit" in skips.examples[0]
+  # A record missing a field of the file's format says which field.
+  path = _write(tmp_path / "f.jsonl", [ROWS["standard"], {"prompt": "p", "chosen": "c"}])
+  with pytest.raises(DataError, match=r"f\.jsonl:2: missing field 'rejected'"):
+    list(formats.iter_records(path))
+
+
+@pytest.mark.parametrize("row,match", [
+    ({**ROWS["sharegpt"], "conversations": ROWS["sharegpt"]["conversations"][:2]},
+     r"field 'conversations' ends with an assistant turn"),
+    ({**ROWS["conversational"], "prompt": MSGS[:3]}, r"field 'prompt' ends with an assistant"),
+    ({**ROWS["sharegpt"], "chosen": {"from": "bot", "value": "x"}},
+     r"field 'chosen\.from' is 'bot'"),
+    ({**ROWS["openai"], "preferred_output": [{"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     r"field 'preferred_output\[0\]\.content\[0\]' is a 'image_url' part; only text"),
+    ({**ROWS["standard"], "chosen": "bad \ud800 text"},
+     r"field 'chosen' holds '\\ud800' at character 4, a lone surrogate"),
+    ({**ROWS["sharegpt"], "rejected": {"from": "gpt", "value": "\udfff"}},
+     r"field 'rejected\.value' holds .* lone surrogate"),
+])
+def test_records_that_do_not_fit_are_named(tmp_path, row, match):
+  path = _write(tmp_path / "b.jsonl", [row])
+  with pytest.raises(DataError, match=r"b\.jsonl:1: " + match):
+    list(formats.iter_records(path))
+
+
+def test_dotted_paths_name_where_they_fail(tmp_path):
+  path = _write(tmp_path / "n.jsonl", [ROWS["columns_nested"]])
+  for field, match in (("meta.x", r"missing field 'meta\.x' \(meta has \['q'\]\)"),
+                       ("answers.5.text", r"'answers\.5': index 5 is out of range"),
+                       ("meta.q.z", r"'meta\.q\.z': meta\.q is a str, not an object")):
+    spec = formats.FormatSpec(prompt_field="meta.q", chosen_field=field,
+                              rejected_field="answers.1.text")
+    with pytest.raises(DataError, match=r"n\.jsonl:1: .*" + match):
+      list(formats.iter_records(path, spec))
+
+
+def test_unreadable_inputs_are_one_line_errors(tmp_path):
+  deep = tmp_path / "deep.jsonl"
+  deep.write_text('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+  with pytest.raises(DataError, match=r"deep\.jsonl:1: JSON nested too deeply"):
+    list(formats.iter_records(str(deep)))
+  deep.write_text("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(DataError, match=r"deep\.jsonl: JSON nested too deeply"):
+    list(formats.iter_records(str(deep)))
+  with pytest.raises(DataError, match="is a directory"):
+    list(formats.iter_records(str(tmp_path)))

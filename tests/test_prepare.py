@@ -99,17 +99,84 @@ def test_loop_data_on_a_conversational_file(tmp_path):
     loop.Data(cfg.replace(train_data=str(tmp_path / "missing.jsonl")))
 
 
-def test_run_end_to_end_on_an_openai_file(tmp_path):
-  rows = [{"input": {"messages": [{"role": "user", "content": f"q{i}"}]},
-           "preferred_output": [{"role": "assistant", "content": f"yes {i}"}],
-           "non_preferred_output": [{"role": "assistant", "content": f"no {i}"}]}
-          for i in range(64)]
+SHAREGPT = [{"conversations": [{"from": "human", "value": f"q{i}"}], "system": "Be brief.",
+             "chosen": {"from": "gpt", "value": f"yes {i}"},
+             "rejected": {"from": "gpt", "value": f"no {i}"}} for i in range(64)]
+OPENAI_PARTS = [{"input": {"messages": [{"role": "user", "content": [
+    {"type": "text", "text": "q"}, {"type": "text", "text": str(i)}]}]},
+    "preferred_output": [{"role": "assistant", "content": [{"type": "text", "text": f"yes {i}"}]}],
+    "non_preferred_output": [{"role": "assistant", "content": f"no {i}"}]} for i in range(64)]
+
+
+@pytest.mark.parametrize("rows,name,fmt", [
+    (SHAREGPT, "sharegpt.json", "sharegpt"),  # LLaMA-Factory ships JSON arrays
+    (OPENAI_PARTS, "openai.jsonl", "openai")])
+def test_run_end_to_end(tmp_path, rows, name, fmt):
+  path = tmp_path / name
+  path.write_text(json.dumps(rows) if name.endswith(".json") else
+                  "".join(json.dumps(r) + "\n" for r in rows))
   out = tmp_path / "run"
-  cfg = configs.DEFAULT.replace(train_data=_write(tmp_path, rows, "o.jsonl"), eval_split=0.25,
+  cfg = configs.DEFAULT.replace(train_data=str(path), eval_split=0.25, chat_template="chatml",
                                 n_layers=1, d_model=32, head_dim=8, mlp_dim=64, stage="dpo",
                                 steps=1, log_every=1, output_dir=str(out))
   summary = loop.run(cfg)
-  assert summary["data"][0]["format_openai"] == 64
+  assert summary["data"][0][f"format_{fmt}"] == 64
   assert summary["pairs"] == summary["data"][0]["held_out_pairs"] > 0
   with open(out / "summary.json") as f:
     assert json.load(f)["data"][0]["filters"]["kept"] == 64
+
+
+def test_inspect_data_writes_the_preview_and_trains_nothing(tmp_path, capsys):
+  out = tmp_path / "run"
+  cfg = configs.DEFAULT.replace(train_data=_write(tmp_path, SHAREGPT, "s.jsonl"),
+                                chat_template="chatml", inspect_data=5, max_prompt_length=96,
+                                output_dir=str(out))
+  summary = loop.run(cfg)
+  assert summary["pairs"] == 5 and not (out / "checkpoints").exists()
+  rows = [json.loads(x) for x in open(out / "data_preview.jsonl")]
+  tok = tokenizer.ByteTokenizer()
+  d = loop.Data(cfg)
+  for i, r in enumerate(rows):
+    assert r["prompt_text"] == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" + (
+        f"q{i}<|im_end|>\n<|im_start|>assistant\n")  # file order: nothing is held out
+    assert r["chosen_text"].startswith("yes ") and r["chosen_text"].endswith("<|im_end|>")
+    assert r["prompt_ids"] == [tok.bos_id] + tok.encode(r["prompt_text"])
+    assert r["chosen_ids"] == tok.encode(r["chosen_text"]) + [tok.eos_id]
+    n = len(r["prompt_ids"])
+    assert r["chosen_scored_positions"] == list(range(n, n + len(r["chosen_ids"])))
+    np.testing.assert_array_equal(d.pairs["tokens"][i, 1, n:n + len(r["rejected_ids"])],
+                                  r["rejected_ids"])
+  printed = capsys.readouterr().out
+  assert "prompt_text: '<|im_start|>system" in printed and "not training" in printed
+
+
+def test_corrupt_cache_is_rebuilt_and_stale_tmp_removed(tmp_path, caplog):
+  path, cache = _write(tmp_path, ROWS), tmp_path / "cache"
+  tok = tokenizer.ByteTokenizer()
+  kw = dict(max_prompt_length=16, max_target_length=16, cache_dir=str(cache))
+  first = prepare.prepare_pairs(path, tok, **kw)
+  (npz,) = os.listdir(cache)
+  # An interrupted write of this host (its process is gone) and one of another host, old.
+  dead = cache / f"{npz}.tmp.{prepare.socket.gethostname()}.999999999"
+  other = cache / f"{npz}.tmp.otherhost.12"
+  for f in (dead, other):
+    f.write_bytes(b"half")
+  os.utime(other, (0, 0))
+  live = cache / f"{npz}.tmp.{prepare.socket.gethostname()}.{os.getppid()}"  # a live writer
+  live.write_bytes(b"busy")
+  for garbage in (b"not a zip", open(cache / npz, "rb").read()[:100], b""):
+    (cache / npz).write_bytes(garbage)
+    again = prepare.prepare_pairs(path, tok, **kw)
+    assert again.report["cache"] == "miss" and "does not load" in caplog.text
+    np.testing.assert_array_equal(again.train["tokens"], first.train["tokens"])
+  assert sorted(os.listdir(cache)) == sorted([npz, live.name])
+  assert prepare.prepare_pairs(path, tok, **kw).report["cache"] == "hit"
+
+
+def test_a_batch_larger_than_the_data_is_named(tmp_path):
+  cfg = configs.DEFAULT.replace(train_data=_write(tmp_path, ROWS[:6]), global_batch_size=8,
+                                output_dir=str(tmp_path / "run"))
+  for _ in range(2):  # before and after the cache exists
+    with pytest.raises(data.DataError, match=r"d\.jsonl: 6 training examples .* fewer than one "
+                                             r"batch of --global_batch_size=8"):
+      loop.Data(cfg)

@@ -87,3 +87,17 @@ def test_no_bos_truncation_keeps_prompt_end(tmp_path):
   stats = data.TruncationStats()
   ids = data.encode_prompt(tok, "one two three four five", 3, stats)
   assert ids == tok.encode("one two three four five")[-3:] and stats.prompts_truncated == 1
+
+
+@needs_data
+def test_tokenizer_paths(tmp_path, monkeypatch):
+  # A relative path is resolved against the working directory; a folder means its tokenizer.json.
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(GPT2)))
+  rel = tokenizer.load_tokenizer(os.path.join("gpt2", "tokenizer.json"))
+  real = os.path.abspath(GPT2)
+  assert rel.path == real and tokenizer.load_tokenizer("gpt2").path == real
+  with pytest.raises(data.DataError, match=r"--tokenizer: .*nope\.json does not exist"):
+    tokenizer.load_tokenizer("nope.json")
+  (tmp_path / "bad.json").write_text("{}")
+  with pytest.raises(data.DataError, match=r"bad\.json is not a tokenizers JSON file"):
+    tokenizer.load_tokenizer(str(tmp_path / "bad.json"))

@@ -1,0 +1,68 @@
+"""Malformed user inputs end in one DataError naming the flag or file, record and field (which
+launch.py prints as one `error:` line with exit status 2), never a crash deeper inside."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import configs
+from conftest import SHARED_DATA
+from dpo import data, loop
+
+GPT2 = os.path.join(SHARED_DATA, "tokenizers", "gpt2", "tokenizer.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOOD = {"prompt": [{"role": "user", "content": "q"}],
+        "chosen": [{"role": "assistant", "content": "yes"}],
+        "rejected": [{"role": "assistant", "content": "no"}]}
+
+
+def _file(tmp_path, text, name="d.jsonl"):
+  path = tmp_path / name
+  path.write_text(text, encoding="utf-8", errors="surrogatepass")
+  return str(path)
+
+
+CASES = {  # name: (make the flags, the message's pattern)
+    "lone surrogate": (
+        lambda p: {"train_data": _file(p, json.dumps(GOOD) + "\n" + json.dumps(
+            {**GOOD, "chosen": [{"role": "assistant", "content": "x\ud800"}]}) + "\n")},
+        r"d\.jsonl:2: field 'chosen\[0\]\.content' holds '\\ud800' at character 1"),
+    "deep nesting": (lambda p: {"train_data": _file(p, "[" * 50_000 + "]" * 50_000)},
+                     r"d\.jsonl: JSON nested too deeply"),
+    "gemma, system only": (
+        lambda p: {"train_data": _file(p, json.dumps(
+            {**GOOD, "prompt": [{"role": "system", "content": "S"}]}) + "\n"),
+            "chat_template": "gemma"},
+        r"d\.jsonl:1: gemma: a system message needs a following user turn"),
+    "a directory as data": (lambda p: {"train_data": str(p)}, r"is a directory"),
+    "missing tokenizer (relative path)": (
+        lambda p: {"train_data": _file(p, json.dumps(GOOD) + "\n"),
+                   "tokenizer": "no/such/tokenizer.json"},
+        r"--tokenizer: /.*no/such/tokenizer\.json does not exist"),
+    "batch larger than the data": (
+        lambda p: {"train_data": _file(p, json.dumps(GOOD) + "\n"), "global_batch_size": 8},
+        r"d\.jsonl: 1 training examples .* --global_batch_size=8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_malformed_input_is_one_named_error(tmp_path, case):
+  flags, pattern = CASES[case]
+  cfg = configs.DEFAULT.replace(output_dir=str(tmp_path / "run"), **flags(tmp_path))
+  with pytest.raises(data.DataError, match=pattern):
+    loop.Data(cfg)
+
+
+@pytest.mark.skipif(not os.path.exists(GPT2), reason="no ../shared/data")
+def test_launch_prints_one_line_and_exits_2(tmp_path):
+  cmd = [sys.executable, "launch.py", f"--train_data={tmp_path}", f"--tokenizer={GPT2}",
+         f"--output_dir={tmp_path / 'run'}", "--vocab_size=50304"]
+  r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 2, r.stderr[-2000:]
+  errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+  assert errors == [f"error: {tmp_path}: is a directory; give a JSONL or JSON file"]
+  assert "Traceback" not in r.stderr
