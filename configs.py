@@ -167,7 +167,9 @@ class DataConfig:
   task_train_pairs: int = _f(4096, "Embedded task: number of training preference pairs.")
   task_sft_examples: int = _f(4096, "Embedded task: number of SFT demonstrations.")
   task_eval_pairs: int = _f(256, "Embedded task: held-out preference pairs.")
-  task_eval_prompts: int = _f(128, "Embedded task: held-out prompts for sampling.")
+  task_eval_prompts: int = _f(128, "Held-out prompts sampled at each evaluation (the embedded "
+                                   "task's, cycled; with --train_data the first distinct "
+                                   "prompts of the held-out pairs).")
 
 
 @dataclass(frozen=True)

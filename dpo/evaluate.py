@@ -93,12 +93,14 @@ def win_rate(policy_rewards, reference_rewards) -> float:
   return float(np.mean((p > r) + 0.5 * (p == r)))
 
 
-def sampling_config(cfg, tok) -> sampler.SamplingConfig:
+def sampling_config(cfg, tok, stop_ids: Sequence[int] = ()) -> sampler.SamplingConfig:
   t = cfg.eval
   return sampler.SamplingConfig(
       max_new_tokens=t.eval_max_new_tokens or cfg.data.max_target_length,
-      eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=t.eval_temperature, top_k=t.eval_top_k,
-      top_p=t.eval_top_p, vocab_limit=tok.vocab_size, banned_ids=(tok.pad_id, tok.bos_id))
+      eos_id=tok.eos_id, pad_id=tok.pad_id,
+      stop_ids=tuple(i for i in stop_ids if i != tok.eos_id), temperature=t.eval_temperature,
+      top_k=t.eval_top_k, top_p=t.eval_top_p, vocab_limit=tok.vocab_size,
+      banned_ids=tuple(i for i in (tok.pad_id, tok.bos_id) if i is not None))
 
 
 def sample(cfg, mesh, scfg: sampler.SamplingConfig, params, lora,
@@ -165,14 +167,22 @@ class Evaluator:
 
   def __init__(self, cfg, mesh, tok, prompts: Sequence[str], ref_params,
                held: dict | None = None, reward_fn: Callable[[str], float] | None = None,
-               well_formed_fn: Callable[[str, str], bool] | None = None):
+               well_formed_fn: Callable[[str, str], bool] | None = None,
+               prompt_ids: Sequence[Sequence[int]] | None = None, stop_ids: Sequence[int] = ()):
+    """`prompts` are encoded here (BOS + text), unless `prompt_ids` gives them already
+    tokenized (real data: the held-out pairs' prompts as rendered by the chat template), with
+    `prompts` then their decoded text. Sampling stops at EOS or any of `stop_ids`."""
     self.cfg, self.mesh, self.tok, self.ref_params = cfg, mesh, tok, ref_params
     self.prompt_texts = list(prompts)
-    stats = data_lib.TruncationStats(examples=len(prompts))
-    self.prompt_ids = [data_lib.encode_prompt(tok, p, cfg.data.max_prompt_length, stats)
-                       for p in prompts]
+    if prompt_ids is None:
+      stats = data_lib.TruncationStats(examples=len(prompts))
+      prompt_ids = [data_lib.encode_prompt(tok, p, cfg.data.max_prompt_length, stats)
+                    for p in prompts]
+    if len(prompt_ids) != len(self.prompt_texts):
+      raise ValueError(f"{len(prompt_ids)} prompt id lists for {len(self.prompt_texts)} prompts")
+    self.prompt_ids = [list(p) for p in prompt_ids]
     self.held, self.reward_fn, self.well_formed_fn = held, reward_fn, well_formed_fn
-    self.scfg = sampling_config(cfg, tok)
+    self.scfg = sampling_config(cfg, tok, stop_ids)
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 7)
     self.policy_key, self.ref_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
     self._ref = None
@@ -184,9 +194,13 @@ class Evaluator:
       self._ref = (comps, *self._judge(comps))
     return self._ref
 
+  def _strip_stop(self, comp):
+    stops = (self.scfg.eos_id, *self.scfg.stop_ids)
+    return comp[:-1] if comp and comp[-1] in stops else comp
+
   def _judge(self, comps):
     """(texts, true rewards or None, well-formed flags or None) of sampled completions."""
-    texts = [self.tok.decode(c) for c in comps]
+    texts = [self.tok.decode(self._strip_stop(c)) for c in comps]
     rewards = None if self.reward_fn is None else np.array([self.reward_fn(t) for t in texts])
     formed = (None if self.well_formed_fn is None else
               np.array([self.well_formed_fn(p, t) for p, t in zip(self.prompt_texts, texts)]))

@@ -97,9 +97,17 @@ class Data:
           raise data_lib.DataError(
               f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
               f"held-out split, fewer than one batch of --global_batch_size={batch}")
-    # Sampling prompts and the ground-truth reward exist only for the embedded task; without
-    # them the generation metrics (win rate, true rewards, KL, lengths) are reported as null.
-    self.eval_prompts = task.eval_prompts(d.task_eval_prompts) if self.embedded else []
+    # Sampling prompts: the embedded task's held-out prompts, or those of the first held-out
+    # pairs of real data (as the chat template rendered them). The ground-truth reward and the
+    # well-formedness check exist only for the embedded task; without them win rate, true
+    # rewards and the well-formed rate are reported as null.
+    self.eval_prompt_ids, self.stop_ids = None, ()
+    if self.embedded:
+      self.eval_prompts = task.eval_prompts(d.task_eval_prompts)
+    else:
+      self.eval_prompt_ids = held_prompts(self.held, d.task_eval_prompts)
+      self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
+      self.stop_ids = tuple(chat.end_of_turn_ids(self.template, self.tok))
     self.reward_fn = task.true_reward if self.embedded else None
     self.well_formed_fn = task.well_formed if self.embedded else None
     logging.info("data: %d SFT examples (T=%d), %d train pairs (T=%d), %d held-out pairs",
@@ -146,6 +154,18 @@ class Data:
           print(f"{k}: {r[k]!r}")
       print(f"wrote {len(records)} pairs to {path}; --inspect_data: not training", flush=True)
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}
+
+
+def held_prompts(held: dict | None, n: int) -> list[list[int]]:
+  """The distinct prompts (token ids before the first scored token) of the held-out pairs, in
+  order, at most n."""
+  out: dict[tuple[int, ...], None] = {}
+  for tokens, mask in zip(held["tokens"][:, 0], held["loss_mask"][:, 0]) if held else ():
+    if len(out) == n:
+      break
+    scored = np.flatnonzero(mask)
+    out.setdefault(tuple(int(t) for t in tokens[:scored[0] if len(scored) else 0]))
+  return [list(p) for p in out if p]
 
 
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
@@ -290,7 +310,8 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   # every loss and reference scheme, so runs stay comparable (TR-DPO moves the training
   # reference).
   evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, params, p.data.held,
-                                 p.data.reward_fn, p.data.well_formed_fn)
+                                 p.data.reward_fn, p.data.well_formed_fn,
+                                 prompt_ids=p.data.eval_prompt_ids, stop_ids=p.data.stop_ids)
   split = lambda t: (params, t) if c.lora.enabled else (t, None)
   evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
   log = hooks.LogMetrics(c.run.log_every)

@@ -35,11 +35,13 @@ class SamplingConfig:
 
   temperature 0 means greedy; top_k 0 and top_p 1.0 switch those filters off. Ids at or above
   `vocab_limit` (model rows the tokenizer never produces) and the ids in `banned_ids` (padding,
-  BOS) are never sampled; vocab_limit 0 allows every row.
+  BOS) are never sampled; vocab_limit 0 allows every row. A row ends at `eos_id` or at any of
+  `stop_ids` (a chat template's end-of-turn tokens), which is kept as its last token.
   """
   max_new_tokens: int
   eos_id: int
   pad_id: int
+  stop_ids: tuple[int, ...] = ()
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -148,7 +150,7 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, tokens_BP, segment_
     tok_B = sample_token(key, i, logits_BV, scfg)
     tok_B = jnp.where(done_B, scfg.pad_id, tok_B)
     out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, tok_B[:, None], i, 1)
-    done_B = done_B | (tok_B == scfg.eos_id)
+    done_B = done_B | _is_stop(tok_B, scfg)
     h_B1D, cache = run(tok_B[:, None], (prompt_len_B + i)[:, None], jnp.ones((B, 1), jnp.int32),
                        cache=cache, cache_index=P + i)
     logits_BV = transformer.unembed(cfg, params, h_B1D)[:, 0]
@@ -157,9 +159,13 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, tokens_BP, segment_
   out_BN = jnp.full((B, N), scfg.pad_id, jnp.int32)
   carry = (jnp.int32(0), logits_BV, out_BN, jnp.zeros((B,), bool), cache)
   _, _, out_BN, done_B, _ = jax.lax.while_loop(cond, body, carry)
-  first_eos_B = jnp.argmax(out_BN == scfg.eos_id, axis=-1)
+  first_eos_B = jnp.argmax(_is_stop(out_BN, scfg), axis=-1)
   lengths = jnp.where(done_B, first_eos_B + 1, N).astype(jnp.int32)
   return Samples(out_BN, lengths, done_B)
+
+
+def _is_stop(tokens, scfg: SamplingConfig):
+  return jnp.isin(tokens, jnp.asarray((scfg.eos_id, *scfg.stop_ids), jnp.int32))
 
 
 _CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")

@@ -124,6 +124,15 @@ def test_run_end_to_end(tmp_path, rows, name, fmt):
   assert summary["pairs"] == summary["data"][0]["held_out_pairs"] > 0
   with open(out / "summary.json") as f:
     assert json.load(f)["data"][0]["filters"]["kept"] == 64
+  # Generation metrics on real data: the held-out prompts as the template rendered them are
+  # sampled; KL and lengths are measured, win rate has no reward function and is null.
+  assert summary["kl_per_token"] is not None and summary["policy_length_mean"] > 0
+  assert summary["win_rate"] is None and summary["policy_wellformed_rate"] is None
+  verdicts = {v["target"]: v["verdict"] for v in summary["verdicts"]}
+  assert verdicts["win rate"] == "n/a" and verdicts["KL per token (nats)"] != "n/a"
+  samples = [json.loads(l) for l in open(out / "samples.jsonl")]
+  assert len(samples) == summary["eval_prompts"] == summary["pairs"]
+  assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
 
 
 def test_inspect_data_writes_the_preview_and_trains_nothing(tmp_path, capsys):
