@@ -29,7 +29,7 @@ def test_area_is_the_mean_of_the_upper_envelope():
 def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
   out = tmp_path / "frontier"
   cmd = [sys.executable, "-m", "dpo.tools.frontier", f"--output_dir={out}", "--sft_steps=4",
-         "--steps=4", "--eval_every=2", "--betas=0.1,1.0", "--best_of=1,2,4", "--best_of_max=4",
+         "--steps=4", "--eval_every=2", "--betas=0.5", "--best_of=1,2,4", "--best_of_max=4",
          "--task_train_pairs=16", "--task_sft_examples=16", "--task_eval_pairs=8",
          "--task_eval_prompts=8", "--eval_max_new_tokens=8", "--global_batch_size=8",
          "--log_every=2", "--mesh=data:1"]
@@ -38,7 +38,7 @@ def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
   assert res.returncode == 0, res.stderr[-3000:]
   points = [json.loads(l) for l in open(out / "frontier.jsonl")]
   methods = {p["method"] for p in points}
-  assert methods == {"best-of-N", "DPO beta=0.1", "DPO beta=1.0", "Preferred-FT"}
+  assert methods == {"best-of-N", "DPO beta=0.5", "Preferred-FT"}
   # Per run: the SFT origin and one point per evaluation (steps 2 and 4).
   assert [p["step"] for p in points if p["method"] == "Preferred-FT"] == [0, 2, 4]
   assert [p["kl_per_sequence"] for p in points if p["method"] == "best-of-N"] == pytest.approx(
