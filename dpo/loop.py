@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
+import configs
 from dpo import checkpoint, evaluate, formats, hooks, prepare, reference, task, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -277,6 +278,18 @@ def _export(c, base, policy, lora, step: int, reference_path: str) -> None:
     logging.info("exported the policy (LoRA merged) to %s", out_hf)
 
 
+def _write_flags(cfg, writer: MetricsWriter) -> None:
+  """Logs the settings that differ from the preset and writes them to <output_dir>/flags.txt,
+  which `launch.py --flagfile=` reads back (the config as given, before an hf: import fills in
+  the model section; config.json holds the resolved one)."""
+  lines = configs.flag_lines(cfg)
+  logging.info("config %s; settings that differ from it: %s", cfg.run.config,
+               " ".join(lines[1:]) or "none")
+  if writer.enabled:
+    with open(os.path.join(cfg.run.output_dir, "flags.txt"), "w") as f:
+      f.write("\n".join(lines) + "\n")
+
+
 def run(cfg, mesh=None, init_params=None,
         extra_hooks: Mapping[str, Sequence[Hook]] | None = None) -> dict[str, Any]:
   """Runs the configured stages and returns the summary (also written to summary.json).
@@ -289,6 +302,7 @@ def run(cfg, mesh=None, init_params=None,
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)
+  _write_flags(cfg, writer)
   cfg, params = ((cfg, init_params) if init_params is not None
                  else initial_params(cfg, jax.random.fold_in(jax.random.key(cfg.run.seed), 0), mesh))
   if writer.enabled:
