@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 import jax
 
 import configs
-from dpo import checkpoint, evaluate, formats, hooks, prepare, reference, task, train
+from dpo import checkpoint, curves, evaluate, formats, hooks, prepare, reference, task, train
+from dpo import tracking
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
@@ -134,6 +135,7 @@ class Program:
   data: Data
   writer: MetricsWriter
   extra_hooks: Mapping[str, Sequence[Hook]]
+  mirror: Hook  # metrics.jsonl -> TensorBoard / W&B (dpo/tracking.py); last, after the writers
 
   def stage(self, name: str, fresh, frozen, arrays, hooks: list, identity: dict) -> Stage:
     """Stage `name` (sft or dpo) over `arrays`, resuming from <output_dir>/checkpoints/<name>;
@@ -151,7 +153,7 @@ class Program:
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
                                c.checkpoint.keep_checkpoints, identity)
     return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
-                 [*hooks, *self.extra_hooks.get(name, ())])
+                 [*hooks, *self.extra_hooks.get(name, ()), self.mirror])
 
 
 def _check_batch(cfg, mesh) -> None:
@@ -159,6 +161,11 @@ def _check_batch(cfg, mesh) -> None:
   if cfg.optim.global_batch_size % shards:
     raise ValueError(f"--global_batch_size={cfg.optim.global_batch_size} is not divisible by "
                      f"the {shards} ways the mesh {dict(mesh.shape)} splits the batch")
+  k = cfg.optim.gradient_accumulation_steps
+  if cfg.optim.global_batch_size % (k * shards):
+    raise ValueError(f"--global_batch_size={cfg.optim.global_batch_size} is not divisible by "
+                     f"--gradient_accumulation_steps={k} x the {shards} ways the mesh splits "
+                     "the batch (each device's rows split evenly between microbatches)")
 
 
 def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: MetricsWriter):
@@ -205,9 +212,13 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
                  c.model.base_quant, before / 2**20, after / 2**20, (before - after) / 2**20,
                  100 * (1 - after / before))
     summary["base_bytes"] = {"float32": before, c.model.base_quant: after}
+  ref = reference.load(c, mesh) if c.reference.ref_init_from else None
+  if ref is not None and c.model.base_quant != "none":
+    ref = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, ref, mesh)
+  ref_model = params if ref is None else ref  # what the step and the evaluation compare against
   if p.data.held is not None:
     summary["reference_perplexity"] = evaluate.pair_metrics(
-        c, mesh, params, None, params, p.data.held, c.optim.global_batch_size)["perplexity"]
+        c, mesh, ref_model, None, ref_model, p.data.held, c.optim.global_batch_size)["perplexity"]
   spec = train.StepConfig.dpo(c)
   opt, _ = spec.optimizer()
   if c.guard.log_kl and not spec.kl:
@@ -222,18 +233,19 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   trainable = lambda: train.initial_trainable(c.model, c.lora, params, key, mesh)
   fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
   tr_dpo = c.reference.ref_update != "none"
-  frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None)
+  frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None, ref,
+                                c.lora.enabled)
   pairs = p.data.pairs
   if c.reference.precompute_ref:
     cache_dir = c.reference.ref_cache_dir or os.path.join(c.run.output_dir, "ref_cache")
     ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
                                                         cache_dir, c.optim.global_batch_size)
     pairs = {**pairs, **ref_arrays}
-  # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`) for
-  # every loss and reference scheme, so runs stay comparable (TR-DPO moves the training
-  # reference).
-  evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, params, p.data.held,
-                                 p.data.reward_fn)
+  # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
+  # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
+  # (TR-DPO moves the training reference).
+  evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, ref_model,
+                                 p.data.held, p.data.reward_fn)
   split = lambda t: (params, t) if c.lora.enabled else (t, None)
   evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
   log = hooks.LogMetrics(c.run.log_every)
@@ -315,7 +327,10 @@ def run(cfg, mesh=None, init_params=None,
                jax.process_count(), pid, nproc)
   log_memory_estimate(cfg, mesh)
   summary: dict[str, Any] = {"data": data.reports} if data.reports else {}
-  program = Program(cfg, mesh, data, writer, extra_hooks or {})
+  # TensorBoard / W&B follow metrics.jsonl (each record is flushed as it is forwarded, so a
+  # crash loses nothing there); last in every stage's hooks, after the hooks that write.
+  mirror = tracking.Mirror(cfg, writer.path)
+  program = Program(cfg, mesh, data, writer, extra_hooks or {}, mirror)
   ckroot = os.path.join(out, "checkpoints")
   init_from = cfg.checkpoint.init_from
   reference_path = (os.path.abspath(init_from) if init_from and not init_from.startswith("hf:")
@@ -325,14 +340,29 @@ def run(cfg, mesh=None, init_params=None,
     reference_path = os.path.abspath(sft_out)
     params = _sft(program, params, sft_out)
   if cfg.run.stage in ("dpo", "all"):
+    if cfg.reference.ref_init_from:  # a resume must find the same reference
+      ref_from = cfg.reference.ref_init_from
+      reference_path = ref_from if ref_from.startswith("hf:") else os.path.abspath(ref_from)
     if not reference_path:
       reference_path = os.path.abspath(os.path.join(ckroot, "dpo_base"))
       if not checkpoint.is_complete(reference_path):
         checkpoint.save_params(reference_path, params, cfg.model, stage="init")
     summary.update(_dpo(program, params, reference_path))
+  mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   if writer.enabled:
     with open(os.path.join(out, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
+    _draw_curves(out)
   logging.info("summary: %s", json.dumps(summary))
   return summary
+
+
+def _draw_curves(out: str) -> None:
+  """<out>/curves.png from metrics.jsonl, or one line on how to get matplotlib."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    logging.info("no curves.png (matplotlib is not installed): %s", curves.INSTALL)
+    return
+  logging.info("curves -> %s", curves.render_run(out))

@@ -4,6 +4,8 @@
   * LoRA on:  the base weights. Policy = base + LoRA delta; reference = the same base with the
     delta switched off. There is no second copy of the base.
   * LoRA off: the reference copy. Policy = state.params (all weights train); reference = frozen.
+  With `--ref_init_from` the reference is that model: `Frozen.ref_params` beside the base (LoRA
+  on), or `Frozen.params` itself (LoRA off).
   `Frozen.ref_lora` holds a frozen LoRA copy for TR-DPO with LoRA: the reference is then
   base + ref_lora (dpo/reference.py updates it every k steps).
 SFT trains all weights and has no frozen part. The trainable and frozen trees are built here
@@ -135,6 +137,7 @@ class Frozen(NamedTuple):
   """What the DPO step reads but never trains (see the module docstring)."""
   params: Any           # base weights (LoRA on) or the reference copy (LoRA off)
   ref_lora: Any = None  # TR-DPO with LoRA: a frozen LoRA copy; reference = params + ref_lora
+  ref_params: Any = None  # LoRA with --ref_init_from: the separate reference model
 
 
 # --- the DPO stage's trees: built here and nowhere else ---------------------------------------------
@@ -151,16 +154,22 @@ def initial_trainable(model, lora, base, key: jax.Array, mesh: Mesh):
   return jax.tree.map(lambda x: x.copy(), base)
 
 
-def initial_frozen(base, trainable=None) -> Frozen:
-  """The frozen part; `trainable` (TR-DPO with LoRA) rides along as the reference adapter."""
-  return Frozen(base, None if trainable is None else jax.tree.map(lambda x: x.copy(), trainable))
+def initial_frozen(base, trainable=None, reference=None, lora_on: bool = True) -> Frozen:
+  """The frozen part; `trainable` (TR-DPO with LoRA) rides along as the reference adapter;
+  `reference` (--ref_init_from) is the reference model: beside the base with LoRA, in place
+  of the base's copy without."""
+  if reference is not None and not lora_on:
+    return Frozen(reference)
+  return Frozen(base, None if trainable is None else jax.tree.map(lambda x: x.copy(), trainable),
+                reference)
 
 
 # --- steps ---------------------------------------------------------------------------------------
 
 def reference_stats(spec: StepConfig, frozen: Frozen, batch, with_logits: bool = False):
   """Reference statistics of a pair batch (no dropout, no gradient)."""
-  out = logprobs.pair_stats(spec.model, frozen.params, batch, lora=frozen.ref_lora,
+  params = frozen.params if frozen.ref_params is None else frozen.ref_params
+  out = logprobs.pair_stats(spec.model, params, batch, lora=frozen.ref_lora,
                             lora_scale=spec.lora.scale, with_logits=with_logits)
   return jax.lax.stop_gradient(out)
 

@@ -20,7 +20,8 @@ def test_short_run_learns_preferences(tmp_path):
   summary = loop.run(cfg, mesh=sharding.make_mesh("data:2", jax.devices()[:2]))
   assert summary["reward_accuracy"] > 0.75, summary
   assert summary["reward_margin"] > 0
-  assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "summary.json"]
+  assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "curves.png", "flags.txt",
+                                     "metrics.jsonl", "summary.json", "tb"]
   records = [json.loads(l) for l in open(out / "metrics.jsonl")]
   dpo = [r for r in records if r["stage"] == "dpo"]
   assert [r["step"] for r in dpo] == [30, 60]
