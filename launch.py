@@ -84,10 +84,10 @@ def main(argv) -> None:
   import jax
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
-  from dpo import checkpoint, data, loop
+  from dpo import checkpoint, data, loop, tracking
   try:
     loop.run(cfg)
-  except (data.DataError, checkpoint.CheckpointError) as e:
+  except (data.DataError, checkpoint.CheckpointError, tracking.MissingExtra) as e:
     _user_error(e)
   except loop.TrainingStopped as e:
     logging.error("training stopped: %s", e)

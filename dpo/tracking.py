@@ -23,6 +23,10 @@ from dpo.runner import Hook, Stage
 INSTALL = "pip install 'dpo-jax[{}]'"
 
 
+class MissingExtra(ValueError):
+  """A flag asks for an optional package that is not installed (a user error: one line)."""
+
+
 def scalars(record: dict) -> Iterator[tuple[str, float]]:
   """(tag, value) for each number of a metrics.jsonl record ("step" is the x axis)."""
   stage, event = record.get("stage", "run"), record.get("event")
@@ -84,8 +88,8 @@ def sinks(cfg) -> list:
     try:
       out.append(WandB(cfg))
     except ImportError:
-      raise ValueError(f"--wandb_project={cfg.run.wandb_project} needs the wandb package: "
-                       f"{INSTALL.format('wandb')}") from None
+      raise MissingExtra(f"--wandb_project={cfg.run.wandb_project} needs the wandb package: "
+                         f"{INSTALL.format('wandb')}") from None
   return out
 
 

@@ -272,6 +272,7 @@ def sft_step(spec: StepConfig, state: TrainState, frozen, batch) -> tuple[TrainS
   Microbatches (gradient accumulation) carry summed NLLs and token counts, so the loss and
   gradient are the whole batch's token mean for any K."""
   del frozen
+  chex.assert_rank([batch[k] for k in logprobs._SEQUENCE_KEYS], 2)  # [B, T]
 
   def grad_fn(params, micro, i):
     del i

@@ -214,3 +214,18 @@ def test_run_with_ref_init_from_trains_and_evaluates_against_it(tmp_path):
   import json
   first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
   assert first["step"] == 1 and abs(first["rewards/margins"]) > 1e-4
+
+
+def test_hf_reference_of_another_architecture_is_refused(tmp_path):
+  """--ref_init_from=hf:DIR must describe the policy's architecture: the error names the
+  fields that differ."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from dpo import checkpoint
+  torch.manual_seed(0)
+  transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+      vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+  cfg = TINY.replace(ref_init_from=f"hf:{tmp_path}", vocab_size=272)
+  with pytest.raises(checkpoint.CheckpointError, match=r"another architecture.*'arch': \('qwen2', 'llama'\)"):
+    reference.load(cfg, sharding.make_mesh("data:1", jax.devices()[:1]))

@@ -98,5 +98,5 @@ def test_missing_wandb_is_one_clear_error(tmp_path, monkeypatch):
   monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (
       (_ for _ in ()).throw(ImportError(name)) if name == "wandb" else real_import(name, *a, **k)))
   cfg = configs.DEFAULT.replace(output_dir=str(tmp_path), wandb_project="p")
-  with pytest.raises(ValueError, match=r"--wandb_project=p needs the wandb package: pip install"):
+  with pytest.raises(tracking.MissingExtra, match=r"--wandb_project=p needs the wandb package: pip install"):
     tracking.sinks(cfg)
