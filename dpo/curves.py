@@ -60,7 +60,7 @@ def render(records: list[dict], out: str, title: str = "") -> str:
   fig = Figure(figsize=(22, 8.5), layout="constrained")
   axes = fig.subplots(2, 5).ravel()
   for ax, (name, lines) in zip(axes, PANELS):
-    drawn = 0
+    drawn, marked = 0, False
     for stage, key, label in lines:
       x, y = series(records, stage, key)
       if x:
@@ -69,15 +69,16 @@ def render(records: list[dict], out: str, title: str = "") -> str:
     if not drawn:
       ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes,
               color="gray")
-    if any(stage == "dpo" or stage == "eval" for stage, *_ in lines):
-      for step in rollbacks:
-        ax.axvline(step, color="red", ls="--", lw=1, label="rollback" if step == rollbacks[0] else None)
+    if rollbacks and any(stage in ("dpo", "eval") for stage, *_ in lines):
+      marked = True
+      for n, step in enumerate(rollbacks):
+        ax.axvline(step, color="red", ls="--", lw=1, label=None if n else "rollback")
     if name == "learning rate":
       ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.set_title(name, fontsize=10)
     ax.set_xlabel("step", fontsize=8)
     ax.grid(alpha=0.3)
-    if drawn > 1 or rollbacks:
+    if drawn > 1 or marked:
       ax.legend(fontsize=7)
   if title:
     fig.suptitle(title)

@@ -124,3 +124,22 @@ def test_sections_and_help_derive_from_the_dataclasses():
   import launch
   assert launch.FLAGS["simpo_gamma"].help.startswith("[loss] SimPO / AlphaPO target reward margin")
   assert not [n for n in launch.FLAGS if n.startswith("debug_")]  # fault injection is test-only
+
+
+def test_flag_lines_parse_back_to_the_same_config_for_every_preset():
+  """configs.flag_lines -> absl's parser -> configs.from_flags gives the config back exactly:
+  floats by repr, lists comma-joined, booleans both ways, paths with spaces."""
+  import launch
+  try:
+    for name, preset in configs.PRESETS.items():
+      cfg = preset.replace(learning_rate=1.2345678901234e-5, lora_targets=("q", "k", "down"),
+                           log_kl=not preset.guard.log_kl, output_dir="/tmp/a b/c", seed=7,
+                           loss_type=("sigmoid", "ipo"), loss_weights=(0.25, 0.75),
+                           gradient_accumulation_steps=2, eval_split=0.1 / 3)
+      lines = configs.flag_lines(cfg)
+      assert lines[0] == f"--config={name}" and len(lines) == 1 + len(configs.overrides(cfg))
+      launch.FLAGS.unparse_flags()
+      launch.FLAGS(["launch.py", *lines])
+      assert configs.from_flags() == cfg, name
+  finally:
+    launch.FLAGS.unparse_flags()

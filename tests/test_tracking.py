@@ -100,3 +100,18 @@ def test_missing_wandb_is_one_clear_error(tmp_path, monkeypatch):
   cfg = configs.DEFAULT.replace(output_dir=str(tmp_path), wandb_project="p")
   with pytest.raises(tracking.MissingExtra, match=r"--wandb_project=p needs the wandb package: pip install"):
     tracking.sinks(cfg)
+
+
+def test_without_tensorboard_the_run_says_how_to_get_it(tmp_path, monkeypatch, caplog):
+  import builtins
+  import logging
+  real_import = builtins.__import__
+  monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (
+      (_ for _ in ()).throw(ImportError(name)) if name.startswith("tensorboard")
+      else real_import(name, *a, **k)))
+  with caplog.at_level(logging.INFO):
+    assert tracking.sinks(configs.DEFAULT.replace(output_dir=str(tmp_path))) == []
+  said = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
+  assert said == ["TensorBoard logs off (tensorboard is not installed): "
+                  "pip install 'dpo-jax[tensorboard]'"]
+  assert not os.path.exists(tmp_path / "tb")
