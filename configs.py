@@ -7,7 +7,9 @@ are unique across sections so flags stay flat (`--beta`, `--lora_rank`). The `lo
 derived from the loss registry in dpo/losses.py; LoRA targets and architectures come from the
 registries in models/lora.py and models/archs.py. Jitted functions take as static arguments only
 the sections their computation reads (dpo.train.StepConfig), so changing an output path or a
-cadence never recompiles a step.
+cadence never recompiles a step. `flag_lines` is the inverse of the flag table: the lines of a
+flag file (`--config=PRESET` and each field that differs from it) that rebuild a config, which
+a run writes to <output_dir>/flags.txt; `help_text` is what `launch.py --help` prints.
 
 Defaults follow the source recipe (beta 0.1, AdamW lr 1e-5 with cosine decay and warmup
 ratio 0.1, grad-norm clip 1.0, global batch 16, max target length 512, LoRA rank 16 /
