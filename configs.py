@@ -7,7 +7,9 @@ are unique across sections so flags stay flat (`--beta`, `--lora_rank`). The `lo
 derived from the loss registry in dpo/losses.py; LoRA targets and architectures come from the
 registries in models/lora.py and models/archs.py. Jitted functions take as static arguments only
 the sections their computation reads (dpo.train.StepConfig), so changing an output path or a
-cadence never recompiles a step.
+cadence never recompiles a step. `flag_lines` is the inverse of the flag table: the lines of a
+flag file (`--config=PRESET` and each field that differs from it) that rebuild a config, which
+a run writes to <output_dir>/flags.txt; `help_text` is what `launch.py --help` prints.
 
 Defaults follow the source recipe (beta 0.1, AdamW lr 1e-5 with cosine decay and warmup
 ratio 0.1, grad-norm clip 1.0, global batch 16, max target length 512, LoRA rank 16 /
@@ -28,7 +30,8 @@ from models import lora as lora_lib
 
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
            "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig", "MeshConfig",
-           "RunConfig", "PRESETS", "get_config", "define_flags", "from_flags"]
+           "RunConfig", "PRESETS", "get_config", "define_flags", "from_flags", "flag_lines",
+           "overrides", "help_text"]
 
 
 def _f(default: Any, help: str) -> Any:
@@ -185,11 +188,20 @@ class OptimConfig:
   adam_b1: float = _f(0.9, "AdamW beta1.")
   adam_b2: float = _f(0.999, "AdamW beta2.")
   max_grad_norm: float = _f(1.0, "Global-norm gradient clipping; 0 disables.")
+  gradient_accumulation_steps: int = _f(
+      1, "Split each global batch into K microbatches, scanned inside the jitted step, with one "
+      "update on their mean gradient (same result, activation memory of one microbatch). "
+      "Batch-wide statistics (AOT's sorting, the token-mean NLL without --nll_per_pair) are "
+      "then per microbatch, as in TRL.")
 
   def __post_init__(self):
     _check(0.0 <= self.warmup_ratio <= 1.0, f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
     _check(self.global_batch_size > 0 and self.steps >= 0 and self.sft_steps >= 0,
            "global_batch_size must be > 0 and steps, sft_steps >= 0")
+    k = self.gradient_accumulation_steps
+    _check(k >= 1 and self.global_batch_size % k == 0,
+           f"gradient_accumulation_steps={k} must be >= 1 and divide global_batch_size="
+           f"{self.global_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -203,6 +215,11 @@ class ReferenceConfig:
                             "(cached on disk) and skip the reference forward in each step.")
   ref_cache_dir: str = _f("", "Where precomputed reference log-probs live; empty = "
                           "<output_dir>/ref_cache.")
+  ref_init_from: str = _f("", "A separate reference model (as TRL's ref_model): hf:DIR or a "
+                          "dpo-jax params checkpoint with the policy's architecture, held frozen, "
+                          "sharded like the policy and quantized with --base_quant; the "
+                          "evaluation compares against it too. Empty = the policy's initial "
+                          "weights.")
 
   def __post_init__(self):
     _check(self.ref_update in ("none", "soft", "hard"),
@@ -286,10 +303,20 @@ class RunConfig:
   seed: int = _f(0, "Seed for init, data order and dropout.")
   log_every: int = _f(10, "Log one line and one metrics.jsonl record every N steps.")
   output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
+  config: str = _f("default", "The preset (from configs.py) the run starts from; every other "
+                   "flag overrides its value.")
+  wandb_project: str = _f("", "Also log metrics.jsonl's records to this Weights & Biases "
+                          "project (the wandb extra); empty = no W&B.")
+  wandb_mode: str = _f("online", "W&B mode: online, or offline (files under "
+                       "<output_dir>/wandb, synced later with `wandb sync`).")
 
   def __post_init__(self):
     _check(self.stage in ("sft", "dpo", "all"), f"stage must be sft, dpo or all, got {self.stage!r}")
     _check(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
+    _check(self.wandb_mode in ("online", "offline"),
+           f"wandb_mode must be online or offline, got {self.wandb_mode!r}")
+    _check(self.wandb_mode == "online" or self.wandb_project,
+           f"--wandb_mode={self.wandb_mode} is read only with --wandb_project")
 
 
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
@@ -323,6 +350,12 @@ class Config:
            "is frozen")
     _check(not (self.reference.precompute_ref and self.loss.reference_free),
            f"--precompute_ref is pointless for reference-free losses {self.loss.loss_type}")
+    _check(not (self.reference.ref_init_from and self.loss.reference_free),
+           f"--ref_init_from is read by none of the reference-free losses {self.loss.loss_type}")
+    _check(not (self.reference.ref_init_from and self.reference.ref_update != "none"
+                and self.lora.enabled),
+           "--ref_init_from with --ref_update needs full fine-tuning (--lora_rank=0): TR-DPO "
+           "with LoRA mixes adapters on the policy's own base")
     _check(not self.guard.enabled or not (self.reference.precompute_ref or self.loss.reference_free),
            "the KL guard (--kl_max, --kl_spike_factor) measures KL against the reference in the "
            "step; it cannot run with --precompute_ref or reference-free losses")
@@ -357,12 +390,15 @@ def flag_fields():
 
 
 def define_flags() -> None:
-  """Defines --config and one absl flag per config field (unset = the preset's value)."""
+  """Defines one absl flag per config field (unset = the preset's value); --config (the run
+  section's `config` field) picks the preset."""
   from absl import flags
-  flags.DEFINE_string("config", "default", f"Preset from configs.py: {sorted(PRESETS)}.")
   define = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
             str: flags.DEFINE_string}
   for name, ftype, default, help_text, section in flag_fields():
+    if name == "config":
+      flags.DEFINE_string("config", default, f"[{section}] {help_text} One of {sorted(PRESETS)}.")
+      continue
     help_text = f"[{section}] {help_text} (preset value if unset; base default {default!r})"
     if typing.get_origin(ftype) is tuple:
       flags.DEFINE_list(name, None, help_text)
@@ -379,7 +415,7 @@ def from_flags() -> Config:
   overrides = {}
   for name, ftype, *_ in flag_fields():
     value = values[name].value
-    if value is not None:
+    if value is not None and name != "config":
       if isinstance(value, list):  # list flags arrive as strings; convert to the element type
         elem = typing.get_args(ftype)[0]
         try:
@@ -388,6 +424,77 @@ def from_flags() -> Config:
           raise ValueError(f"--{name}={','.join(value)}: each item must be {elem.__name__}") from None
       overrides[name] = value
   return get_config(values.config).replace(**overrides)
+
+
+def flat(cfg: Config) -> dict[str, Any]:
+  """{field name: value} over every section."""
+  return {name: getattr(getattr(cfg, section), name) for name, *_, section in flag_fields()}
+
+
+def overrides(cfg: Config) -> dict[str, Any]:
+  """The fields whose value differs from the preset the config names (cfg.run.config)."""
+  preset = flat(get_config(cfg.run.config))
+  return {k: v for k, v in flat(cfg).items() if v != preset[k]}
+
+
+def flag_value(value: Any) -> str:
+  """A field value as its flag parses it back: exact float repr, comma-joined tuples."""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, tuple):
+    return ",".join(flag_value(v) for v in value)
+  return repr(value) if isinstance(value, float) else str(value)
+
+
+def flag_lines(cfg: Config) -> list[str]:
+  """The command line that rebuilds `cfg`: --config=PRESET and each field that differs from it
+  (`python launch.py --flagfile=FILE` with these lines, one per line, repeats the run)."""
+  lines = [f"--config={cfg.run.config}"]
+  for name, value in overrides(cfg).items():
+    if isinstance(value, str) and "\n" in value:
+      raise ValueError(f"--{name}: a value with a newline cannot be written to a flag file")
+    lines.append(f"--{name}={flag_value(value)}")
+  return lines
+
+
+# The flags `--help` lists (the README's table); `--helpfull` lists every field by section.
+COMMON_FLAGS = (
+    "config", "stage", "steps", "sft_steps", "global_batch_size", "gradient_accumulation_steps",
+    "learning_rate", "sft_learning_rate", "loss_type", "beta", "lora_rank", "lora_targets",
+    "train_data", "eval_data", "tokenizer", "chat_template", "max_prompt_length",
+    "max_target_length", "init_from", "ref_init_from", "precompute_ref", "base_quant",
+    "eval_every", "log_kl", "checkpoint_every", "export_hf", "mesh", "wandb_project", "seed",
+    "output_dir")
+
+
+def flag_help(name: str, value: Any, help_text: str, width: int = 100) -> list[str]:
+  import textwrap
+  head = f"  --{name}={flag_value(value)}"
+  return [head, *textwrap.wrap(help_text, width, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)]
+
+
+def help_text(cfg: Config, full: bool) -> str:
+  """Flag help with the values of `cfg` (the chosen preset and the flags given): the common
+  flags, or (full) every field grouped by section, marking values that differ from the base."""
+  fields = {name: (help_text, section) for name, _, _, help_text, section in flag_fields()}
+  values, base = flat(cfg), flat(Config())
+  note = lambda n: (f" (base default {flag_value(base[n])})"
+                    if values[n] != base[n] and n != "config" else "")
+  out = [f"Values below are those of --config={cfg.run.config} with the flags given."]
+  if not full:
+    out.append("Common flags:")
+    for name in COMMON_FLAGS:
+      out += flag_help(name, values[name], fields[name][0] + note(name))
+    out.append("All flags by section: --helpfull. Every flag may also go in a file read with "
+               "--flagfile=FILE (a run writes <output_dir>/flags.txt).")
+    return "\n".join(out)
+  for section in SECTIONS:
+    out.append(f"\n[{section}]")
+    for name, (h, s) in fields.items():
+      if s == section:
+        out += flag_help(name, values[name], h + note(name))
+  return "\n".join(out)
 
 
 # --- Presets -----------------------------------------------------------------------------------
@@ -473,6 +580,7 @@ PRESETS: dict[str, Config] = {
         "qwen2.5-7b": QWEN_2_5_7B, "gemma2-2b": GEMMA_2_2B}.items()},
     "llama3-8b": LLAMA3_8B,
 }
+PRESETS = {name: c.replace(config=name) for name, c in PRESETS.items()}  # each knows its name
 
 
 def get_config(name: str) -> Config:

@@ -2,13 +2,16 @@
 
 Flags are generated from the config dataclasses (configs.define_flags): every field is a flag of
 the same name. `--config` picks a preset; a flag given on the command line overrides the preset's
-value. Multi-host: one process per host with `--distributed=auto` (TPU pods, SLURM) or
+value. `--help` lists the common flags and `--helpfull` every flag by section, both with the
+values of the chosen preset; a run writes <output_dir>/flags.txt, and
+`python launch.py --flagfile=<output_dir>/flags.txt` repeats it. Multi-host: one process per host with `--distributed=auto` (TPU pods, SLURM) or
 `--distributed=explicit --coordinator_address=HOST:PORT --num_processes=N --process_id=i`;
 see WORKSPACE.md, "Multi-host".
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -27,13 +30,44 @@ flags.DEFINE_integer("heartbeat_timeout_seconds", 100,
                      "A process silent this long is declared dead and the others exit.")
 flags.DEFINE_integer("initialization_timeout", 300,
                      "Seconds to wait for all processes to join before failing.")
+flags.DEFINE_bool("traceback", False, "Show the Python traceback of a user error (a bad flag "
+                  "value, file or checkpoint) instead of the one-line message.")
 FLAGS = flags.FLAGS
+_PROCESS_FLAGS = ("distributed", "coordinator_address", "num_processes", "process_id",
+                  "heartbeat_timeout_seconds", "initialization_timeout", "traceback")
+_HELP = {"--help": False, "-h": False, "--helpshort": False, "-?": False, "--helpfull": True}
 
 
 def _user_error(e: Exception) -> None:
   """A bad flag, file or checkpoint: one line naming it, no traceback, exit status 2."""
+  if "--traceback" in sys.argv or (FLAGS.is_parsed() and FLAGS.traceback):
+    raise e
   print(f"error: {e}", file=sys.stderr)
   raise SystemExit(2) from None
+
+
+def _parse(argv: list[str]) -> list[str]:
+  """absl's parse with `--help` / `--helpfull` showing the chosen preset's values and a bad
+  flag value as one line."""
+  full = [_HELP[a] for a in argv if a in _HELP]
+  try:
+    rest = FLAGS([a for a in argv if a not in _HELP])
+    cfg = configs.from_flags() if full else None
+  except flags.IllegalFlagValueError as e:
+    name = re.match(r"flag --(\w+)=", str(e))
+    kinds = {"int": "an integer", "float": "a number", "bool": "true or false"}
+    kind = name and name[1] in FLAGS and kinds.get(FLAGS[name[1]].flag_type())
+    _user_error(ValueError(f"{e}; --{name[1]} takes {kind}") if kind else e)
+  except (flags.Error, ValueError) as e:
+    _user_error(e)
+  if full:
+    print((__doc__.split("\n\n")[0] + "\n\n" + configs.help_text(cfg, any(full))))
+    if any(full):
+      print("\n[launcher: per-process settings]")
+      for name in _PROCESS_FLAGS:
+        print("\n".join(configs.flag_help(name, FLAGS[name].value, FLAGS[name].help)))
+    raise SystemExit(0)
+  return rest
 
 
 def main(argv) -> None:
@@ -50,10 +84,10 @@ def main(argv) -> None:
   import jax
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
-  from dpo import checkpoint, data, loop
+  from dpo import checkpoint, data, loop, tracking
   try:
     loop.run(cfg)
-  except (data.DataError, checkpoint.CheckpointError) as e:
+  except (data.DataError, checkpoint.CheckpointError, tracking.MissingExtra) as e:
     _user_error(e)
   except loop.TrainingStopped as e:
     logging.error("training stopped: %s", e)
@@ -61,4 +95,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse)

@@ -25,7 +25,9 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from dpo import chat, checkpoint, evaluate, formats, hooks, prepare, reference, task, train
+import configs
+from dpo import chat, checkpoint, curves, evaluate, formats, hooks, prepare, reference, task, train
+from dpo import tracking
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
@@ -211,6 +213,7 @@ class Program:
   data: Data
   writer: MetricsWriter
   extra_hooks: Mapping[str, Sequence[Hook]]
+  mirror: Hook  # metrics.jsonl -> TensorBoard / W&B (dpo/tracking.py); last, after the writers
 
   def stage(self, name: str, fresh, frozen, arrays, hooks: list, identity: dict) -> Stage:
     """Stage `name` (sft or dpo) over `arrays`, resuming from <output_dir>/checkpoints/<name>;
@@ -228,7 +231,7 @@ class Program:
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
                                c.checkpoint.keep_checkpoints, identity)
     return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
-                 [*hooks, *self.extra_hooks.get(name, ())])
+                 [*hooks, *self.extra_hooks.get(name, ()), self.mirror])
 
 
 def _check_batch(cfg, mesh) -> None:
@@ -236,6 +239,11 @@ def _check_batch(cfg, mesh) -> None:
   if cfg.optim.global_batch_size % shards:
     raise ValueError(f"--global_batch_size={cfg.optim.global_batch_size} is not divisible by "
                      f"the {shards} ways the mesh {dict(mesh.shape)} splits the batch")
+  k = cfg.optim.gradient_accumulation_steps
+  if cfg.optim.global_batch_size % (k * shards):
+    raise ValueError(f"--global_batch_size={cfg.optim.global_batch_size} is not divisible by "
+                     f"--gradient_accumulation_steps={k} x the {shards} ways the mesh splits "
+                     "the batch (each device's rows split evenly between microbatches)")
 
 
 def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: MetricsWriter):
@@ -282,9 +290,13 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
                  c.model.base_quant, before / 2**20, after / 2**20, (before - after) / 2**20,
                  100 * (1 - after / before))
     summary["base_bytes"] = {"float32": before, c.model.base_quant: after}
+  ref = reference.load(c, mesh) if c.reference.ref_init_from else None
+  if ref is not None and c.model.base_quant != "none":
+    ref = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, ref, mesh)
+  ref_model = params if ref is None else ref  # what the step and the evaluation compare against
   if p.data.held is not None:
     summary["reference_perplexity"] = evaluate.pair_metrics(
-        c, mesh, params, None, params, p.data.held, c.optim.global_batch_size)["perplexity"]
+        c, mesh, ref_model, None, ref_model, p.data.held, c.optim.global_batch_size)["perplexity"]
   spec = train.StepConfig.dpo(c)
   opt, _ = spec.optimizer()
   if c.guard.log_kl and not spec.kl:
@@ -299,18 +311,19 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   trainable = lambda: train.initial_trainable(c.model, c.lora, params, key, mesh)
   fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
   tr_dpo = c.reference.ref_update != "none"
-  frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None)
+  frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None, ref,
+                                c.lora.enabled)
   pairs = p.data.pairs
   if c.reference.precompute_ref:
     cache_dir = c.reference.ref_cache_dir or os.path.join(c.run.output_dir, "ref_cache")
     ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
                                                         cache_dir, c.optim.global_batch_size)
     pairs = {**pairs, **ref_arrays}
-  # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`) for
-  # every loss and reference scheme, so runs stay comparable (TR-DPO moves the training
-  # reference).
-  evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, params, p.data.held,
-                                 p.data.reward_fn, p.data.well_formed_fn,
+  # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
+  # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
+  # (TR-DPO moves the training reference).
+  evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, ref_model,
+                                 p.data.held, p.data.reward_fn, p.data.well_formed_fn,
                                  prompt_ids=p.data.eval_prompt_ids, stop_ids=p.data.stop_ids)
   split = lambda t: (params, t) if c.lora.enabled else (t, None)
   evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
@@ -424,6 +437,18 @@ def _export(c, base, policy, lora, step: int, reference_path: str, data: Data) -
                  "chat_template": template.name, "tokenizer": tok.name}, f, indent=2)
 
 
+def _write_flags(cfg, writer: MetricsWriter) -> None:
+  """Logs the settings that differ from the preset and writes them to <output_dir>/flags.txt,
+  which `launch.py --flagfile=` reads back (the config as given, before an hf: import fills in
+  the model section; config.json holds the resolved one)."""
+  lines = configs.flag_lines(cfg)
+  logging.info("config %s; settings that differ from it: %s", cfg.run.config,
+               " ".join(lines[1:]) or "none")
+  if writer.enabled:
+    with open(os.path.join(cfg.run.output_dir, "flags.txt"), "w") as f:
+      f.write("\n".join(lines) + "\n")
+
+
 def run(cfg, mesh=None, init_params=None,
         extra_hooks: Mapping[str, Sequence[Hook]] | None = None) -> dict[str, Any]:
   """Runs the configured stages and returns the summary (also written to summary.json).
@@ -438,6 +463,7 @@ def run(cfg, mesh=None, init_params=None,
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)
+  _write_flags(cfg, writer)
   cfg, params = ((cfg, init_params) if init_params is not None
                  else initial_params(cfg, jax.random.fold_in(jax.random.key(cfg.run.seed), 0), mesh))
   if writer.enabled:
@@ -452,7 +478,10 @@ def run(cfg, mesh=None, init_params=None,
   summary: dict[str, Any] = provenance(cfg, mesh)
   if data.reports:
     summary["data"] = data.reports
-  program = Program(cfg, mesh, data, writer, extra_hooks or {})
+  # TensorBoard / W&B follow metrics.jsonl (each record is flushed as it is forwarded, so a
+  # crash loses nothing there); last in every stage's hooks, after the hooks that write.
+  mirror = tracking.Mirror(cfg, writer.path)
+  program = Program(cfg, mesh, data, writer, extra_hooks or {}, mirror)
   ckroot = os.path.join(out, "checkpoints")
   init_from = cfg.checkpoint.init_from
   reference_path = (os.path.abspath(init_from) if init_from and not init_from.startswith("hf:")
@@ -462,14 +491,29 @@ def run(cfg, mesh=None, init_params=None,
     reference_path = os.path.abspath(sft_out)
     params = _sft(program, params, sft_out)
   if cfg.run.stage in ("dpo", "all"):
+    if cfg.reference.ref_init_from:  # a resume must find the same reference
+      ref_from = cfg.reference.ref_init_from
+      reference_path = ref_from if ref_from.startswith("hf:") else os.path.abspath(ref_from)
     if not reference_path:
       reference_path = os.path.abspath(os.path.join(ckroot, "dpo_base"))
       if not checkpoint.is_complete(reference_path):
         checkpoint.save_params(reference_path, params, cfg.model, stage="init")
     summary.update(_dpo(program, params, reference_path))
+  mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   if writer.enabled:
     with open(os.path.join(out, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
+    _draw_curves(out)
   logging.info("summary: %s", json.dumps(summary))
   return summary
+
+
+def _draw_curves(out: str) -> None:
+  """<out>/curves.png from metrics.jsonl, or one line on how to get matplotlib."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    logging.info("no curves.png (matplotlib is not installed): %s", curves.INSTALL)
+    return
+  logging.info("curves -> %s", curves.render_run(out))

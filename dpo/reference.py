@@ -1,4 +1,9 @@
-"""Reference-model handling: precomputed reference log-probs and TR-DPO reference updates.
+"""Reference-model handling: a separate reference model, precomputed reference log-probs and
+TR-DPO reference updates.
+
+A separate reference (`--ref_init_from`, as TRL's `ref_model`): `load` reads hf:DIR or a dpo-jax
+params checkpoint into the policy's shardings; it must have the policy's architecture (the step
+runs one model config). The DPO stage quantizes it with `--base_quant` like the base.
 
 Precomputation (`--precompute_ref`): the reference never changes during plain DPO, so its
 log-probs of every training pair are computed once, stored under a key that fingerprints the
@@ -15,6 +20,7 @@ deltas A @ B (a product of mixes), but it keeps the reference a rank-r adapter o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -27,7 +33,7 @@ import numpy as np
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import train
+from dpo import checkpoint, train
 from models import sharding
 
 CACHE_VERSION = 1
@@ -49,7 +55,9 @@ def fingerprint(spec: train.StepConfig, arrays: dict, tok, frozen: train.Frozen)
     h.update(f"{attr}={getattr(tok, attr, None)}".encode())
   h.update(repr(spec.model).encode())
   h.update(f"lora_scale={spec.lora.scale if frozen.ref_lora is not None else 1.0}".encode())
-  for path, leaf in jax.tree_util.tree_leaves_with_path((frozen.params, frozen.ref_lora)):
+  ref = ((frozen.params, frozen.ref_lora) if frozen.ref_params is None
+         else (frozen.ref_params, None))  # only the reference's weights decide its log-probs
+  for path, leaf in jax.tree_util.tree_leaves_with_path(ref):
     a = sharding.to_host(leaf)
     h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
     h.update(np.ascontiguousarray(a).tobytes())
@@ -117,6 +125,27 @@ def cached(spec: train.StepConfig, mesh, frozen: train.Frozen, arrays: dict, tok
   logging.info("reference log-probs: %s %s (%.1fs)", "loaded" if hit else "computed", path,
                info["seconds"])
   return result, info
+
+
+def load(cfg, mesh):
+  """The --ref_init_from model's params, each array born in the policy's sharding."""
+  src = cfg.reference.ref_init_from
+  kind, _, path = src.partition(":")
+  if kind != "hf":
+    logging.info("reference: loading checkpoint %s", src)
+    return checkpoint.load_params(src, cfg.model, mesh)
+  from models import hf  # optional-format code stays out of the default path
+  model_cfg, params = hf.load(path, mesh, cfg.model)
+  diff = {f.name: (getattr(model_cfg, f.name), getattr(cfg.model, f.name))
+          for f in dataclasses.fields(model_cfg)
+          if getattr(model_cfg, f.name) != getattr(cfg.model, f.name)}
+  if diff:
+    raise checkpoint.CheckpointError(
+        f"--ref_init_from={src}: its config.json describes another architecture than the "
+        f"policy's (field: (reference, policy)): {diff}; the reference must share the policy's "
+        "architecture and vocabulary")
+  logging.info("reference: imported %s (%s)", model_cfg.arch, src)
+  return params
 
 
 # --- TR-DPO ---------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
   * LoRA on:  the base weights. Policy = base + LoRA delta; reference = the same base with the
     delta switched off. There is no second copy of the base.
   * LoRA off: the reference copy. Policy = state.params (all weights train); reference = frozen.
+  With `--ref_init_from` the reference is that model: `Frozen.ref_params` beside the base (LoRA
+  on), or `Frozen.params` itself (LoRA off).
   `Frozen.ref_lora` holds a frozen LoRA copy for TR-DPO with LoRA: the reference is then
   base + ref_lora (dpo/reference.py updates it every k steps).
 SFT trains all weights and has no frozen part. The trainable and frozen trees are built here
@@ -21,6 +23,8 @@ import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
+import chex
+import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,6 +137,7 @@ class Frozen(NamedTuple):
   """What the DPO step reads but never trains (see the module docstring)."""
   params: Any           # base weights (LoRA on) or the reference copy (LoRA off)
   ref_lora: Any = None  # TR-DPO with LoRA: a frozen LoRA copy; reference = params + ref_lora
+  ref_params: Any = None  # LoRA with --ref_init_from: the separate reference model
 
 
 # --- the DPO stage's trees: built here and nowhere else ---------------------------------------------
@@ -149,18 +154,62 @@ def initial_trainable(model, lora, base, key: jax.Array, mesh: Mesh):
   return jax.tree.map(lambda x: x.copy(), base)
 
 
-def initial_frozen(base, trainable=None) -> Frozen:
-  """The frozen part; `trainable` (TR-DPO with LoRA) rides along as the reference adapter."""
-  return Frozen(base, None if trainable is None else jax.tree.map(lambda x: x.copy(), trainable))
+def initial_frozen(base, trainable=None, reference=None, lora_on: bool = True) -> Frozen:
+  """The frozen part; `trainable` (TR-DPO with LoRA) rides along as the reference adapter;
+  `reference` (--ref_init_from) is the reference model: beside the base with LoRA, in place
+  of the base's copy without."""
+  if reference is not None and not lora_on:
+    return Frozen(reference)
+  return Frozen(base, None if trainable is None else jax.tree.map(lambda x: x.copy(), trainable),
+                reference)
 
 
 # --- steps ---------------------------------------------------------------------------------------
 
 def reference_stats(spec: StepConfig, frozen: Frozen, batch, with_logits: bool = False):
   """Reference statistics of a pair batch (no dropout, no gradient)."""
-  out = logprobs.pair_stats(spec.model, frozen.params, batch, lora=frozen.ref_lora,
+  params = frozen.params if frozen.ref_params is None else frozen.ref_params
+  out = logprobs.pair_stats(spec.model, params, batch, lora=frozen.ref_lora,
                             lora_scale=spec.lora.scale, with_logits=with_logits)
   return jax.lax.stop_gradient(out)
+
+
+def microbatches(batch: dict, k: int) -> dict:
+  """[B, ...] -> [K, B/K, ...]. Microbatch i holds rows i, i + K, ...: with B split over n
+  devices and K dividing B/n, each device's rows split evenly between the microbatches, so the
+  scan slices local rows and nothing moves between devices."""
+  return jax.tree.map(lambda x: einops.rearrange(x, "(b k) ... -> k b ...", k=k), batch)
+
+
+def accumulate(grad_fn: Callable, params, batch: dict, k: int):
+  """The mean of `grad_fn(params, microbatch, i) -> ((loss, metrics), grads)` over K microbatches,
+  scanned inside the step (one microbatch's activations live at a time). A ratio metric is a
+  (numerator, denominator) pair, divided after accumulation so it equals the full batch's.
+  K = 1 is one call on the whole batch."""
+  if k == 1:
+    out = grad_fn(params, batch, 0)
+  else:
+    def body(total, xs):
+      i, micro = xs
+      micro = {name: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+               for name, x in micro.items()}
+      return jax.tree.map(jnp.add, total, grad_fn(params, micro, i)), None
+    first = jax.tree.map(lambda x: x[0], microbatches(batch, k))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                         jax.eval_shape(grad_fn, params, first, 0))
+    out, _ = jax.lax.scan(body, zeros, (jnp.arange(k), microbatches(batch, k)))
+    out = jax.tree.map(lambda x: x / k, out)
+  (loss, metrics), grads = out
+  metrics = {name: v[0] / jnp.maximum(v[1], 1.0) if isinstance(v, tuple) else v
+             for name, v in metrics.items()}
+  return (loss, metrics), grads
+
+
+def _check_pair_batch(batch: dict) -> None:
+  chex.assert_rank([batch[k] for k in logprobs._SEQUENCE_KEYS], 3)
+  chex.assert_equal_shape([batch[k] for k in logprobs._SEQUENCE_KEYS])
+  chex.assert_axis_dimension(batch["tokens"], 1, 2)  # chosen, rejected
+  chex.assert_type([batch["tokens"], batch["loss_mask"]], [jnp.int32, jnp.float32])
 
 
 def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tuple[TrainState, dict]:
@@ -169,9 +218,27 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
   batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
   ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
   runs. Reference-free losses run no reference forward either. The token KL metric (spec.kl)
-  needs the reference logits [B, 2, T, V]; without it they are never kept.
+  needs the reference logits [B, 2, T, V]; without it they are never kept. With
+  gradient_accumulation_steps = K the loss, metrics and gradient are those of `microbatch_loss`
+  averaged over K microbatches of B / K pairs (`accumulate`).
   """
-  lora_on, lc = spec.lora.enabled, spec.loss
+  _check_pair_batch(batch)
+  lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
+
+  def grad_fn(trainable, micro, i):
+    key = _step_key(state) if k == 1 else jax.random.fold_in(_step_key(state), i)
+    return jax.value_and_grad(microbatch_loss, argnums=2, has_aux=True)(
+        spec, frozen, trainable, micro, key if lora_on else None)
+
+  (loss, metrics), grads = accumulate(grad_fn, state.params, batch, k)
+  return _apply(state, *spec.optimizer(), loss, grads, metrics)
+
+
+def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch, dropout_key):
+  """(loss, metrics) of one (micro)batch of pairs: the reference statistics (the frozen model,
+  precomputed `ref_logps`, or none for reference-free losses), the policy's, the loss
+  combination. The "kl" metric is (sum over tokens, token count)."""
+  lc = spec.loss
   if lc.reference_free:
     ref = None
   elif "ref_logps" in batch:
@@ -182,41 +249,44 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
   def ld(total, shared):
     return total if lc.ld_alpha == 1.0 else losses.length_desensitised(total, shared, lc.ld_alpha)
 
-  def loss_fn(trainable):
-    policy_params, lora = (frozen.params, trainable) if lora_on else (trainable, None)
-    pol = logprobs.pair_stats(
-        spec.model, policy_params, batch, lora=lora, lora_scale=spec.lora.scale,
-        dropout_key=_step_key(state) if lora_on else None, dropout_rate=spec.lora.lora_dropout,
-        wpo=lc.wpo, with_logits=ref is not None and ref.logits is not None)
-    pol_lp = ld(pol.logps, pol.shared_logps)
-    ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(ref.logps, ref.shared_logps)
-    lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],
-                      pol.tokens[:, 0], pol.tokens[:, 1], policy_chosen_full=pol.logps[:, 0])
-    loss, extra = losses.combined(lp, lc, pol.wpo_logw)
-    metrics = {**losses.pair_statistics(lp, lc.beta), **extra}
-    if pol.logits is not None:
-      # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
-      kl = logprobs.token_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch["loss_mask"])
-      metrics["kl"] = kl.sum() / jnp.maximum(pol.tokens.sum(), 1.0)
-    return loss, metrics
-
-  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  return _apply(state, *spec.optimizer(), loss, grads, metrics)
-
-
-def sft_loss(model, params, batch) -> tuple[jax.Array, jax.Array]:
-  """(mean NLL per completion token, scored-token count). batch arrays are [B, T]."""
-  lp, n = logprobs.sequence_logps(model, params, batch)
-  total = jnp.maximum(n.sum(), 1.0)
-  return -lp.sum() / total, n.sum()
+  policy_params, lora = (frozen.params, trainable) if spec.lora.enabled else (trainable, None)
+  pol = logprobs.pair_stats(
+      spec.model, policy_params, batch, lora=lora, lora_scale=spec.lora.scale,
+      dropout_key=dropout_key, dropout_rate=spec.lora.lora_dropout,
+      wpo=lc.wpo, with_logits=ref is not None and ref.logits is not None)
+  pol_lp = ld(pol.logps, pol.shared_logps)
+  ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(ref.logps, ref.shared_logps)
+  lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],
+                    pol.tokens[:, 0], pol.tokens[:, 1], policy_chosen_full=pol.logps[:, 0])
+  loss, extra = losses.combined(lp, lc, pol.wpo_logw)
+  metrics = {**losses.pair_statistics(lp, lc.beta), **extra}
+  if pol.logits is not None:
+    # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
+    kl = logprobs.token_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch["loss_mask"])
+    metrics["kl"] = (kl.sum(), pol.tokens.sum())
+  return loss, metrics
 
 
 def sft_step(spec: StepConfig, state: TrainState, frozen, batch) -> tuple[TrainState, dict]:
-  """One SFT update (all weights). `frozen` is unused; the signature matches `dpo_step`."""
+  """One SFT update (all weights). `frozen` is unused; the signature matches `dpo_step`.
+  Microbatches (gradient accumulation) carry summed NLLs and token counts, so the loss and
+  gradient are the whole batch's token mean for any K."""
   del frozen
-  (loss, tokens), grads = jax.value_and_grad(functools.partial(sft_loss, spec.model),
-                                             has_aux=True)(state.params, batch)
-  return _apply(state, *spec.optimizer(), loss, grads, {"tokens": tokens})
+  chex.assert_rank([batch[k] for k in logprobs._SEQUENCE_KEYS], 2)  # [B, T]
+
+  def grad_fn(params, micro, i):
+    del i
+    def summed(p):
+      lp, n = logprobs.sequence_logps(spec.model, p, micro)
+      return -lp.sum(), {"tokens": n.sum()}
+    return jax.value_and_grad(summed, has_aux=True)(params)
+
+  k = spec.optim.gradient_accumulation_steps
+  (nll, metrics), grads = accumulate(grad_fn, state.params, batch, k)  # means over microbatches
+  tokens = metrics["tokens"] * k
+  scale = k / jnp.maximum(tokens, 1.0)  # summed NLL -> mean per token of the whole batch
+  return _apply(state, *spec.optimizer(), nll * scale, jax.tree.map(lambda g: g * scale, grads),
+                {"tokens": tokens})
 
 
 # --- jit -----------------------------------------------------------------------------------------

@@ -31,21 +31,71 @@ def test_replace_routes_fields_and_validates():
     raise AssertionError("invalid label_smoothing accepted")
 
 
-def test_launch_cli(tmp_path):
-  out = tmp_path / "cli"
+def _launch(*args, timeout=600):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  proc = subprocess.run(
-      [sys.executable, "launch.py", "--beta=0.2", "--sft_steps=4", "--steps=4", "--log_every=2",
-       "--task_train_pairs=64", "--task_sft_examples=64", "--task_eval_pairs=16",
-       "--lora_targets=q,v,o", "--task_eval_prompts=8", "--eval_max_new_tokens=8",
-       f"--output_dir={out}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_launch_cli_writes_its_logs_and_its_flag_file_repeats_it(tmp_path):
+  """The default job as a user runs it (tiny): the log line, the evaluation table, config.json,
+  flags.txt, TensorBoard events (TensorBoard's reader finds every metric of metrics.jsonl),
+  an offline W&B run, curves.png; `--flagfile=<out>/flags.txt` repeats the run to the same
+  summary.json figures."""
+  from test_tracking import assert_mirrored
+  out = tmp_path / "cli"
+  proc = _launch("--beta=0.2", "--sft_steps=4", "--steps=4", "--log_every=2", "--eval_every=2",
+                 "--task_train_pairs=64", "--task_sft_examples=64", "--task_eval_pairs=16",
+                 "--lora_targets=q,v,o", "--task_eval_prompts=8", "--eval_max_new_tokens=8",
+                 "--gradient_accumulation_steps=2", "--wandb_project=cli", "--wandb_mode=offline",
+                 f"--output_dir={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "dpo     4/4" in proc.stderr
   assert "true-reward win rate" in proc.stdout  # the end-of-run evaluation table
+  assert "config default; settings that differ from it: --lora_targets=q,v,o" in proc.stderr
   cfg = json.load(open(out / "config.json"))
   assert cfg["loss"]["beta"] == 0.2 and cfg["lora"]["lora_targets"] == ["q", "v", "o"]
   assert cfg["optim"]["learning_rate"] == configs.DEFAULT.optim.learning_rate  # preset kept
+  lines = open(out / "flags.txt").read().split()
+  assert lines[0] == "--config=default" and "--beta=0.2" in lines
+  assert not [l for l in lines if l.startswith("--learning_rate")]  # only what differs
+  records = [json.loads(l) for l in open(out / "metrics.jsonl")]
+  assert {r["stage"] for r in records} == {"sft", "dpo", "eval"}
+  tb = assert_mirrored(records, out)
+  assert {"sft/loss", "dpo/loss", "dpo/kl", "eval/win_rate", "eval/perplexity"} <= set(tb)
+  import matplotlib.image
+  assert matplotlib.image.imread(out / "curves.png").ndim == 3
+  again = tmp_path / "again"
+  proc = _launch(f"--flagfile={out / 'flags.txt'}", f"--output_dir={again}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # The figures: every number but timings (provenance such as a config hash names the output
+  # directory, which differs on purpose).
+  figures = lambda d: {k: v for k, v in json.load(open(d / "summary.json")).items()
+                       if isinstance(v, (int, float)) and not k.endswith("_time_s")}
+  assert len(figures(out)) > 20 and figures(again) == figures(out)
+
+
+def test_help_shows_the_presets_values():
+  proc = _launch("--config=bench-small", "--help", timeout=300)
+  assert proc.returncode == 0 and "Traceback" not in proc.stderr
+  assert "--global_batch_size=4" in proc.stdout and "--config=bench-small" in proc.stdout
+  assert "--vocab_size" not in proc.stdout  # --help is the common flags only
+  full = _launch("--config=bench-small", "--lora_rank=4", "--helpfull", timeout=300).stdout
+  names = [name for name, *_ in configs.flag_fields()]
+  assert all(f"  --{n}=" in full for n in names)
+  sections = [full.index(f"[{s}]") for s in configs.SECTIONS]
+  assert sections == sorted(sections)  # grouped by section, in order
+  assert "--vocab_size=8192" in full and "--lora_rank=4" in full  # preset, then flags given
+  assert "--distributed=off" in full
+
+
+def test_invalid_flag_value_is_one_line_naming_flag_value_and_type():
+  proc = _launch("--steps=abc", timeout=300)
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+  assert "--steps=abc" in proc.stderr and "takes an integer" in proc.stderr
+  proc = _launch("--wandb_mode=sometimes", "--traceback", timeout=300)
+  assert proc.returncode == 1 and "Traceback" in proc.stderr  # --traceback shows the stack
+  assert "wandb_mode must be online or offline, got 'sometimes'" in proc.stderr
 
 
 def test_bad_flag_value_is_a_clear_error(tmp_path):
@@ -76,3 +126,22 @@ def test_sections_and_help_derive_from_the_dataclasses():
   import launch
   assert launch.FLAGS["simpo_gamma"].help.startswith("[loss] SimPO / AlphaPO target reward margin")
   assert not [n for n in launch.FLAGS if n.startswith("debug_")]  # fault injection is test-only
+
+
+def test_flag_lines_parse_back_to_the_same_config_for_every_preset():
+  """configs.flag_lines -> absl's parser -> configs.from_flags gives the config back exactly:
+  floats by repr, lists comma-joined, booleans both ways, paths with spaces."""
+  import launch
+  try:
+    for name, preset in configs.PRESETS.items():
+      cfg = preset.replace(learning_rate=1.2345678901234e-5, lora_targets=("q", "k", "down"),
+                           log_kl=not preset.guard.log_kl, output_dir="/tmp/a b/c", seed=7,
+                           loss_type=("sigmoid", "ipo"), loss_weights=(0.25, 0.75),
+                           gradient_accumulation_steps=2, eval_split=0.1 / 3)
+      lines = configs.flag_lines(cfg)
+      assert lines[0] == f"--config={name}" and len(lines) == 1 + len(configs.overrides(cfg))
+      launch.FLAGS.unparse_flags()
+      launch.FLAGS(["launch.py", *lines])
+      assert configs.from_flags() == cfg, name
+  finally:
+    launch.FLAGS.unparse_flags()

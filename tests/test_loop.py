@@ -20,8 +20,8 @@ def test_short_run_learns_preferences(tmp_path):
   summary = loop.run(cfg, mesh=sharding.make_mesh("data:2", jax.devices()[:2]))
   assert summary["reward_accuracy"] > 0.75, summary
   assert summary["reward_margin"] > 0
-  assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "samples.jsonl",
-                                     "summary.json"]
+  assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "curves.png", "flags.txt",
+                                     "metrics.jsonl", "samples.jsonl", "summary.json", "tb"]
   samples = [json.loads(l) for l in open(out / "samples.jsonl")]
   assert len(samples) == 16 and {"prompt", "policy", "reference", "policy_reward",
                                  "reference_reward", "policy_well_formed",

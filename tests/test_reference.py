@@ -12,7 +12,7 @@ import pytest
 
 import configs
 from dpo import data as data_lib
-from dpo import reference, task, train
+from dpo import logprobs, reference, task, train
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -165,3 +165,67 @@ def test_config_rejects_bad_combinations():
   # --log_kl cannot be honoured without the reference in the step: the step computes no KL.
   assert configs.DEFAULT.step_kl and not configs.DEFAULT.replace(precompute_ref=True).step_kl
   assert not configs.DEFAULT.replace(loss_type=("simpo",)).step_kl
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_separate_reference_model_is_the_steps_reference(setup, tmp_path, lora_rank):
+  """--ref_init_from: the step's rewards are beta * (log pi - log pi_ref) with pi_ref the given
+  model (not the policy's initial weights), in the step and precomputed alike."""
+  mesh, tok, arrays, params, lora = setup
+  cfg = TINY.replace(lora_rank=lora_rank, ref_cache_dir=str(tmp_path))
+  spec = train.StepConfig.dpo(cfg)
+  other = transformer.init(cfg.model, jax.random.key(9), mesh)
+  zero_lora = lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), mesh) if lora_rank else None
+  trainable = zero_lora if lora_rank else jax.tree.map(lambda x: x + 0.0, params)
+  frozen = train.initial_frozen(params, reference=other, lora_on=bool(lora_rank))
+  first = _run_steps(cfg, mesh, frozen, trainable, arrays, 1)[0]
+  batch = {k: v[:8] for k, v in arrays.items()}
+  pol = logprobs.pair_stats(cfg.model, params, batch).logps  # policy = initial weights at step 1
+  ref = logprobs.pair_stats(cfg.model, other, batch).logps
+  np.testing.assert_allclose(first["rewards/chosen"], cfg.loss.beta * (pol - ref)[:, 0].mean(),
+                             rtol=1e-5, atol=1e-6)
+  assert abs(float(first["rewards/margins"])) > 1e-4  # the default reference would give 0
+  ref_arrays, _ = cached(cfg, mesh, frozen, arrays, tok)
+  np.testing.assert_allclose(ref_arrays["ref_logps"][:8], ref, rtol=1e-5)
+  assert (reference.fingerprint(spec, arrays, tok, frozen) !=
+          reference.fingerprint(spec, arrays, tok, train.initial_frozen(params)))
+
+
+def test_run_with_ref_init_from_trains_and_evaluates_against_it(tmp_path):
+  """A --stage=dpo run with --ref_init_from=<params checkpoint>, int8-quantized and
+  precomputed: the first step's rewards and the evaluation's reference are that model."""
+  from dpo import checkpoint, evaluate, loop
+  from models import quant
+  mesh = sharding.make_mesh("data:2", jax.devices()[:2])
+  ref_dir = str(tmp_path / "ref")
+  cfg = configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, stage="dpo",
+      steps=2, log_every=1, eval_every=0, task_train_pairs=16, task_eval_pairs=8,
+      task_eval_prompts=4, eval_max_new_tokens=4, global_batch_size=8, base_quant="int8",
+      precompute_ref=True, ref_init_from=ref_dir, output_dir=str(tmp_path / "run"))
+  other = transformer.init(cfg.model, jax.random.key(9), mesh)
+  checkpoint.save_params(ref_dir, other, cfg.model, stage="test")
+  summary = loop.run(cfg, mesh=mesh)
+  assert summary["ref_cache"]["hit"] is False
+  held = loop.Data(cfg).held
+  q = quant.quantize_params(transformer.param_specs(cfg.model), "int8", other, mesh)
+  want = evaluate.pair_metrics(cfg, mesh, q, None, q, held, 8)["perplexity"]
+  assert summary["reference_perplexity"] == pytest.approx(want, rel=1e-5)
+  import json
+  first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+  assert first["step"] == 1 and abs(first["rewards/margins"]) > 1e-4
+
+
+def test_hf_reference_of_another_architecture_is_refused(tmp_path):
+  """--ref_init_from=hf:DIR must describe the policy's architecture: the error names the
+  fields that differ."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from dpo import checkpoint
+  torch.manual_seed(0)
+  transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+      vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+  cfg = TINY.replace(ref_init_from=f"hf:{tmp_path}", vocab_size=272)
+  with pytest.raises(checkpoint.CheckpointError, match=r"another architecture.*'arch': \('qwen2', 'llama'\)"):
+    reference.load(cfg, sharding.make_mesh("data:1", jax.devices()[:1]))

@@ -190,3 +190,31 @@ def test_base_memory_prints_the_real_size_presets(tool_output):
                                      f"{8_030_261_248 * 2 / 2**30:.2f}G"]
   for params, f32, bf16, int8, nf4 in rows.values():
     assert float(f32[:-1]) > float(bf16[:-1]) > float(int8[:-1]) > float(nf4[:-1])
+
+
+def test_curves_draws_a_run_directory_with_its_rollbacks(tmp_path):
+  """`python -m dpo.tools.curves --run_dir=DIR` as a user runs it; a rollback is a pure red
+  line (matplotlib's colour cycle has none), so the PNG read back shows whether it is drawn."""
+  import json
+  import matplotlib.image
+  import numpy as np
+  records = [{"stage": "sft", "step": s, "loss": 5.0 - s, "grad_norm": 1.0, "learning_rate": 1e-3}
+             for s in (1, 2)]
+  records += [{"stage": "dpo", "step": s, "loss": 0.7 - 0.01 * s, "rewards/accuracies": 0.5,
+               "rewards/margins": 0.1 * s, "rewards/chosen": 0.1, "rewards/rejected": -0.1,
+               "kl": 0.01 * s, "grad_norm": 0.5, "learning_rate": 1e-4} for s in (1, 2, 3, 4)]
+  records += [{"stage": "eval", "step": 2, "eval/win_rate": 0.6, "eval/perplexity": 3.0,
+               "eval/reward_accuracy": 0.7, "eval/reward_margin": 0.2,
+               "eval/kl_per_token": 0.02}]
+  red = lambda png: int(np.all(matplotlib.image.imread(png)[..., :3] == [1, 0, 0], -1).sum())
+  for name, extra in (("calm", []), ("spiky", [{"stage": "dpo", "step": 3, "event": "rollback",
+                                                "reason": "kl", "to_step": 2, "lr_scale": 0.1,
+                                                "rollbacks": 1}])):
+    run = tmp_path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records + extra))
+    proc = subprocess.run([sys.executable, "-m", "dpo.tools.curves", f"--run_dir={run}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str(run / "curves.png")
+  assert red(tmp_path / "calm" / "curves.png") == 0 < red(tmp_path / "spiky" / "curves.png")

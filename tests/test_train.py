@@ -166,3 +166,61 @@ def test_step_without_kl_holds_no_reference_logits(setup):
   B, _, T = pairs["tokens"][:8].shape
   assert temps[True] - temps[False] >= B * 2 * T * 1024 * 4
   assert "kl" in keys[True] and "kl" not in keys[False]
+
+
+def _one_step(cfg, mesh, base, batch, step_fn=train.dpo_step, stage="dpo"):
+  spec = train.StepConfig.dpo(cfg) if stage == "dpo" else train.StepConfig.sft(cfg)
+  if stage == "dpo":
+    trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.key(1), mesh)
+    frozen = train.initial_frozen(base)
+  else:
+    trainable, frozen = jax.tree.map(jnp.copy, base), None
+  state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
+  step = train.jit_step(step_fn, spec, mesh, state, frozen)
+  temp = step.lower(state, frozen, batch).compile().memory_analysis().temp_size_in_bytes
+  for _ in range(2):  # the second step's loss and metrics follow a non-zero first update
+    state, m = step(state, frozen, batch)
+  return jax.device_get(m), jax.tree.map(np.asarray, state.params), temp
+
+
+@pytest.mark.parametrize("lora_rank", [16, 0])
+def test_gradient_accumulation_equals_the_full_batch_step(setup, lora_rank):
+  """K = 4 microbatches scanned in the step: loss, every metric (the token KL included) and the
+  update equal the one-batch step's on the same global batch; the step's temporaries shrink."""
+  _, pairs, _ = setup
+  mesh = sharding.make_mesh("data:2", jax.devices()[:2])
+  base = transformer.init(CFG.model, jax.random.key(0), mesh)
+  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  cfg = CFG.replace(lora_rank=lora_rank, learning_rate=1e-3)
+  assert cfg.step_kl
+  m1, p1, t1 = _one_step(cfg, mesh, base, batch)
+  m4, p4, t4 = _one_step(cfg.replace(gradient_accumulation_steps=4), mesh, base, batch)
+  assert set(m1) == set(m4) and "kl" in m1
+  for k in m1:
+    np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+  assert t4 < t1
+
+
+def test_gradient_accumulation_sft_is_the_token_mean_of_the_batch(setup):
+  mesh = sharding.make_mesh("data:2", jax.devices()[:2])
+  base = transformer.init(CFG.model, jax.random.key(0), mesh)
+  sft = data.tokenize_sft(task.sft_records(8, 0), ByteTokenizer(), 40, 56)
+  assert len(set(sft["loss_mask"].sum(1))) > 1  # unequal lengths: a mean of means would differ
+  batch = train.device_batch(mesh, sft)
+  cfg = CFG.replace(sft_learning_rate=1e-3)
+  m1, p1, _ = _one_step(cfg, mesh, base, batch, train.sft_step, "sft")
+  m4, p4, _ = _one_step(cfg.replace(gradient_accumulation_steps=4), mesh, base, batch,
+                        train.sft_step, "sft")
+  for k in m1:
+    np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_microbatches_keep_each_devices_rows():
+  """Microbatch i holds rows i, i + K, ...: a device's rows split evenly between microbatches."""
+  x = np.arange(8)
+  np.testing.assert_array_equal(train.microbatches({"x": x}, 4)["x"],
+                                [[0, 4], [1, 5], [2, 6], [3, 7]])

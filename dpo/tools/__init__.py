@@ -8,6 +8,7 @@ Every tool takes absl flags: those that read a config take `--config` and every 
   compare_losses        one SFT model, then one DPO run per loss type; held-out metrics per loss
   compile_check         compile the DPO step from abstract shapes; per-device memory, no weights
   base_memory           frozen-base bytes of the real-size presets: float32, bfloat16, int8, nf4
+  curves                a run's metrics.jsonl as one PNG page of curves
   frontier              reward-KL frontier: DPO over betas, Preferred-FT, best-of-N (table, PNG)
 
 Nothing in dpo/ or models/ imports these modules or launch.py.
