@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from dpo import checkpoint, evaluate, formats, hooks, prepare, reference, task, train
+from dpo import checkpoint, evaluate, formats, hooks, packing, prepare, reference, task, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
@@ -228,6 +228,10 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
     ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
                                                         cache_dir, c.optim.global_batch_size)
     pairs = {**pairs, **ref_arrays}
+  if c.model.prefix_sharing:
+    shared, note = packing.shared_prefix(pairs)
+    logging.info("%s", note)
+    pairs = pairs if shared is None else {**pairs, **shared}
   # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`) for
   # every loss and reference scheme, so runs stay comparable (TR-DPO moves the training
   # reference).

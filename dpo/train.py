@@ -196,7 +196,7 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
     metrics = {**losses.pair_statistics(lp, lc.beta), **extra}
     if pol.logits is not None:
       # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
-      kl = logprobs.token_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch["loss_mask"])
+      kl = logprobs.pair_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch)
       metrics["kl"] = kl.sum() / jnp.maximum(pol.tokens.sum(), 1.0)
     return loss, metrics
 
