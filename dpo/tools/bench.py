@@ -24,8 +24,9 @@ Two utilisations, both over the float32 --matmul_size^3 matmul peak measured in 
     forward and backward (LoRA: activation gradients and the factors' gradients only), the
     attention over every slot pair of a row (masked ones too), the LM head where it runs.
 `temp MiB` is the compiler's temporary-buffer figure for the step (`memory_analysis`).
-tokens/s counts the real (non-padding) tokens of the pair rows; `x unshared` is a row's pairs/s
-over the unshared layout's.
+`slots` counts the positions the model runs per step (rows x row length); tokens/s counts the
+real (non-padding) tokens of the pair rows; `x unshared` is a row's pairs/s over the unshared
+layout's.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def main(argv):
         cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
         results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
   print(f"workload {FLAGS.workload}, {cfg.optim.global_batch_size} pairs per step")
-  print(f"{'variant':<8} {'layout':<10} {'step s':>7} {'pairs/s':>8} {'tokens/s':>8} "
+  print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'step s':>7} {'pairs/s':>8} {'tokens/s':>8} "
         f"{'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} {'RSS MiB':>8} "
         f"{'loss@1':>9} {'x plain':>7} {'x unshared':>10}")
   fmt = lambda x, f: "-" if x is None else f.format(x)
@@ -259,7 +260,8 @@ def main(argv):
         row = {**rs[0], "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs)}
       step_time = cfg.optim.global_batch_size / rate[layout]
       exec_util = None if row["executed_flops"] is None else row["executed_flops"] / step_time / peak
-      print(f"{'LoRA' if v == 'lora' else 'full FT':<8} {layout:<10} {step_time:7.3f} "
+      print(f"{'LoRA' if v == 'lora' else 'full FT':<8} {layout:<10} "
+            f"{fmt(row.get('slots'), '{:6d}'):>6} {step_time:7.3f} "
             f"{rate[layout]:8.3f} {row['tokens_per_s']:8.0f} "
             f"{fmt(row['executed_flops'] and row['executed_flops'] / 1e9, '{:8.3f}'):>8} "
             f"{fmt(exec_util and 100 * exec_util, '{:8.1f}%'):>9} "
