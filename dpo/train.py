@@ -169,7 +169,8 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
   batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
   ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
   runs. Reference-free losses run no reference forward either. The token KL metric (spec.kl)
-  needs the reference logits [B, 2, T, V]; without it they are never kept.
+  needs the reference logits ([B, 2, T, V], or [B, K, V] at the scored slots of shared-prefix
+  rows); without it they are never kept.
   """
   lora_on, lc = spec.lora.enabled, spec.loss
   if lc.reference_free:

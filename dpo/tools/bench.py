@@ -85,19 +85,20 @@ def executed_flops(cfg, rows: int, slots: int, head_rows: int, reference: bool =
   hidden states. Forward: dense 2 * P per slot, attention 4 * slots^2 * H * head_dim per row and
   layer. Backward: twice the forward with full fine-tuning; with LoRA the activation gradients
   (once the dense forward, twice the attention) plus the factors' forward, input and weight
-  gradients. The reference adds one forward."""
+  gradients. The reference adds one forward; --remat the layers' forward once more."""
   m, lc = cfg.model, cfg.lora
   dense = 2 * m.n_layers * _layer_matrix_params(m) * rows * slots
   attn = 4 * m.n_layers * rows * slots ** 2 * m.n_heads * m.head_dim
   head = 2 * m.d_model * m.vocab_size * head_rows
   fwd = dense + attn + head
+  remat = (dense + attn) if m.remat else 0  # the layers' forward again, in the backward pass
   if not lc.enabled:
-    return fwd * (3 + reference)
+    return fwd * (3 + reference) + remat
   specs = train.trainable_specs(m, lc)
   # Each factor is applied once per slot; its forward, input gradient and weight gradient.
   lora = 2 * 3 * sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(
       transformer.abstract(specs))) * rows * slots
-  return fwd * (1 + reference) + dense + 2 * attn + head + lora
+  return fwd * (1 + reference) + dense + 2 * attn + head + lora + remat
 
 
 def synthetic_batch(cfg, pairs: int, rng):
