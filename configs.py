@@ -64,6 +64,12 @@ class ModelConfig:
   init_std: float = _f(0.02, "Stddev of the normal initializer for matrices.")
   compute_dtype: str = _f("float32", "Matmul dtype: float32 or bfloat16 (params stay float32).")
   remat: bool = _f(False, "Rematerialize each layer in the backward pass (saves activations).")
+  prefix_sharing: bool = _f(True, "DPO: one row per pair, prompt | chosen | rejected, so the prompt "
+                                  "is computed once per model (dpo/packing.py); off where the pair "
+                                  "rows do not share a prompt (logged).")
+  logits_chunk: int = _f(0, "With prefix sharing: log-softmax over vocabulary chunks of this size "
+                            "(a divisor of vocab_size), so [tokens, vocab] logits never exist; 0 = "
+                            "the whole vocabulary at once.")
   # Architecture switches (one model definition; Hugging Face families differ only here).
   arch: str = _f("llama", f"Hugging Face model_type written on export, from {ARCHS}.")
   mlp_act: str = _f("silu", "Gated-MLP activation: silu (SwiGLU), gelu_tanh or gelu (GeGLU).")
@@ -101,6 +107,9 @@ class ModelConfig:
         raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
     if self.sliding_window < 0 or self.sliding_pattern < 1:
       raise ValueError("sliding_window must be >= 0 and sliding_pattern >= 1")
+    if self.logits_chunk < 0 or (self.logits_chunk and self.vocab_size % self.logits_chunk):
+      raise ValueError(f"logits_chunk={self.logits_chunk} must be 0 or a divisor of "
+                       f"vocab_size={self.vocab_size}")
 
   def layer_is_local(self) -> tuple[bool, ...]:
     """Per layer: True where attention is restricted to the sliding window."""

@@ -4,6 +4,11 @@
 one path from a batch to per-token log-probs; `sequence_logps` sums it per sequence, and
 `pair_stats` runs it on the chosen and rejected sequences of each pair with `jax.vmap` over the
 pair axis. Prompt and padding positions are masked out.
+
+A batch that carries shared-prefix rows (dpo/packing.py: `shared_*` and `score_*` arrays) takes
+`shared_pair_stats` instead: one forward per pair over prompt | chosen | rejected, the LM head
+only at the scored slots (`head_logps`, optionally over vocabulary chunks), the same
+`PairStats`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models import transformer
+from dpo import packing
+from models import quant, transformer
 
 if TYPE_CHECKING:
   from configs import ModelConfig
@@ -32,10 +38,24 @@ def token_kl(p_logits_TV: jax.Array, q_logits_TV: jax.Array, loss_mask_T: jax.Ar
   """Summed exact KL(p || q) in nats between the next-token distributions that score each masked
   token (logits at t - 1 score token t, as in `token_logps`). Leading axes are batch axes;
   arrays are [..., T, V] and [..., T]; returns [...]."""
-  logp = jax.nn.log_softmax(p_logits_TV[..., :-1, :].astype(jnp.float32), axis=-1)
-  logq = jax.nn.log_softmax(q_logits_TV[..., :-1, :].astype(jnp.float32), axis=-1)
-  kl_T = (jnp.exp(logp) * (logp - logq)).sum(-1)
+  kl_T = _kl(p_logits_TV[..., :-1, :], q_logits_TV[..., :-1, :])
   return (kl_T * loss_mask_T[..., 1:]).sum(-1)
+
+
+def _kl(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
+  """Exact KL(p || q) in nats over the last (vocabulary) axis, in float32."""
+  logp = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)
+  logq = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)
+  return (jnp.exp(logp) * (logp - logq)).sum(-1)
+
+
+def pair_kl(p_logits: jax.Array, q_logits: jax.Array, batch) -> jax.Array:
+  """Summed exact token KL(p || q) over each pair's scored tokens, from `PairStats.logits`: the
+  [B, 2, T, V] logits of the unshared layout (-> [B, 2]) or, for shared-prefix rows, the
+  [B, K, V] logits at the scored slots (-> [B]). Either sums to the batch total."""
+  if "score_weight" in batch:
+    return (_kl(p_logits, q_logits) * batch["score_weight"]).sum(-1)
+  return token_kl(p_logits, q_logits, batch["loss_mask"])
 
 
 def wpo_token_logw(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -89,11 +109,14 @@ _SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 def pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bool = False,
                with_logits: bool = False, **forward_kw) -> PairStats:
-  """`score` vmapped over the pair axis of [B, 2, T] arrays, then per-pair reductions.
+  """`score` vmapped over the pair axis of [B, 2, T] arrays, then per-pair reductions; a batch
+  with shared-prefix rows goes to `shared_pair_stats` (same result, less work).
 
   Each side gets its own dropout key. The shared-length sum (LD-DPO) keeps completion tokens
   whose rank within their completion is <= min(|y_w|, |y_l|).
   """
+  if packing.SCORE_KEYS[0] in batch:
+    return shared_pair_stats(cfg, params, batch, dropout_key, wpo, with_logits, **forward_kw)
   keys = None if dropout_key is None else jax.random.split(dropout_key, 2)
 
   def one(seq, key):
@@ -108,3 +131,80 @@ def pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bool = Fa
   shared_B2 = (s.logps * (rank_B2T <= shared_B1[..., None])).sum(-1)
   logw = None if s.wpo_logw is None else s.wpo_logw.sum(-1) / jnp.maximum(tokens_B2, 1.0)
   return PairStats(s.logps.sum(-1), tokens_B2, shared_B2, logw, s.logits)
+
+
+def _head_chunks(cfg: ModelConfig, params, chunk: int, dtype) -> jax.Array:
+  """The LM head as [V / chunk, D, chunk] (the tied embedding transposed), dequantized."""
+  w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+  if quant.is_quantized(w):
+    w = quant.dequantize(w)
+  w_DV = w.T if cfg.tie_embeddings else w
+  D, V = w_DV.shape
+  return w_DV.astype(dtype).reshape(D, V // chunk, chunk).transpose(1, 0, 2)
+
+
+def head_logps(cfg: ModelConfig, params, h_BKD: jax.Array, target_BK: jax.Array, wpo: bool = False,
+               with_logits: bool = False):
+  """(log p(target) [B, K], WPO log-weights [B, K] or None, logits [B, K, V] or None) from final
+  hidden states at the scoring slots; float32 log-softmax.
+
+  With `cfg.logits_chunk` (a divisor of the vocabulary; not with `with_logits`) the
+  log-normaliser is a running logsumexp over vocabulary chunks, each chunk's logits recomputed
+  in the backward pass, so [B, K, V] never exists.
+  """
+  chunk = cfg.logits_chunk
+  if not chunk or chunk >= cfg.vocab_size or with_logits:
+    logits = transformer.unembed(cfg, params, h_BKD)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    lp = jnp.take_along_axis(logits, target_BK[..., None], axis=-1)[..., 0] - lse
+    logw = lp - (jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * lse) if wpo else None
+    return lp, logw, logits if with_logits else None
+
+  @jax.checkpoint
+  def body(carry, xs):
+    m, s, s2, picked = carry
+    w_DC, first = xs
+    logits = transformer.soft_cap(
+        jnp.einsum("bkd,dc->bkc", h_BKD, w_DC).astype(jnp.float32), cfg.final_softcap)
+    m_new = jnp.maximum(m, logits.max(-1))
+    s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(-1)
+    s2 = s2 * jnp.exp(2.0 * (m - m_new)) + jnp.exp(2.0 * (logits - m_new[..., None])).sum(-1)
+    idx = target_BK - first
+    hit = (idx >= 0) & (idx < chunk)
+    got = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[..., None], axis=-1)[..., 0]
+    return (m_new, s, s2, picked + jnp.where(hit, got, 0.0)), None
+
+  w_NDC = _head_chunks(cfg, params, chunk, h_BKD.dtype)
+  zeros = jnp.zeros(target_BK.shape, jnp.float32)
+  init = (jnp.full(target_BK.shape, jnp.finfo(jnp.float32).min), zeros, zeros, zeros)
+  firsts = jnp.arange(w_NDC.shape[0], dtype=jnp.int32) * chunk
+  (m, s, s2, picked), _ = jax.lax.scan(body, init, (w_NDC, firsts))
+  lse = m + jnp.log(s)
+  lp = picked - lse
+  # log sum_v p(v)^2 = logsumexp(2 * logits) - 2 * lse, with logsumexp(2 * logits) = 2m + log s2.
+  logw = lp - (2.0 * m + jnp.log(s2) - 2.0 * lse) if wpo else None
+  return lp, logw, None
+
+
+def shared_pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bool = False,
+                      with_logits: bool = False, **forward_kw) -> PairStats:
+  """`pair_stats` of shared-prefix rows (dpo/packing.py): one [B, S] forward per pair, hidden
+  states gathered at the K scoring slots before the LM head, sums per side.
+
+  One dropout key serves the whole row, so with LoRA dropout the prompt's dropout mask is shared
+  by both completions (the unshared layout draws one per side). `PairStats.logits`
+  (`with_logits`) is [B, K, V], the logits at the scoring slots (see `pair_kl`).
+  """
+  h_BSD = transformer.forward(cfg, params, batch["shared_tokens"], batch["shared_positions"],
+                              batch["shared_segment_ids"], branch_BT=batch["shared_branch"],
+                              return_hidden=True, dropout_key=dropout_key, **forward_kw)
+  h_BKD = jnp.take_along_axis(h_BSD, batch["score_from"][..., None], axis=1)
+  lp_BK, logw_BK, logits = head_logps(cfg, params, h_BKD, batch["score_target"], wpo, with_logits)
+  side_BK2 = ((batch["score_side"][..., None] == jnp.arange(2)).astype(jnp.float32)
+              * batch["score_weight"][..., None])
+  per_side = lambda x_BK: jnp.einsum("bk,bkj->bj", x_BK, side_BK2)
+  tokens_B2 = side_BK2.sum(1)
+  shared_B1 = tokens_B2.min(axis=1, keepdims=True)
+  shared_B2 = per_side(lp_BK * (batch["score_rank"] <= shared_B1))
+  logw = None if logw_BK is None else per_side(logw_BK) / jnp.maximum(tokens_B2, 1.0)
+  return PairStats(per_side(lp_BK), tokens_B2, shared_B2, logw, logits)

@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 import configs
-from dpo import chat, checkpoint, curves, evaluate, formats, hooks, prepare, reference, task, train
-from dpo import tracking
+from dpo import chat, checkpoint, curves, evaluate, formats, hooks, packing, prepare, reference
+from dpo import task, tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
@@ -319,6 +319,10 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
     ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
                                                         cache_dir, c.optim.global_batch_size)
     pairs = {**pairs, **ref_arrays}
+  if c.model.prefix_sharing:
+    shared, note = packing.shared_prefix(pairs)
+    logging.info("%s", note)
+    pairs = pairs if shared is None else {**pairs, **shared}
   # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
   # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
   # (TR-DPO moves the training reference).

@@ -218,9 +218,10 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
   batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
   ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
   runs. Reference-free losses run no reference forward either. The token KL metric (spec.kl)
-  needs the reference logits [B, 2, T, V]; without it they are never kept. With
-  gradient_accumulation_steps = K the loss, metrics and gradient are those of `microbatch_loss`
-  averaged over K microbatches of B / K pairs (`accumulate`).
+  needs the reference logits ([B, 2, T, V], or [B, K, V] at the scored slots of shared-prefix
+  rows); without it they are never kept. With gradient_accumulation_steps = K the loss, metrics
+  and gradient are those of `microbatch_loss` averaged over K microbatches of B / K pairs
+  (`accumulate`).
   """
   _check_pair_batch(batch)
   lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
@@ -262,7 +263,7 @@ def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch, dropout_
   metrics = {**losses.pair_statistics(lp, lc.beta), **extra}
   if pol.logits is not None:
     # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
-    kl = logprobs.token_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch["loss_mask"])
+    kl = logprobs.pair_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch)
     metrics["kl"] = (kl.sum(), pol.tokens.sum())
   return loss, metrics
 

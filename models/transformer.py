@@ -155,18 +155,25 @@ def rope(x_BTHK: jax.Array, positions_BT: jax.Array, freq_k: jax.Array) -> jax.A
   return out.astype(x_BTHK.dtype)
 
 
-def attention_mask(q_segment_BT, kv_segment_BS, q_index_BT, kv_index_BS, window: int = 0) -> jax.Array:
+def attention_mask(q_segment_BT, kv_segment_BS, q_index_BT, kv_index_BS, window: int = 0,
+                   q_branch_BT=None, kv_branch_BS=None) -> jax.Array:
   """[B, T, S] boolean: causal by slot index, same segment, and never a padding key (segment 0).
 
-  Padding, packed sequences and (later) shared-prefix layouts are all expressed through the
-  segment ids and slot indices passed here; the attention itself never changes. `window` > 0
+  Padding, packed sequences and shared-prefix layouts are all expressed through the segment
+  ids, slot indices and branch ids passed here; the attention itself never changes. `window` > 0
   keeps only the last `window` keys (q_index - kv_index < window): sliding-window layers.
+  Branches (shared-prefix rows, dpo/packing.py): a key of branch 0 (the prompt) is seen by every
+  later query of its segment, a key of branch b > 0 (a completion) only by queries of branch b,
+  so the chosen and rejected completions after one prompt never see each other.
   """
   causal = q_index_BT[:, :, None] >= kv_index_BS[:, None, :]
   same = q_segment_BT[:, :, None] == kv_segment_BS[:, None, :]
   mask = causal & same & (kv_segment_BS[:, None, :] != 0)
   if window:
     mask &= q_index_BT[:, :, None] - kv_index_BS[:, None, :] < window
+  if kv_branch_BS is not None:
+    kv_b = kv_branch_BS[:, None, :]
+    mask &= (kv_b == 0) | (kv_b == q_branch_BT[:, :, None])
   return mask
 
 
@@ -304,10 +311,12 @@ def _cache_writer(k_BSKk, v_BSKk, index):
 def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, lora=None,
             lora_scale: float = 1.0, dropout_key: jax.Array | None = None,
             dropout_rate: float = 0.0, return_hidden: bool = False,
-            cache: KVCache | None = None, cache_index: jax.Array | int = 0):
+            cache: KVCache | None = None, cache_index: jax.Array | int = 0,
+            branch_BT: jax.Array | None = None):
   """Logits [B, T, V] in float32 (or final hidden states [B, T, D] with return_hidden).
 
-  tokens, positions and segment ids are all [B, T] int32. Segment 0 marks padding. `lora` is a
+  tokens, positions and segment ids are all [B, T] int32. Segment 0 marks padding. `branch_BT`
+  (int32, shared-prefix rows; see `attention_mask`) keeps sibling completions apart. `lora` is a
   LoRA pytree from models/lora.py or None (the frozen base: the reference policy). Dropout on
   the LoRA input path applies only when `dropout_key` is given.
 
@@ -324,22 +333,25 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
     x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
   x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
   index_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+  branch_kw = {} if branch_BT is None else {"q_branch_BT": branch_BT, "kv_branch_BS": branch_BT}
   if cache is None:
     mask_args = (segment_ids_BT, segment_ids_BT, index_BT, index_BT)
     layer_cache = None
   else:
+    if branch_BT is not None:
+      raise ValueError("branch ids (shared-prefix rows) are not supported with a KV cache")
     kv_segment_BS = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids_BT,
                                                         cache_index, 1)
     kv_index_BS = jnp.broadcast_to(jnp.arange(kv_segment_BS.shape[1]), kv_segment_BS.shape)
     mask_args = (segment_ids_BT, kv_segment_BS, cache_index + index_BT, kv_index_BS)
     layer_cache = (cache.k, cache.v)
-  mask_BTS = attention_mask(*mask_args)
+  mask_BTS = attention_mask(*mask_args, **branch_kw)
   lora_layers = None if lora is None else lora["layers"]
   # Per-layer variation (sliding window, local RoPE base) rides along the scan as a flag.
   local_L = np.asarray(cfg.layer_is_local())
   freq_global, freq_local = (jnp.asarray(rope_frequencies(cfg, local)) for local in (False, True))
   if local_L.any():
-    local_mask_BTS = attention_mask(*mask_args, cfg.sliding_window)
+    local_mask_BTS = attention_mask(*mask_args, cfg.sliding_window, **branch_kw)
 
   def body(x, xs):
     p, lp, i, local, c = xs

@@ -134,18 +134,27 @@ def tool_output(tmp_path_factory):
       p.wait()
 
 
-def test_bench_prints_a_row_per_variant_with_loss_log2_at_the_first_step(tool_output):
+def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_step(tool_output):
   lines = tool_output("bench")
   assert lines[0].startswith("devices: 1 x cpu; float32 128^3 matmul peak")
-  assert lines[1].split() == ["preset", "variant", "step", "s", "pairs/s", "tokens/s", "GFLOP",
-                              "util", "loss@1"]
-  rows = [l.split() for l in lines[2:4]]
-  assert [r[:2] for r in rows] == [["bench-small", "LoRA"], ["bench-small", "full"]]
+  assert "plain JAX step: not run" in lines[0]  # a tiny model is not the plain step's workload
+  assert lines[1] == "workload bench-small, 4 pairs per step"
+  assert lines[2].split() == ["variant", "layout", "slots", "step", "s", "pairs/s", "tokens/s", "exec", "GF",
+                              "exec", "util", "model", "util", "temp", "MiB", "RSS", "MiB",
+                              "loss@1", "x", "plain", "x", "unshared"]
+  rows = [l.replace("full FT", "full").split() for l in lines[3:7]]
+  assert [r[:2] for r in rows] == [["LoRA", "unshared"], ["LoRA", "shared"], ["full", "unshared"],
+                                   ["full", "shared"]]
   for r in rows:
-    assert float(r[3]) > 0 and r[-2].endswith("%")
+    assert float(r[3]) > 0 and r[7].endswith("%") and float(r[10]) > 0  # step s, util, RSS
     # The policy starts equal to the reference (LoRA B = 0, or a copy): sigmoid loss = log 2.
-    assert float(r[-1]) == pytest.approx(math.log(2), abs=1e-6)
-  assert lines[4].startswith("peak RSS of this process")
+    assert float(r[-3]) == pytest.approx(math.log(2), abs=1e-6)
+    assert r[-2] == "-" and r[-1].endswith("x")
+  assert float(rows[0][-1][:-1]) == 1.0
+  # Shared rows run fewer slots and FLOPs than the unshared pair rows: 4 rows of 8 + 8 + 8
+  # slots instead of 8 rows of 16.
+  assert [int(r[2]) for r in rows] == [128, 96, 128, 96]
+  assert float(rows[1][6]) < float(rows[0][6]) and float(rows[3][6]) < float(rows[2][6])
 
 
 def test_bench_precompute_ref_times_both_variants_to_the_same_loss(tool_output):

@@ -148,6 +148,23 @@ def test_packed_segments_are_independent(params):
   np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(b), atol=1e-5)
 
 
+def test_branches_after_a_shared_prefix_are_independent(params):
+  """prompt | a | b in one row, b's positions restarting after the prompt and branch ids 0/1/2,
+  gives a's and b's logits as the rows prompt + a and prompt + b run alone."""
+  tp, pp, sp = _inputs(B=1, T=4, seed=3)
+  ta, tb = _inputs(B=1, T=3, seed=4)[0], _inputs(B=1, T=5, seed=5)[0]
+  row = np.concatenate([tp, ta, tb], 1)
+  pos = np.concatenate([pp, 4 + np.arange(3)[None], 4 + np.arange(5)[None]], 1).astype(np.int32)
+  branch = np.array([[0] * 4 + [1] * 3 + [2] * 5], np.int32)
+  shared = transformer.forward(CFG, params, row, pos, np.ones_like(row), branch_BT=branch)
+  for t, sl in ((ta, slice(4, 7)), (tb, slice(7, 12))):
+    alone = np.concatenate([tp, t], 1)
+    want = transformer.forward(CFG, params, alone, np.arange(alone.shape[1])[None],
+                               np.ones_like(alone))
+    np.testing.assert_allclose(np.asarray(shared[:, :4]), np.asarray(want[:, :4]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(shared[:, sl]), np.asarray(want[:, 4:]), atol=1e-5)
+
+
 def test_bfloat16_and_remat(mesh1, params):
   tokens, positions, segments = _inputs()
   ref = transformer.forward(CFG, params, tokens, positions, segments)

@@ -1,30 +1,45 @@
-"""Benchmark the jitted DPO step: pairs/s, tokens/s and model-FLOP utilisation.
+"""Benchmark the jitted DPO step beside the plain JAX step: pairs/s, utilisation, memory.
 
-    python -m dpo.tools.bench                # bench-small with LoRA, then with full fine-tuning
-    python -m dpo.tools.bench --config=bench-small --nofull_ft --timed_steps=10 --rounds=3
+    python -m dpo.tools.bench                # bench-small: LoRA and full FT, unshared and shared
+    python -m dpo.tools.bench --variants=lora --layouts=shared --rounds_of_processes=3
+    python -m dpo.tools.bench --workload=hh-rlhf --global_batch_size=8
 
-Every config flag applies (--config defaults to bench-small here); the tool's own flags are
---full_ft, --timed_steps, --warmup_steps, --rounds and --matmul_size. The step is the one a run
+Every variant (LoRA or full fine-tuning x the unshared pair rows or shared-prefix rows) runs in
+its own process, so each peak RSS is that variant's alone; with `--plain_dir` present (default
+../shared/bench) and the bench-small workload, its plain JAX step (`plain_jax_dpo.py`) runs as
+one more process per variant, and every row prints our pairs/s over its pairs/s. `--rounds`
+repeats the whole set of processes, interleaved (ours, plain, ours, plain, ...), and reports
+each variant's median round, so a noisy neighbour slows both sides alike.
+
+Every config flag applies (--config defaults to bench-small here). The step is the one a run
 jits (`train.jit_step`: sharded over --mesh, state donated), built from the run's initial trees
-(`train.initial_trainable` / `initial_frozen`, the base quantized with --base_quant).
+(`train.initial_trainable` / `initial_frozen`, the base quantized with --base_quant); shared
+rows come from `packing.shared_prefix`, as in a run.
 
-Utilisation is achieved model FLOP/s over the float32 matmul peak measured in the same process
-(a jitted --matmul_size^3 matmul, 2048 by default). The model FLOPs per step use the formula of
-shared/BENCHMARKS.md so figures compare across systems:
-
-    FLOPs = 6 * N * T + 12 * n_layers * seq_len^2 * d_model * sequences
-
-with N the layer matrices plus the LM head (embedding excluded), T the tokens per step (chosen +
-rejected), and `sequences` = 2 * pairs. This is the nominal training cost of the policy; the
-reference forward, LoRA's smaller backward and masked attention are not counted separately, as
-in the peers' figures.
+Two utilisations, both over the float32 --matmul_size^3 matmul peak measured in the parent:
+  * model: the nominal FLOPs of shared/BENCHMARKS.md, the same for every layout and system,
+        6 * N * T + 12 * n_layers * seq_len^2 * d_model * sequences
+    (N the layer matrices plus the LM head, T the pair tokens, sequences = 2 * pairs);
+  * executed: the matmul FLOPs the step runs (`executed_flops`): reference forward, policy
+    forward and backward (LoRA: activation gradients and the factors' gradients only), the
+    attention over every slot pair of a row (masked ones too), the LM head where it runs.
+`temp MiB` is the compiler's temporary-buffer figure for the step (`memory_analysis`).
+`slots` counts the positions the model runs per step (rows x row length); tokens/s counts the
+real (non-padding) tokens of the pair rows; `x unshared` is a row's pairs/s over the unshared
+layout's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -33,7 +48,8 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import train
+from dpo import packing, prepare, train
+from dpo import tokenizer as tokenizer_lib
 from models import quant, sharding, transformer
 
 FLAGS = flags.FLAGS
@@ -53,13 +69,36 @@ def matmul_peak(n: int, reps: int = 20) -> float:
   return 2 * n ** 3 / best
 
 
+def _layer_matrix_params(m) -> int:
+  return m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.mlp_dim
+
+
 def model_flops(cfg, pairs: int, seq_len: int) -> float:
   m = cfg.model
-  per_layer = (m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-               + 3 * m.d_model * m.mlp_dim)
-  n = m.n_layers * per_layer + m.d_model * m.vocab_size
+  n = m.n_layers * _layer_matrix_params(m) + m.d_model * m.vocab_size
   tokens = 2 * pairs * seq_len
   return 6 * n * tokens + 12 * m.n_layers * seq_len ** 2 * m.d_model * 2 * pairs
+
+
+def executed_flops(cfg, rows: int, slots: int, head_rows: int, reference: bool = True) -> float:
+  """Matmul FLOPs of one step over `rows` rows of `slots` slots, the LM head on `head_rows`
+  hidden states. Forward: dense 2 * P per slot, attention 4 * slots^2 * H * head_dim per row and
+  layer. Backward: twice the forward with full fine-tuning; with LoRA the activation gradients
+  (once the dense forward, twice the attention) plus the factors' forward, input and weight
+  gradients. The reference adds one forward; --remat the layers' forward once more."""
+  m, lc = cfg.model, cfg.lora
+  dense = 2 * m.n_layers * _layer_matrix_params(m) * rows * slots
+  attn = 4 * m.n_layers * rows * slots ** 2 * m.n_heads * m.head_dim
+  head = 2 * m.d_model * m.vocab_size * head_rows
+  fwd = dense + attn + head
+  remat = (dense + attn) if m.remat else 0  # the layers' forward again, in the backward pass
+  if not lc.enabled:
+    return fwd * (3 + reference) + remat
+  specs = train.trainable_specs(m, lc)
+  # Each factor is applied once per slot; its forward, input gradient and weight gradient.
+  lora = 2 * 3 * sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(
+      transformer.abstract(specs))) * rows * slots
+  return fwd * (1 + reference) + dense + 2 * attn + head + lora + remat
 
 
 def synthetic_batch(cfg, pairs: int, rng):
@@ -72,6 +111,22 @@ def synthetic_batch(cfg, pairs: int, rng):
   loss_mask[:, :, P:] = 1.0
   return {"tokens": tokens, "positions": positions,
           "segment_ids": np.ones((pairs, 2, T), np.int32), "loss_mask": loss_mask}
+
+
+def hh_batch(cfg, pairs: int, rng) -> dict:
+  """`pairs` HH-RLHF pairs (--hh_data) tokenised with --hh_tokenizer and truncated to the
+  config's lengths, ids folded into the model's vocabulary: real lengths, real shared prompts.
+  The rows are cut to the batch's longest pair (rounded up to 8), as a run's loader would."""
+  tok = tokenizer_lib.load_tokenizer(FLAGS.hh_tokenizer)
+  arrays = prepare.prepare_pairs(FLAGS.hh_data, tok,
+                                 max_prompt_length=cfg.data.max_prompt_length,
+                                 max_target_length=cfg.data.max_target_length).train
+  rows = np.sort(rng.choice(len(arrays["tokens"]), pairs, replace=False))
+  batch = {k: v[rows] for k, v in arrays.items()}
+  T = packing._round_up(int(batch["segment_ids"].sum(-1).max()), 8)
+  batch = {k: v[..., :T] for k, v in batch.items()}
+  batch["tokens"] = batch["tokens"] % cfg.model.vocab_size
+  return batch
 
 
 def time_config(cfg) -> dict:
@@ -87,7 +142,19 @@ def time_config(cfg) -> dict:
   frozen = train.initial_frozen(base)
   state = train.init_state(trainable, opt, cfg.run.seed, mesh)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
-  batch = train.device_batch(mesh, synthetic_batch(cfg, pairs, np.random.default_rng(0)))
+  make = hh_batch if FLAGS.workload == "hh-rlhf" else synthetic_batch
+  arrays = make(cfg, pairs, np.random.default_rng(0))
+  T = arrays["tokens"].shape[-1]
+  tokens = int(arrays["segment_ids"].sum())  # real tokens of the pair rows
+  rows, slots, head_rows = 2 * pairs, T, 2 * pairs * T
+  if cfg.model.prefix_sharing:
+    shared, note = packing.shared_prefix(arrays)
+    if shared is None:
+      raise ValueError(note)
+    arrays = {**arrays, **shared}
+    rows, slots, head_rows = pairs, shared["shared_tokens"].shape[1], shared["score_from"].size
+  batch = train.device_batch(mesh, arrays)
+  mem = step.lower(state, frozen, batch).compile().memory_analysis()
   rounds = []
   first_loss = None
   for _ in range(FLAGS.rounds):
@@ -104,46 +171,134 @@ def time_config(cfg) -> dict:
       times.append(time.perf_counter() - t)
     rounds.append(statistics.median(times))
   step_time = statistics.median(rounds)
-  seq_len = cfg.data.max_prompt_length + cfg.data.max_target_length
-  return {"lora": cfg.lora.enabled, "step_time": step_time,
-          "pairs_per_s": pairs / step_time, "tokens_per_s": 2 * pairs * seq_len / step_time,
-          "flops": model_flops(cfg, pairs, seq_len), "first_loss": first_loss}
+  return {"lora": cfg.lora.enabled, "shared": cfg.model.prefix_sharing, "step_time": step_time,
+          "pairs_per_s": pairs / step_time, "tokens_per_s": tokens / step_time,
+          "model_flops": model_flops(cfg, pairs, T), "pair_slots": 2 * pairs * T,
+          "slots": rows * slots,
+          "executed_flops": executed_flops(cfg, rows, slots, head_rows),
+          "temp_bytes": getattr(mem, "temp_size_in_bytes", None), "first_loss": first_loss,
+          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _plain_applies(cfg) -> bool:
+  """The plain step is written for bench-small's shapes; it runs beside ours only there."""
+  ref = configs.get_config("bench-small")
+  same = lambda a, b, names: all(getattr(a, n) == getattr(b, n) for n in names)
+  model = [f.name for f in dataclasses.fields(ref.model)
+           if f.name not in ("prefix_sharing", "logits_chunk")]
+  return (FLAGS.workload == "bench-small" and same(cfg.model, ref.model, model)
+          and same(cfg.data, ref.data, ("max_prompt_length", "max_target_length"))
+          and same(cfg.optim, ref.optim, ("global_batch_size", "learning_rate"))
+          and same(cfg.lora, ref.lora, ("lora_alpha", "lora_dropout", "lora_targets"))
+          and cfg.lora.lora_rank in (0, ref.lora.lora_rank) and cfg.loss == ref.loss)
+
+
+def _run(cmd: list[str], out: str, what: str) -> dict:
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
+  done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  if done.returncode != 0:
+    raise RuntimeError(f"{what} exited {done.returncode}:\n{done.stdout[-2000:]}\n"
+                       f"{done.stderr[-4000:]}")
+  with open(out) as f:
+    return json.load(f)
+
+
+def _tool_argv() -> list[str]:
+  """This command's config flags, to pass on to the worker processes."""
+  own = ("--variants", "--layouts", "--plain_dir", "--worker_json", "--matmul_size",
+         "--rounds_of_processes")
+  return [a for a in sys.argv[1:] if not a.startswith(own)]
 
 
 def main(argv):
   del argv
   cfg = configs.from_flags()
-  variants = [cfg]
-  if FLAGS.full_ft and cfg.lora.enabled:
-    if cfg.model.base_quant == "none":
-      variants.append(cfg.replace(lora_rank=0))
-    else:
-      print(f"no full fine-tuning variant: --base_quant={cfg.model.base_quant} needs LoRA")
+  if FLAGS.worker_json:
+    with open(FLAGS.worker_json, "w") as f:
+      json.dump(time_config(cfg), f)
+    return
+  variants = [v for v in FLAGS.variants if v != "full" or cfg.model.base_quant == "none"]
+  if len(variants) < len(FLAGS.variants):
+    print(f"no full fine-tuning variant: --base_quant={cfg.model.base_quant} needs LoRA")
+  plain_script = os.path.join(FLAGS.plain_dir, "plain_jax_dpo.py")
+  plain = os.path.exists(plain_script) and _plain_applies(cfg)
   peak = matmul_peak(FLAGS.matmul_size)
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; float32 "
-        f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s")
-  print(f"{'preset':<18} {'variant':<8} {'step s':>8} {'pairs/s':>8} {'tokens/s':>9} "
-        f"{'GFLOP':>7} {'util':>7} {'loss@1':>9}")
-  for variant in variants:
-    r = time_config(variant)
-    util = r["flops"] / r["step_time"] / peak
-    print(f"{FLAGS.config:<18} {'LoRA' if r['lora'] else 'full FT':<8} {r['step_time']:8.3f} "
-          f"{r['pairs_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['flops'] / 1e9:7.1f} "
-          f"{100 * util:6.1f}% {r['first_loss']:9.6f}")
-  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  print(f"peak RSS of this process (all variants): {rss:.0f} MiB")
+        f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s; plain JAX step: "
+        f"{plain_script if plain else 'not run (absent, or not the bench-small workload)'}")
+  tmp = tempfile.mkdtemp(prefix="dpo_bench_")
+  results: dict[tuple[str, str], list[dict]] = {}
+  for r in range(FLAGS.rounds_of_processes):
+    for v in variants:
+      jobs = [(layout, [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(),
+                        f"--lora_rank={cfg.lora.lora_rank if v == 'lora' else 0}",
+                        f"--prefix_sharing={layout == 'shared'}"]) for layout in FLAGS.layouts]
+      if plain:
+        jobs.append(("plain JAX", [sys.executable, plain_script, "--variant", v]))
+      for layout, cmd in jobs:
+        out = os.path.join(tmp, f"{v}_{layout.replace(' ', '_')}_{r}.json")
+        cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
+        results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
+  print(f"workload {FLAGS.workload}, {cfg.optim.global_batch_size} pairs per step")
+  print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'step s':>7} {'pairs/s':>8} {'tokens/s':>8} "
+        f"{'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} {'RSS MiB':>8} "
+        f"{'loss@1':>9} {'x plain':>7} {'x unshared':>10}")
+  fmt = lambda x, f: "-" if x is None else f.format(x)
+  for v in variants:
+    rate = {}
+    for layout, rs in results.items():
+      if layout[0] == v:
+        key = "median_step_s" if layout[1] == "plain JAX" else "step_time"
+        rate[layout[1]] = cfg.optim.global_batch_size / statistics.median(x[key] for x in rs)
+    for layout in FLAGS.layouts + (["plain JAX"] if plain else []):
+      rs = results[(v, layout)]
+      if layout == "plain JAX":
+        row = {"executed_flops": None, "temp_bytes": None, "first_loss": rs[0]["losses"][0],
+               "model_flops": rs[0]["model_gflop_per_step"] * 1e9,
+               "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs)}
+      else:
+        row = {**rs[0], "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs)}
+      step_time = cfg.optim.global_batch_size / rate[layout]
+      exec_util = None if row["executed_flops"] is None else row["executed_flops"] / step_time / peak
+      print(f"{'LoRA' if v == 'lora' else 'full FT':<8} {layout:<10} "
+            f"{fmt(row.get('slots'), '{:6d}'):>6} {step_time:7.3f} "
+            f"{rate[layout]:8.3f} {row['tokens_per_s']:8.0f} "
+            f"{fmt(row['executed_flops'] and row['executed_flops'] / 1e9, '{:8.3f}'):>8} "
+            f"{fmt(exec_util and 100 * exec_util, '{:8.1f}%'):>9} "
+            f"{100 * row['model_flops'] / step_time / peak:9.1f}% "
+            f"{fmt(row['temp_bytes'] and row['temp_bytes'] / 2 ** 20, '{:8.0f}'):>8} "
+            f"{max(x['peak_rss_mib'] for x in rs):8.0f} {row['first_loss']:9.6f} "
+            f"{fmt(rate.get('plain JAX') and rate[layout] / rate['plain JAX'], '{:6.2f}x'):>7} "
+            f"{fmt(rate.get('unshared') and rate[layout] / rate['unshared'], '{:9.2f}x'):>10}")
 
 
 if __name__ == "__main__":
   configs.define_flags()
   FLAGS.set_default("config", "bench-small")
-  flags.DEFINE_bool("full_ft", True, "With a LoRA config, also time it with lora_rank=0 (every "
+  flags.DEFINE_list("variants", ["lora", "full"], "lora (the config's LoRA) and/or full (every "
                     "weight trains, frozen reference copy).")
+  flags.DEFINE_list("layouts", ["unshared", "shared"], "unshared ([B, 2, T] pair rows) and/or "
+                    "shared (prompt | chosen | rejected rows, --prefix_sharing).")
+  flags.DEFINE_string("plain_dir", "../shared/bench", "Folder of the plain JAX step "
+                      "(plain_jax_dpo.py); skipped when absent or not the bench-small workload.")
+  flags.DEFINE_integer("rounds_of_processes", 1, "Times the whole set of variant processes runs, "
+                       "interleaved; each variant reports its median.", lower_bound=1)
+  flags.DEFINE_enum("workload", "bench-small", ["bench-small", "hh-rlhf"], "bench-small: "
+                    "synthetic pairs of max_prompt_length + max_target_length tokens; hh-rlhf: "
+                    "--hh_data's lengths and shared prompts.")
+  flags.DEFINE_string("hh_data", "../shared/data/hh-rlhf/harmless-base-test.jsonl.gz",
+                      "Preference file whose lengths the hh-rlhf workload takes.")
+  flags.DEFINE_string("hh_tokenizer", "../shared/data/tokenizers/gpt2/tokenizer.json",
+                      "tokenizer.json that tokenises --hh_data.")
+  flags.DEFINE_string("worker_json", "", "Internal: time this one configuration in this "
+                      "process and write its figures here.")
   flags.DEFINE_integer("timed_steps", 10, "Timed steps per round (after the warm-up steps).",
                        lower_bound=1)
   flags.DEFINE_integer("warmup_steps", 3, "Untimed steps per round (the first gives loss@1).",
                        lower_bound=1)
-  flags.DEFINE_integer("rounds", 3, "Rounds; the median round is reported.", lower_bound=1)
+  flags.DEFINE_integer("rounds", 1, "Rounds inside each of our processes; the median round is "
+                       "reported.", lower_bound=1)
   flags.DEFINE_integer("matmul_size", 2048, "n of the n x n x n float32 matmul timed as the peak.",
                        lower_bound=1)
   app.run(main)
