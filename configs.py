@@ -259,10 +259,16 @@ class CheckpointConfig:
                           "section. For --stage=dpo it is both the initial policy and the reference.")
   export_hf: str = _f("", "After DPO, write the policy (LoRA merged) as a Hugging Face directory "
                           "here, plus the LoRA factors alone in PEFT layout under DIR/adapter.")
+  resume: str = _f("auto", "auto: resume from output_dir's checkpoints when there are any (the "
+                   "rerun must be the same run: hyperparameters, data, tokenizer, initial model "
+                   "and code are fingerprinted); never: refuse an output_dir that holds "
+                   "checkpoints; must: refuse to start without one.")
 
   def __post_init__(self):
     _check(self.checkpoint_every >= 0 and self.keep_checkpoints >= 1,
            "checkpoint_every must be >= 0 and keep_checkpoints >= 1")
+    _check(self.resume in ("auto", "never", "must"),
+           f"--resume={self.resume!r}: must be auto, never or must")
 
 
 @dataclass(frozen=True)
