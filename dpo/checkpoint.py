@@ -143,13 +143,14 @@ def _flip(tmp: str, path: str) -> None:
 
 
 def recover(path: str) -> None:
-  """Finishes an interrupted replace of `path` (process 0): a complete `<path>.tmp` with no
-  `path` is flipped in; leftovers of finished or abandoned operations are removed."""
+  """Finishes an interrupted save or replace of `path` (process 0, while nothing writes it): a
+  complete `<path>.tmp` with no `path` is flipped in; leftovers of finished or abandoned
+  operations (an incomplete .tmp, .old, .deleted) are removed."""
   tmp = path + ".tmp"
   if not os.path.exists(path) and os.path.isfile(os.path.join(tmp, MANIFEST)):
-    logging.warning("checkpoint: completing the interrupted replace of %s", path)
+    logging.warning("checkpoint: completing the interrupted save of %s", path)
     _flip(tmp, path)
-  for suffix in (".old", ".deleted"):
+  for suffix in (".tmp", ".old", ".deleted"):
     if os.path.exists(path + suffix):
       shutil.rmtree(path + suffix)
 
@@ -185,7 +186,11 @@ def read_meta(path: str) -> dict:
     raise Damaged(f"{path}: {MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT}")
   if not os.path.isfile(os.path.join(path, META)):
     raise Damaged(f"{path}: {META} is missing")
-  if _sha256(os.path.join(path, META)) != manifest.get("meta_sha256"):
+  try:
+    meta_sha = _sha256(os.path.join(path, META))
+  except OSError as e:
+    raise Damaged(f"{path}: {META} unreadable ({e})") from None
+  if meta_sha != manifest.get("meta_sha256"):
     raise Damaged(f"{path}: {META} differs from the one its manifest recorded")
   return {**_read_json(path, META), "leaves": manifest["leaves"]}
 
@@ -203,14 +208,18 @@ def verify(path: str) -> dict:
     return meta
   for leaf in meta["leaves"]:
     for rel, (size, digest) in leaf["files"].items():
-      f = os.path.join(path, rel)
+      f, what = os.path.join(path, rel), f"{rel} (of leaf {leaf['path']})"
       if not os.path.isfile(f):
-        raise Damaged(f"{path}: {rel} (of leaf {leaf['path']}) is missing")
+        raise Damaged(f"{path}: {what} is missing")
       if os.path.getsize(f) != size:
-        raise Damaged(f"{path}: {rel} (of leaf {leaf['path']}) has {os.path.getsize(f)} bytes, "
-                      f"the manifest recorded {size}")
-      if _sha256(f) != digest:
-        raise Damaged(f"{path}: {rel} (of leaf {leaf['path']}) fails its checksum")
+        raise Damaged(f"{path}: {what} has {os.path.getsize(f)} bytes, the manifest recorded "
+                      f"{size}")
+      try:
+        ok = _sha256(f) == digest
+      except OSError as e:
+        raise Damaged(f"{path}: {what} unreadable ({e})") from None
+      if not ok:
+        raise Damaged(f"{path}: {what} fails its checksum")
   _VERIFIED[path] = key
   return meta
 

@@ -147,26 +147,33 @@ class MetricsWriter:
       os.close(fd)
     self.count += 1
 
-  def rewind(self, count: int, what: str) -> None:
-    """Keeps the first `count` records (the file as it was when `what` was saved)."""
+  @staticmethod
+  def _order(stage) -> int:
+    return 0 if stage == "sft" else 1  # sft, then dpo and its evaluations
+
+  def rewind(self, count: int, what: str, stage: str) -> None:
+    """Keeps the first `count` records (the file as it was when `what`, a checkpoint of
+    `stage`, was saved) and any later stage's records after them (an SFT stage resumed only to
+    rebuild its export leaves the DPO stage's records to the DPO stage)."""
     if not self.enabled:
       return
     lines = [l.encode() for l in self._read()]
     if len(lines) < count:
       logging.warning("%s has %d records but %s was saved after %d; the missing ones are not "
                       "rewritten", self.path, len(lines), what, count)
-    elif len(lines) > count:
-      self._replace(lines[:count])
-    self.count = min(count, len(lines))
+    later = [l for l in lines[count:] if self._order(json.loads(l).get("stage")) >
+             self._order(stage)]
+    keep = lines[:count] + later
+    if len(keep) < len(lines):
+      self._replace(keep)
+    self.count = len(keep)
 
   def rewind_stage(self, stage: str) -> None:
-    """Drops the records of `stage` and the stages after it (a stage that starts afresh):
-    sft, then dpo and its evaluations."""
+    """Drops the records of `stage` and the stages after it (a stage that starts afresh)."""
     if not self.enabled:
       return
-    order = lambda name: 0 if name == "sft" else 1
     lines = self._read()
-    keep = [l.encode() for l in lines if order(json.loads(l).get("stage")) < order(stage)]
+    keep = [l.encode() for l in lines if self._order(json.loads(l).get("stage")) < self._order(stage)]
     if len(keep) < len(lines):
       self._replace(keep)
     self.count = len(keep)
@@ -257,10 +264,10 @@ class Stage:
         self.writer.rewind_stage(self.name)
         self._fresh_records = self.writer.count
       else:
-        self.writer.rewind(self._fresh_records, f"the start of stage {self.name}")
+        self.writer.rewind(self._fresh_records, f"the start of stage {self.name}", self.name)
     else:
       self.state = state
-      self.writer.rewind(meta["metrics_records"], self.ckpts.path(step))
+      self.writer.rewind(meta["metrics_records"], self.ckpts.path(step), self.name)
     self.loader.restore(meta["loader"])
     for h in self.hooks:
       h.load_state_dict(meta)

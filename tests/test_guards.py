@@ -12,7 +12,8 @@ import pytest
 
 import configs
 from dpo import checkpoint, guards, logprobs, loop, train
-from faults import LrSpike, NanLoss
+import faults
+from faults import LrSpike, NanLoss, Recorder
 from models import sharding
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
@@ -116,26 +117,53 @@ def test_injected_nan_is_skipped_and_counted(tmp_path):
 
 def test_injected_kl_spike_rolls_back_and_cuts_lr(tmp_path):
   # KL stays below 1e-4 over these steps; the lr x1000 update at step 5 lifts it above 1e-2.
+  seen = Recorder()  # after the guard: it sees what the guard let through
   summary = loop.run(tiny_cfg(tmp_path, kl_max=1e-3, kl_spike_factor=0.0),
-                     extra_hooks={"dpo": [LrSpike(5)]})
+                     extra_hooks={"dpo": [LrSpike(5), seen]})
   rows = [r for r in records(tmp_path) if r["stage"] == "dpo"]
   events = [r for r in rows if r.get("event") == "rollback"]
   assert len(events) == 1
   ev = events[0]
   # The state after step 5 is measured in step 6's metrics: the newest checkpoint before it is 4.
   assert ev["step"] == 6 and ev["to_step"] == 4 and ev["lr_scale"] == pytest.approx(0.1)
-  pos = rows.index(ev)
-  before = {r["step"]: r for r in rows[:pos]}
-  after = {r["step"]: r for r in rows[pos + 1:]}
-  assert sorted(after) == [5, 6, 7, 8]
+  # metrics.jsonl was rewound to checkpoint 4: one record per step, the replayed ones.
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 6, 5, 6, 7, 8]
+  assert rows.index(ev) == 4
   # Step 5 again starts from the restored step-4 params on the same batch: same loss and KL
   # bit for bit, at a tenth of the scheduled learning rate (the first time it had x1000).
+  steps = [s for s, _ in seen.seen]
+  assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # the spiked step 6 never reached the hooks after
+  first, again = seen.seen[4][1], seen.seen[5][1]
   for k in ("loss", "kl", "rewards/margins"):
-    assert after[5][k] == before[5][k]
-  assert after[5]["learning_rate"] == pytest.approx(before[5]["learning_rate"] / 1000 * 0.1)
-  assert after[6]["kl"] < 1e-3 and summary["lr_scale"] == pytest.approx(0.1)
+    assert again[k] == first[k]
+  assert again["learning_rate"] == pytest.approx(first["learning_rate"] / 1000 * 0.1)
+  assert rows[5]["loss"] == again["loss"]
+  assert rows[-3]["kl"] < 1e-3 and summary["lr_scale"] == pytest.approx(0.1)
   meta = checkpoint.read_meta(str(tmp_path / "checkpoints" / "dpo" / "step_00000008"))
   assert meta["rollbacks"] == 1
+
+
+@pytest.mark.parametrize("phase,spike", [("flip", 5), ("delete", 4)])
+def test_kill_during_rollback_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch, phase,
+                                                               spike):
+  """A kill while the rollback replaces step 4 (its re-save with the cut rate) or deletes it
+  (the spike is measured right after it): the rerun resumes to the same records and policy."""
+  cfg = lambda out: tiny_cfg(out, kl_max=1e-3, kl_spike_factor=0.0)
+  loop.run(cfg(tmp_path / "whole"), extra_hooks={"dpo": [LrSpike(spike)]})
+  out = tmp_path / "killed"
+  with monkeypatch.context() as m:
+    faults.kill_at(m, phase, "step_00000004")
+    with pytest.raises(faults.Killed):
+      loop.run(cfg(out), extra_hooks={"dpo": [LrSpike(spike)]})
+  loop.run(cfg(out), extra_hooks={"dpo": [LrSpike(spike)]})
+  strip = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_sec"} for r in rows]
+  assert strip(records(out)) == strip(records(tmp_path / "whole"))
+  assert len([r for r in records(out) if r.get("event") == "rollback"]) == 1
+  c = cfg(out)
+  mesh = sharding.make_mesh(c.mesh.mesh)
+  load = lambda d: checkpoint.load_params(str(d / "checkpoints" / "policy"), c.model, mesh)
+  for a, b in zip(jax.tree.leaves(load(out)), jax.tree.leaves(load(tmp_path / "whole"))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_too_many_rollbacks_stop_the_run(tmp_path):
