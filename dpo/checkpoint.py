@@ -448,6 +448,7 @@ class Manager:
 
   def restore_latest(self, like, before: int | None = None) -> tuple[int | None, Any, dict]:
     """(step, state, meta) of the newest intact step (below `before`), or (None, None, {}).
+    `like` is the template, or a function of the checkpoint's meta that returns it.
 
     A damaged step (files that fail the manifest, a directory without one) is moved aside to
     `<dir>.damaged` with one warning naming it and the damage; the next older step is tried.
@@ -458,8 +459,9 @@ class Manager:
         continue
       path = self.path(step)
       try:
-        self.check_identity(path, verify(path))
-        state, meta = load(path, like)
+        meta = verify(path)
+        self.check_identity(path, meta)
+        state, meta = load(path, like(meta) if callable(like) else like)
         return step, state, meta
       except Damaged as e:
         older = [s for s in self.steps() if s < step]

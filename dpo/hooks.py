@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from dpo import guards, reference
+from dpo import checkpoint, guards, reference
 from dpo.runner import Hook, Rollback, Stage
 
 
@@ -106,10 +106,44 @@ class Evaluate(Hook):
 
 
 class UpdateReference(Hook):
-  """TR-DPO: after each step, possibly mix the policy into the frozen reference."""
+  """TR-DPO: after each step, possibly mix the policy into the frozen reference. The moving
+  reference (the adapter, or the full copy without LoRA) travels with the checkpoints, so a
+  resume or a rollback continues against the reference of that step, not the initial one."""
 
   def __init__(self, cfg):  # a ReferenceConfig
     self.cfg = cfg
+    self.rank = None  # the reference adapter's rank (LoRA: soft updates stack adapters)
 
   def after_step(self, run: Stage) -> None:
     run.frozen = reference.maybe_update(self.cfg, run.at, run.state, run.frozen)
+    self._track(run)
+
+  def arrays(self, run: Stage):
+    return run.frozen.params if run.frozen.ref_lora is None else run.frozen.ref_lora
+
+  def state_dict(self) -> dict:
+    return {"ref_rank": self.rank} if self.rank is not None else {}
+
+  def arrays_like(self, run: Stage, meta: dict):
+    like = checkpoint.like_of(self.arrays(run))
+    if run.frozen.ref_lora is None or "ref_rank" not in meta:
+      return like
+    r = meta["ref_rank"]  # the stacked adapter's rank at that checkpoint (soft updates grow it)
+    return {g: {t: {"a": _with_rank(f["a"], -1, r), "b": _with_rank(f["b"], 1, r)}
+                for t, f in targets.items()} for g, targets in like.items()}
+
+  def load_arrays(self, run: Stage, tree) -> None:
+    if tree is not None:
+      run.frozen = (run.frozen._replace(params=tree) if run.frozen.ref_lora is None else
+                    run.frozen._replace(ref_lora=tree))
+    self._track(run)
+
+  def _track(self, run: Stage) -> None:
+    lora = run.frozen.ref_lora
+    self.rank = None if lora is None else jax.tree.leaves(lora)[0].shape[-1]
+
+
+def _with_rank(like: jax.ShapeDtypeStruct, axis: int, rank: int) -> jax.ShapeDtypeStruct:
+  shape = list(like.shape)
+  shape[axis] = rank
+  return jax.ShapeDtypeStruct(tuple(shape), like.dtype, sharding=like.sharding)

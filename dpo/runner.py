@@ -52,6 +52,17 @@ class Hook:
   def load_state_dict(self, meta: dict) -> None:
     """Restores from a checkpoint's meta (or {} when the stage starts afresh)."""
 
+  def arrays(self, run: "Stage"):
+    """Device arrays this hook must carry across a checkpoint (a pytree), or None."""
+    return None
+
+  def arrays_like(self, run: "Stage", meta: dict):
+    """The template (`checkpoint.like_of`) of the `arrays` saved with checkpoint `meta`."""
+    return checkpoint.like_of(self.arrays(run))
+
+  def load_arrays(self, run: "Stage", tree) -> None:
+    """Restores `arrays` (None: the stage starts afresh)."""
+
 
 class Rollback(Exception):
   """Raised from `Hook.metrics`: the state measured at `step` is bad; restore the newest
@@ -200,9 +211,10 @@ class Stage:
   tokens: int = 0        # non-padding tokens up to the step being read, all processes
   _dispatched: int = 0   # the same, up to the last dispatched step
   _fresh_records: int = 0  # metrics.jsonl records before this stage's first step
+  _frozen0: Any = None     # the frozen part at the stage's fresh start (TR-DPO moves it)
 
   def run(self):
-    self.state = self.fresh()
+    self.state, self._frozen0 = self.fresh(), self.frozen
     self._restore(resumed=True)
     pending = None
     while self.at < self.steps or pending is not None:
@@ -249,16 +261,35 @@ class Stage:
       meta.update(h.state_dict())
     return meta
 
+  def _carriers(self) -> list[Hook]:
+    return [h for h in self.hooks if h.arrays(self) is not None]
+
   def save(self) -> None:
-    path = self.ckpts.save(self.at, self.state, self.snapshot())
+    """A checkpoint of the state (and the hooks' arrays beside it: {"state", "hooks"})."""
+    carriers, meta = self._carriers(), self.snapshot()
+    tree = self.state
+    if carriers:
+      tree = {"state": self.state, "hooks": {type(h).__name__: h.arrays(self) for h in carriers}}
+      meta["params_prefix"] = "['state'].params"
+    path = self.ckpts.save(self.at, tree, meta)
     logging.info("%s: checkpoint step %d -> %s", self.name, self.at, path)
+
+  def _like(self, meta: dict):
+    like, carriers = checkpoint.like_of(self.state), self._carriers()
+    if not carriers:
+      return like
+    return {"state": like, "hooks": {type(h).__name__: h.arrays_like(self, meta) for h in carriers}}
 
   def _restore(self, before: int | None = None, resumed: bool = False) -> None:
     """Loads the newest intact checkpoint (below `before`) with the loader, hook states and
     metrics position, or the fresh state when there is none."""
-    step, state, meta = self.ckpts.restore_latest(checkpoint.like_of(self.state), before)
+    carriers = self._carriers()
+    step, state, meta = self.ckpts.restore_latest(self._like, before)
     if step is None:
       self.state = self.state if resumed else self.fresh()
+      self.frozen = self._frozen0
+      for h in carriers:
+        h.load_arrays(self, None)
       meta = {"loader": {"epoch": 0, "index": 0}}
       if resumed:
         self.writer.rewind_stage(self.name)
@@ -266,7 +297,9 @@ class Stage:
       else:
         self.writer.rewind(self._fresh_records, f"the start of stage {self.name}", self.name)
     else:
-      self.state = state
+      self.state = state["state"] if carriers else state
+      for h in carriers:
+        h.load_arrays(self, state["hooks"][type(h).__name__])
       self.writer.rewind(meta["metrics_records"], self.ckpts.path(step), self.name)
     self.loader.restore(meta["loader"])
     for h in self.hooks:

@@ -28,19 +28,8 @@ TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_di
             log_every=1, sft_steps=4, steps=6, checkpoint_every=2, keep_checkpoints=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """These tests rerun the same tiny programs many times; a persistent compilation cache makes
-  every compile after the first a disk read (the executables are identical, so results are too)."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (path, 0, 0)):
-    jax.config.update(n, v)
-  yield path
-  for n, v in old.items():
-    jax.config.update(n, v)
+# A persistent compilation cache for the tiny programs these tests rerun (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,8 @@ TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_di
             log_every=1, stage="dpo", steps=8, checkpoint_every=2, keep_checkpoints=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """Persistent compilation cache: the runs below share their (identical) step programs."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
-    jax.config.update(n, v)
-  yield
-  for n, v in old.items():
-    jax.config.update(n, v)
+# A persistent compilation cache for the tiny programs these tests rerun (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def tiny_cfg(out, **kw):
