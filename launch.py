@@ -53,11 +53,15 @@ def main(argv) -> None:
   from dpo import checkpoint, data, loop
   try:
     loop.run(cfg)
+    distributed.finished()
   except (data.DataError, checkpoint.CheckpointError) as e:
     _user_error(e)
   except loop.TrainingStopped as e:
     logging.error("training stopped: %s", e)
     raise SystemExit(3) from None
+  except Exception as e:  # a collective that failed because a peer died: one line, exit 4
+    distributed.exit_if_peer_lost(e)
+    raise
 
 
 if __name__ == "__main__":

@@ -378,16 +378,20 @@ def load_params(path: str, model_cfg, mesh) -> Any:
 class Manager:
   """Step checkpoints of one stage under `directory`, newest `keep` retained.
 
-  `identity` ({meta key: value}: the run's fingerprint, the reference model) is written into
-  every checkpoint and checked on restore: a rerun with other settings is refused, naming each
-  value that differs, never resumed. Collective (every process constructs it).
+  `identity` ({meta key: value}: the run's fingerprint) is written into every checkpoint and
+  checked on restore: a rerun with other settings is refused, naming each value that differs,
+  never resumed. `info` is written too but not compared (e.g. the reference's path: the content
+  is in the fingerprint, and a moved output directory still resumes). Collective (every process
+  constructs it).
   """
 
-  def __init__(self, directory: str, keep: int, identity: dict | None = None):
+  def __init__(self, directory: str, keep: int, identity: dict | None = None,
+               info: dict | None = None):
     if keep < 1:
       raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
     self.directory, self.keep = os.path.abspath(directory), keep
     self.identity = json.loads(json.dumps(identity or {}))  # as meta.json reads back
+    self.info = dict(info or {})
     if jax.process_index() == 0 and os.path.isdir(self.directory):
       for name in os.listdir(self.directory):
         m = re.match(r"^(step_\d{8})(\.tmp|\.old|\.deleted)?$", name)
@@ -414,7 +418,8 @@ class Manager:
     return s[-1] if s else None
 
   def save(self, step: int, state, meta: dict) -> str:
-    out = save(self.path(step), state, {"kind": "state", "step": step, **meta, **self.identity})
+    out = save(self.path(step), state, {"kind": "state", "step": step, **meta, **self.info,
+                                        **self.identity})
     if jax.process_index() == 0:
       for old in self.steps()[:-self.keep]:
         _remove(self.path(old))

@@ -134,11 +134,11 @@ class Program:
   writer: MetricsWriter
   extra_hooks: Mapping[str, Sequence[Hook]]
 
-  def stage(self, name: str, fresh, frozen, arrays, hooks: list, ident: dict,
+  def stage(self, name: str, fresh, frozen, arrays, hooks: list, info: dict,
             initial: str) -> Stage:
     """Stage `name` (sft or dpo) over `arrays` from the model with digest `initial`, resuming
-    from <output_dir>/checkpoints/<name>; `ident` and the stage's fingerprint are what a
-    checkpoint must match to be resumed."""
+    from <output_dir>/checkpoints/<name>; the stage's fingerprint is what a checkpoint must
+    match to be resumed, `info` is recorded beside it."""
     c, o = self.cfg, self.cfg.optim
     step_fn, spec = _STEPS[name][0], _STEPS[name][1](c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
@@ -151,7 +151,7 @@ class Program:
                              c.run.seed + (1 if name == "sft" else 2), pid, nproc)
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
                                c.checkpoint.keep_checkpoints,
-                               {**ident, "fingerprint": identity.fingerprint(c, name, arrays, initial)})
+                               {"fingerprint": identity.fingerprint(c, name, arrays, initial)}, info)
     return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
                  [*hooks, *self.extra_hooks.get(name, ())])
 
@@ -242,7 +242,10 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   split = lambda t: (params, t) if c.lora.enabled else (t, None)
   evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
   log = hooks.LogMetrics(c.run.log_every)
-  stage_hooks = [*([hooks.KLGuard(c.guard)] if c.guard.enabled else []), log,
+  mask = p.data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
+  guard = hooks.KLGuard(c.guard, c.kl_estimate, c.loss.beta, float(mask.sum() / max(
+      mask.shape[0] * mask.shape[1], 1)))
+  stage_hooks = [*([guard] if c.guard.enabled else []), log,
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
                  hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
                  *([hooks.UpdateReference(c.reference)] if tr_dpo else [])]

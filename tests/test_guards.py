@@ -1,6 +1,7 @@
 """Training guards: the in-step non-finite skip, the KL measure, and the KL-spike rollback."""
 
 import json
+import logging
 import math
 import os
 
@@ -11,7 +12,7 @@ import optax
 import pytest
 
 import configs
-from dpo import checkpoint, guards, logprobs, loop, train
+from dpo import checkpoint, guards, hooks, logprobs, loop, train
 import faults
 from faults import LrSpike, NanLoss, Recorder
 from models import sharding
@@ -161,3 +162,26 @@ def test_too_many_rollbacks_stop_the_run(tmp_path):
   with pytest.raises(loop.TrainingStopped, match="max_rollbacks=1"):
     loop.run(tiny_cfg(tmp_path, steps=6, kl_max=1e-12, kl_spike_factor=0.0, max_rollbacks=1))
   assert len([r for r in records(tmp_path) if r.get("event") == "rollback"]) == 1
+
+
+# --- the default guard: relative, on the KL or the estimate each setting has ---------------------
+
+@pytest.mark.parametrize("extra,estimate", [({}, "kl"), ({"precompute_ref": True}, "logratio"),
+                                            ({"loss_type": ("simpo",)}, "nll_drift")],
+                         ids=["kl", "logratio", "nll_drift"])
+def test_default_guard_catches_a_spike_and_not_a_normal_run(tmp_path, extra, estimate, caplog):
+  cfg = lambda out: tiny_cfg(out, steps=40, checkpoint_every=10, **extra)
+  c = cfg(tmp_path / "normal")
+  assert c.guard.enabled and c.kl_estimate == estimate and c.guard == configs.GuardConfig()
+  seen = Recorder()
+  with caplog.at_level(logging.INFO):
+    loop.run(c, extra_hooks={"dpo": [seen]})
+  assert f"KL guard: roll back when {hooks.KLGuard.ESTIMATES[estimate]}" in caplog.text
+  assert not [r for r in records(tmp_path / "normal") if r.get("event")]
+  guard = hooks.KLGuard(c.guard, estimate, c.loss.beta, 1.0)
+  values = [guard.value(m) for _, m in seen.seen]
+  print(estimate, "per-sequence values:", [f"{v:.3g}" for v in values])
+  loop.run(cfg(tmp_path / "spiked"), extra_hooks={"dpo": [LrSpike(25, 3000.0)]})
+  events = [r for r in records(tmp_path / "spiked") if r.get("event") == "rollback"]
+  assert len(events) == 1 and events[0]["step"] == 26, events
+  assert events[0]["reason"].startswith(estimate) and "recent mean" in events[0]["reason"]
