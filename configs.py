@@ -241,13 +241,13 @@ class GuardConfig:
                     "(costs the reference logits in the step; on whenever the KL guard is on).")
   kl_max: float = _f(0.0, "Roll back if the DPO step's exact token KL(pi||ref) exceeds this; "
                      "0 = off (needs the reference in the step).")
-  kl_spike_factor: float = _f(5.0, "Roll back if KL exceeds this multiple of its mean over the "
-                              "last kl_window steps; 0 = off. With --precompute_ref it watches "
+  kl_spike_factor: float = _f(5.0, "Roll back if KL exceeds this multiple of its largest value "
+                              "over the last kl_window steps; 0 = off. With --precompute_ref it watches "
                               "the policy/reference log-ratio per token, with reference-free "
                               "losses the drift of the chosen NLL per token (the log says which).")
-  kl_window: int = _f(20, "Steps in the KL running mean (the factor test waits for a full window).")
-  kl_spike_min: float = _f(0.05, "The factor test ignores KL below this (nats per token), so "
-                          "the early growth of KL from 0 is not taken for a spike.")
+  kl_window: int = _f(20, "Steps in the KL window (the factor test waits for a full window).")
+  kl_spike_min: float = _f(1e-4, "The factor test ignores KL below this (nats per token): "
+                          "values this small are noise, not a policy gone astray.")
   rollback_lr_factor: float = _f(0.1, "Learning-rate multiplier applied at each rollback.")
   max_rollbacks: int = _f(3, "Stop the run after this many KL-spike rollbacks.")
 

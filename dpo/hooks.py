@@ -87,7 +87,8 @@ class KLGuard(Hook):
   def start(self, run: Stage) -> None:
     logging.info("KL guard: roll back when %s exceeds %s", self.ESTIMATES[self.estimate], " or ".join(
         ([f"{self.cfg.kl_max:g}"] if self.cfg.kl_max else []) +
-        ([f"{self.cfg.kl_spike_factor:g} x its mean over {self.cfg.kl_window} steps (once above "
+        ([f"{self.cfg.kl_spike_factor:g} x its largest value over the last {self.cfg.kl_window} "
+          f"steps (once above "
           f"{self.cfg.kl_spike_min:g})"] if self.cfg.kl_spike_factor else [])))
 
   def value(self, metrics: dict) -> float:
