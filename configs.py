@@ -238,13 +238,15 @@ class ReferenceConfig:
 class GuardConfig:
   """The in-step KL measure and the KL-spike guard with its rollback (dpo/guards.py)."""
   log_kl: bool = _f(False, "Compute the exact token KL(pi||ref) in every DPO step and log it "
-                    "(costs the reference logits in the step; on whenever the KL guard is on).")
+                    "(costs the reference logits in the step; on with --kl_max; the KL guard "
+                    "then watches it).")
   kl_max: float = _f(0.0, "Roll back if the DPO step's exact token KL(pi||ref) exceeds this; "
                      "0 = off (needs the reference in the step).")
   kl_spike_factor: float = _f(5.0, "Roll back if KL exceeds this multiple of its largest value "
-                              "over the last kl_window steps; 0 = off. With --precompute_ref it watches "
-                              "the policy/reference log-ratio per token, with reference-free "
-                              "losses the drift of the chosen NLL per token (the log says which).")
+                              "over the last kl_window steps; 0 = off. It watches the exact token "
+                              "KL with --log_kl or --kl_max, else the policy/reference log-ratio "
+                              "per token (free: the loss computes it), with reference-free losses "
+                              "the drift of the chosen NLL per token (the log says which).")
   kl_window: int = _f(20, "Steps in the KL window (the factor test waits for a full window).")
   kl_spike_min: float = _f(1e-4, "The factor test ignores KL below this (nats per token): "
                           "values this small are noise, not a policy gone astray.")
@@ -363,17 +365,18 @@ class Config:
   @property
   def kl_estimate(self) -> str:
     """What the KL guard watches (dpo/hooks.py, KLGuard.ESTIMATES): the exact token KL when the
-    reference runs in the step, else an estimate from the step's statistics."""
-    if self.loss.reference_free:
-      return "nll_drift"
-    return "logratio" if self.reference.precompute_ref else "kl"
+    step computes it, else an estimate from the step's statistics."""
+    if self.step_kl:
+      return "kl"
+    return "nll_drift" if self.loss.reference_free else "logratio"
 
   @property
   def step_kl(self) -> bool:
-    """Whether the DPO step computes the token KL: a consumer reads it (--log_kl or the guard)
-    and the reference runs in the step (not precomputed, not reference-free)."""
+    """Whether the DPO step computes the exact token KL (it costs the reference logits
+    [B, 2, T, V]): --log_kl or --kl_max asks for it, and the reference runs in the step (not
+    precomputed, not reference-free). The spike test alone runs on the free estimate."""
     in_step = not (self.reference.precompute_ref or self.loss.reference_free)
-    return in_step and (self.guard.log_kl or self.guard.enabled)
+    return in_step and (self.guard.log_kl or self.guard.kl_max > 0)
 
   def replace(self, **flat) -> "Config":
     """Returns a copy with flat field overrides (flag names) routed to their section."""
@@ -446,15 +449,14 @@ DEFAULT = Config().replace(
     output_dir="runs/default")
 
 # bench-small: the workload in shared/BENCHMARKS.md (vocab 8192, d 512, 8 layers, 8/4 heads,
-# MLP 1536, untied, 4 pairs of 192 + 64 tokens, LoRA 16/32 on q,v, dropout 0, float32); the bare
-# step, without the KL guard's in-step token KL.
+# MLP 1536, untied, 4 pairs of 192 + 64 tokens, LoRA 16/32 on q,v, dropout 0, float32).
 BENCH_SMALL = Config(
     model=ModelConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
                       head_dim=64, mlp_dim=1536, rope_theta=1e4, norm_eps=1e-5,
                       tie_embeddings=False),
     lora=LoraConfig(lora_rank=16, lora_alpha=32.0, lora_dropout=0.0, lora_targets=("q", "v")),
 ).replace(max_prompt_length=192, max_target_length=64, global_batch_size=4, max_grad_norm=0.0,
-          learning_rate=1e-5, kl_spike_factor=0.0, output_dir="runs/bench-small")
+          learning_rate=1e-5, output_dir="runs/bench-small")
 
 # Real model sizes, from each model's published config.json on the Hugging Face Hub (numbers
 # only). They describe the architecture; weights come from --init_from=hf:DIR, whose config.json

@@ -63,15 +63,16 @@ class KLGuard(Hook):
   uninterrupted one.
 
   What it watches (`Config.kl_estimate`), in nats per completion token:
-    kl         the exact token KL(pi || pi_ref) the step computes (reference in the step);
-    logratio   --precompute_ref: |log pi/pi_ref| of the batch's chosen and rejected completions
-               (from the implicit rewards, divided by beta and the data's mean completion length);
+    kl         the exact token KL(pi || pi_ref) the step computes (--log_kl or --kl_max);
+    logratio   otherwise: |log pi/pi_ref| of the batch's chosen and rejected completions (from
+               the implicit rewards, divided by beta and the data's mean completion length),
+               free in every step, with the reference in the step or precomputed;
     nll_drift  reference-free losses: how far the chosen completions' NLL has moved from the
                stage's first step (the policy's drift from where it started).
   """
 
   ESTIMATES = {"kl": "the exact token KL(pi||ref) of each step",
-               "logratio": "|log pi/pi_ref| per token of the batch's pairs (precomputed reference)",
+               "logratio": "|log pi/pi_ref| per token of the batch's pairs",
                "nll_drift": "the drift of the chosen NLL per token from the first step "
                             "(reference-free loss)"}
 
