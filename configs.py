@@ -46,6 +46,21 @@ def _check(ok: bool, message: str) -> None:
     raise ValueError(message)
 
 
+def _rules(section, **rules: tuple) -> None:
+  """Each `name=(test, allowed)`: the field's value must pass `test`, else one line naming the
+  flag, the value and what is allowed. Tests are written as what is allowed, so NaN fails them."""
+  for name, (test, allowed) in rules.items():
+    value = getattr(section, name)
+    _check(bool(test(value)), f"--{name}={value!r}: must be {allowed}")
+
+
+_POS = (lambda v: v > 0, "> 0")
+_NONNEG = (lambda v: v >= 0, ">= 0")
+_FINITE_NONNEG = (lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_FINITE_POS = (lambda v: 0 < v < float("inf"), "a finite number > 0")
+_UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+
 ARCHS = archs.ARCHS  # the architecture registry (models/archs.py)
 
 
@@ -94,6 +109,13 @@ class ModelConfig:
                                "or nf4 (64-element blocks, QLoRA code book). Needs LoRA.")
 
   def __post_init__(self):
+    _rules(self, **{k: _POS for k in ("vocab_size", "d_model", "n_layers", "n_heads",
+                                      "n_kv_heads", "head_dim", "mlp_dim")},
+           rope_theta=_FINITE_POS, norm_eps=_FINITE_POS, init_std=_FINITE_POS,
+           attn_softcap=_FINITE_NONNEG, final_softcap=_FINITE_NONNEG, query_scale=_FINITE_NONNEG,
+           rope_local_theta=_FINITE_NONNEG, rope_factor=_FINITE_POS,
+           rope_low_freq_factor=_FINITE_POS, rope_high_freq_factor=_FINITE_POS,
+           rope_original_max_len=_POS)
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
     if self.head_dim % 2:
@@ -132,8 +154,9 @@ class LoraConfig:
   def __post_init__(self):
     bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
     _check(not bad, f"unknown lora_targets {bad}; choose from {LORA_TARGETS}")
-    _check(self.lora_rank >= 0, f"lora_rank must be >= 0, got {self.lora_rank}")
-    _check(0.0 <= self.lora_dropout < 1.0, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+    _rules(self, lora_rank=_NONNEG, lora_alpha=(
+        lambda v: 0 < v < float("inf"), "a finite number > 0 (the delta is scaled by alpha / rank)"),
+           lora_dropout=_UNIT)
 
   @property
   def enabled(self) -> bool:
@@ -183,6 +206,12 @@ class DataConfig:
                                    "task's, cycled; with --train_data the first distinct "
                                    "prompts of the held-out pairs).")
 
+  def __post_init__(self):
+    _rules(self, max_prompt_length=(lambda v: v >= 1, ">= 1 (tokens kept of each prompt)"),
+           max_target_length=(lambda v: v >= 1, ">= 1 (tokens kept of each completion)"),
+           eval_split=_UNIT, task_train_pairs=_POS, task_sft_examples=_POS,
+           task_eval_pairs=_NONNEG, task_eval_prompts=_NONNEG)
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -204,12 +233,14 @@ class OptimConfig:
       "then per microbatch, as in TRL.")
 
   def __post_init__(self):
-    _check(0.0 <= self.warmup_ratio <= 1.0, f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-    _check(self.global_batch_size > 0 and self.steps >= 0 and self.sft_steps >= 0,
-           "global_batch_size must be > 0 and steps, sft_steps >= 0")
+    _rules(self, steps=(lambda v: v >= 1, ">= 1"), sft_steps=_NONNEG, global_batch_size=_POS,
+           learning_rate=_FINITE_POS, sft_learning_rate=_FINITE_POS,
+           warmup_ratio=(lambda v: 0 <= v <= 1, "in [0, 1]"), weight_decay=_FINITE_NONNEG,
+           adam_b1=_UNIT, adam_b2=_UNIT,
+           max_grad_norm=(lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 disables)"))
     k = self.gradient_accumulation_steps
     _check(k >= 1 and self.global_batch_size % k == 0,
-           f"gradient_accumulation_steps={k} must be >= 1 and divide global_batch_size="
+           f"--gradient_accumulation_steps={k}: must be >= 1 and divide --global_batch_size="
            f"{self.global_batch_size}")
 
 
@@ -233,8 +264,8 @@ class ReferenceConfig:
   def __post_init__(self):
     _check(self.ref_update in ("none", "soft", "hard"),
            f"ref_update must be none, soft or hard, got {self.ref_update!r}")
-    _check(0.0 < self.ref_update_alpha <= 1.0 and self.ref_update_every >= 1,
-           "ref_update_alpha must be in (0, 1] and ref_update_every >= 1")
+    _rules(self, ref_update_alpha=(lambda v: 0 < v <= 1, "in (0, 1]"),
+           ref_update_every=(lambda v: v >= 1, ">= 1"))
     _check(not (self.precompute_ref and self.ref_update != "none"),
            "precompute_ref cannot be combined with ref_update: the reference changes")
 
@@ -243,22 +274,28 @@ class ReferenceConfig:
 class GuardConfig:
   """The in-step KL measure and the KL-spike guard with its rollback (dpo/guards.py)."""
   log_kl: bool = _f(False, "Compute the exact token KL(pi||ref) in every DPO step and log it "
-                    "(costs the reference logits in the step; on whenever the KL guard is on).")
-  kl_max: float = _f(0.0, "Roll back if the DPO step's token KL(pi||ref) exceeds this; 0 = off.")
-  kl_spike_factor: float = _f(0.0, "Roll back if KL exceeds this multiple of its mean over the "
-                              "last kl_window steps (e.g. 4); 0 = off.")
-  kl_window: int = _f(20, "Steps in the KL running mean (the factor test waits for a full window).")
-  kl_spike_min: float = _f(0.05, "The factor test ignores KL below this (nats per token), so "
-                          "the early growth of KL from 0 is not taken for a spike.")
+                    "(costs the reference logits in the step; on with --kl_max; the KL guard "
+                    "then watches it).")
+  kl_max: float = _f(0.0, "Roll back if the DPO step's exact token KL(pi||ref) exceeds this; "
+                     "0 = off (needs the reference in the step).")
+  kl_spike_factor: float = _f(5.0, "Roll back if KL exceeds this multiple of its largest value "
+                              "over the last kl_window steps; 0 = off. It watches the exact token "
+                              "KL with --log_kl or --kl_max, else the policy/reference log-ratio "
+                              "per token (free: the loss computes it), with reference-free losses "
+                              "the drift of the chosen NLL per token (the log says which).")
+  kl_window: int = _f(20, "Steps in the KL window (the factor test waits for a full window).")
+  kl_spike_min: float = _f(1e-4, "The factor test ignores KL below this (nats per token): "
+                          "values this small are noise, not a policy gone astray.")
   rollback_lr_factor: float = _f(0.1, "Learning-rate multiplier applied at each rollback.")
   max_rollbacks: int = _f(3, "Stop the run after this many KL-spike rollbacks.")
 
   def __post_init__(self):
-    _check(self.kl_window >= 1, f"kl_window must be >= 1, got {self.kl_window}")
-    _check(self.kl_max >= 0 and self.kl_spike_factor >= 0, "kl_max and kl_spike_factor must be >= 0")
-    _check(self.max_rollbacks >= 0, f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
-    _check(0.0 < self.rollback_lr_factor <= 1.0,
-           f"rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
+    _rules(self, kl_window=(lambda v: v >= 1, ">= 1"), kl_max=(
+        lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 = off)"),
+           kl_spike_factor=(lambda v: v == 0 or 1 < v < float("inf"),
+                            "0 (off) or a finite number > 1 (a factor <= 1 fires on steady KL)"),
+           kl_spike_min=_FINITE_NONNEG, max_rollbacks=_NONNEG,
+           rollback_lr_factor=(lambda v: 0 < v <= 1, "in (0, 1]"))
 
   @property
   def enabled(self) -> bool:
@@ -277,10 +314,9 @@ class EvalConfig:
   eval_show: int = _f(4, "Sampled responses printed side by side at the end of a run.")
 
   def __post_init__(self):
-    _check(self.eval_every >= 0 and self.eval_batch_size > 0 and self.eval_max_new_tokens >= 0,
-           "eval_every, eval_max_new_tokens must be >= 0 and eval_batch_size > 0")
-    _check(self.eval_temperature >= 0 and self.eval_top_k >= 0 and 0 < self.eval_top_p <= 1,
-           "need eval_temperature >= 0, eval_top_k >= 0, eval_top_p in (0, 1]")
+    _rules(self, eval_every=_NONNEG, eval_batch_size=_POS, eval_max_new_tokens=_NONNEG,
+           eval_temperature=_FINITE_NONNEG, eval_top_k=_NONNEG, eval_show=_NONNEG,
+           eval_top_p=(lambda v: 0 < v <= 1, "in (0, 1]"))
 
 
 @dataclass(frozen=True)
@@ -295,10 +331,15 @@ class CheckpointConfig:
                           "section. For --stage=dpo it is both the initial policy and the reference.")
   export_hf: str = _f("", "After DPO, write the policy (LoRA merged) as a Hugging Face directory "
                           "here, plus the LoRA factors alone in PEFT layout under DIR/adapter.")
+  resume: str = _f("auto", "auto: resume from output_dir's checkpoints when there are any (the "
+                   "rerun must be the same run: hyperparameters, data, tokenizer, initial model "
+                   "and code are fingerprinted); never: refuse an output_dir that holds "
+                   "checkpoints; must: refuse to start without one.")
 
   def __post_init__(self):
-    _check(self.checkpoint_every >= 0 and self.keep_checkpoints >= 1,
-           "checkpoint_every must be >= 0 and keep_checkpoints >= 1")
+    _rules(self, checkpoint_every=_NONNEG, keep_checkpoints=(lambda v: v >= 1, ">= 1"))
+    _check(self.resume in ("auto", "never", "must"),
+           f"--resume={self.resume!r}: must be auto, never or must")
 
 
 @dataclass(frozen=True)
@@ -320,10 +361,10 @@ class RunConfig:
                        "<output_dir>/wandb, synced later with `wandb sync`).")
 
   def __post_init__(self):
-    _check(self.stage in ("sft", "dpo", "all"), f"stage must be sft, dpo or all, got {self.stage!r}")
-    _check(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
+    _check(self.stage in ("sft", "dpo", "all"), f"--stage={self.stage!r}: must be sft, dpo or all")
+    _rules(self, log_every=(lambda v: v >= 1, ">= 1"))
     _check(self.wandb_mode in ("online", "offline"),
-           f"wandb_mode must be online or offline, got {self.wandb_mode!r}")
+           f"--wandb_mode={self.wandb_mode!r}: must be online or offline")
     _check(self.wandb_mode == "online" or self.wandb_project,
            f"--wandb_mode={self.wandb_mode} is read only with --wandb_project")
 
@@ -354,6 +395,9 @@ class Config:
 
   def __post_init__(self):
     """Checks that span sections."""
+    _check(self.run.stage == "dpo" or self.optim.sft_steps >= 1,
+           f"--sft_steps={self.optim.sft_steps}: must be >= 1 with --stage={self.run.stage} "
+           f"(--stage=dpo skips SFT)")
     _check(self.model.base_quant == "none" or self.lora.enabled,
            f"base_quant={self.model.base_quant} needs LoRA (lora_rank > 0): a quantized base "
            "is frozen")
@@ -365,16 +409,26 @@ class Config:
                 and self.lora.enabled),
            "--ref_init_from with --ref_update needs full fine-tuning (--lora_rank=0): TR-DPO "
            "with LoRA mixes adapters on the policy's own base")
-    _check(not self.guard.enabled or not (self.reference.precompute_ref or self.loss.reference_free),
-           "the KL guard (--kl_max, --kl_spike_factor) measures KL against the reference in the "
-           "step; it cannot run with --precompute_ref or reference-free losses")
+    _check(not self.guard.kl_max or not (self.reference.precompute_ref or self.loss.reference_free),
+           f"--kl_max={self.guard.kl_max} bounds the exact token KL of the KL guard, which needs "
+           "the reference in the step: not with --precompute_ref or reference-free losses (the "
+           "--kl_spike_factor test runs there, on an estimate)")
+
+  @property
+  def kl_estimate(self) -> str:
+    """What the KL guard watches (dpo/hooks.py, KLGuard.ESTIMATES): the exact token KL when the
+    step computes it, else an estimate from the step's statistics."""
+    if self.step_kl:
+      return "kl"
+    return "nll_drift" if self.loss.reference_free else "logratio"
 
   @property
   def step_kl(self) -> bool:
-    """Whether the DPO step computes the token KL: a consumer reads it (--log_kl or the guard)
-    and the reference runs in the step (not precomputed, not reference-free)."""
+    """Whether the DPO step computes the exact token KL (it costs the reference logits
+    [B, 2, T, V]): --log_kl or --kl_max asks for it, and the reference runs in the step (not
+    precomputed, not reference-free). The spike test alone runs on the free estimate."""
     in_step = not (self.reference.precompute_ref or self.loss.reference_free)
-    return in_step and (self.guard.log_kl or self.guard.enabled)
+    return in_step and (self.guard.log_kl or self.guard.kl_max > 0)
 
   def replace(self, **flat) -> "Config":
     """Returns a copy with flat field overrides (flag names) routed to their section."""

@@ -30,11 +30,14 @@ flags.DEFINE_integer("heartbeat_timeout_seconds", 100,
                      "A process silent this long is declared dead and the others exit.")
 flags.DEFINE_integer("initialization_timeout", 300,
                      "Seconds to wait for all processes to join before failing.")
+flags.DEFINE_bool("fail_on_verdict", False, "Exit with status 5 when a recipe target of the "
+                  "final verdict (win rate, KL band, perplexity, well-formed samples) FAILs.")
 flags.DEFINE_bool("traceback", False, "Show the Python traceback of a user error (a bad flag "
                   "value, file or checkpoint) instead of the one-line message.")
 FLAGS = flags.FLAGS
 _PROCESS_FLAGS = ("distributed", "coordinator_address", "num_processes", "process_id",
-                  "heartbeat_timeout_seconds", "initialization_timeout", "traceback")
+                  "heartbeat_timeout_seconds", "initialization_timeout", "traceback",
+                  "fail_on_verdict")
 _HELP = {"--help": False, "-h": False, "--helpshort": False, "-?": False, "--helpfull": True}
 
 
@@ -86,12 +89,20 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
   from dpo import checkpoint, data, loop, tracking
   try:
-    loop.run(cfg)
-  except (data.DataError, checkpoint.CheckpointError, tracking.MissingExtra) as e:
+    summary = loop.run(cfg)
+    distributed.finished()
+  except (ValueError, data.DataError, checkpoint.CheckpointError, tracking.MissingExtra) as e:
     _user_error(e)
   except loop.TrainingStopped as e:
     logging.error("training stopped: %s", e)
     raise SystemExit(3) from None
+  except Exception as e:  # a collective that failed because a peer died: one line, exit 4
+    distributed.exit_if_peer_lost(e)
+    raise
+  failed = [v["target"] for v in summary.get("verdicts", ()) if v["verdict"] == "FAIL"]
+  if failed and FLAGS.fail_on_verdict:
+    print(f"error: --fail_on_verdict: recipe targets failed: {', '.join(failed)}", file=sys.stderr)
+    raise SystemExit(5)
 
 
 if __name__ == "__main__":

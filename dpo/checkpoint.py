@@ -1,19 +1,30 @@
-"""Tensorstore checkpoints: atomic, sharded, restorable onto any mesh.
+"""Tensorstore checkpoints that know they are whole: atomic, checksummed, restorable onto any mesh.
 
 A checkpoint is a directory
 
-    <dir>/meta.json          step, kind, data-loader position, guard state, leaf table
     <dir>/arrays/<i>/        one zarr3 array per pytree leaf (tensorstore, file kvstore)
+    <dir>/meta.json          step, kind, data-loader position, hook states, the run's identity
+    <dir>/manifest.json      written last: each leaf's name, shape, dtype and every file of its
+                             array with size and sha256, and the sha256 of meta.json
 
 Every process writes the shards it holds (replica 0 of each shard only, so replicated arrays are
 written once), with chunks equal to the shard shape so no two processes touch the same file.
-The directory is first written as `<dir>.tmp`; after all processes finish (a barrier), process 0
-writes meta.json last and renames `<dir>.tmp` to `<dir>`. A rename within one filesystem is atomic,
-so a checkpoint is either complete or invisible; a save killed half-way leaves only a `.tmp`
-directory, which readers ignore and the next save of that step deletes.
+A save writes `<dir>.tmp`; after all processes finish (a barrier) process 0 writes meta.json,
+then the manifest, then flips the directory into place: a new step is one rename; replacing a
+step (the re-save after a rollback, a re-export) renames the old copy to `<dir>.old` first and
+removes it after the flip; deleting renames to `<dir>.deleted` before removing. So at any
+instant of a save, replace or delete the directory holds either the old checkpoint or the new
+one whole (a kill between the two renames of a replace leaves a complete `.tmp`, which the next
+`Manager` rolls forward). Names other than `<dir>` are never read as checkpoints.
 
-Restoring reads each leaf straight into the shardings of a template pytree, so a checkpoint saved
-on one mesh restores onto any other (tensorstore reads each device's slice).
+Restoring verifies the manifest first (every file present, sizes and checksums equal, meta.json
+unchanged), then reads with missing chunks as errors, never as zeros. A `Manager` that finds its
+newest step damaged warns once, naming it and the damage, moves it to `<dir>.damaged`, and falls
+back to the newest intact step (or the fresh start when none is left).
+
+Before writing, the free space of the filesystem is checked against the arrays' size; running
+out anyway (another writer) removes the half-written `.tmp` and raises `DiskFull`, one line naming
+the path and the bytes the checkpoint needed.
 
 Two kinds share the format: "state" (a TrainState, plus loader position) under
 <output_dir>/checkpoints/<stage>/step_<N>, and "params" (a plain model pytree; the SFT output, the
@@ -22,8 +33,12 @@ exported policy) that `--init_from` and the sampler load with `load_params`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import errno
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,11 +49,22 @@ from jax.experimental import multihost_utils
 from jax.experimental.array_serialization import serialization
 
 META = "meta.json"
+MANIFEST = "manifest.json"
+FORMAT = 2  # manifest format; 1 was meta.json alone, without checksums
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_ASIDE = (".tmp", ".old", ".deleted", ".damaged")  # names beside a checkpoint, never read as one
 
 
 class CheckpointError(ValueError):
   """A checkpoint is missing, incomplete, or does not match what the run expects."""
+
+
+class Damaged(CheckpointError):
+  """A checkpoint's files do not match its manifest (or it has none)."""
+
+
+class DiskFull(CheckpointError):
+  """A write ran out of space (its half-written files are removed)."""
 
 
 def _leaves(tree) -> tuple[list[str], list[Any]]:
@@ -46,9 +72,12 @@ def _leaves(tree) -> tuple[list[str], list[Any]]:
   return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat]
 
 
-def _spec(directory: str, i: int) -> dict:
-  return serialization.get_tensorstore_spec(os.path.join(os.path.abspath(directory), "arrays",
+def _spec(directory: str, i: int, read: bool = False) -> dict:
+  spec = serialization.get_tensorstore_spec(os.path.join(os.path.abspath(directory), "arrays",
                                                          f"{i:05d}"), ocdbt=False)
+  if read:
+    spec["fill_missing_data_reads"] = False  # a missing chunk is an error, never zeros
+  return spec
 
 
 def _barrier(name: str) -> None:
@@ -64,56 +93,229 @@ def _fsync_dir(path: str) -> None:
     os.close(fd)
 
 
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_json(path: str, obj) -> None:
+  """`obj` to `path` through a temporary file, fsynced and renamed: never a torn file."""
+  tmp = path + ".part"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def is_no_space(e: BaseException) -> bool:
+  """Whether `e` (an OSError, or tensorstore's error text) reports a full disk or quota."""
+  if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    return True
+  return any(s in str(e) for s in ("No space left on device", "Disk quota exceeded", "ENOSPC"))
+
+
+def _remove(path: str) -> None:
+  """Deletes a directory so that a kill leaves it whole or invisible: rename aside, then remove."""
+  if not os.path.exists(path):
+    return
+  gone = path + ".deleted"
+  if os.path.exists(gone):
+    shutil.rmtree(gone)
+  os.rename(path, gone)
+  _fsync_dir(os.path.dirname(path))
+  shutil.rmtree(gone)
+
+
+def _flip(tmp: str, path: str) -> None:
+  """Makes the complete `tmp` visible as `path`, replacing an existing `path` (rename it to
+  `<path>.old`, rename `tmp`, remove the old copy): `path` is at every instant absent, the old
+  checkpoint or the new one, and while it is absent `tmp` is complete (`recover` rolls forward)."""
+  old = path + ".old"
+  if os.path.exists(old):
+    shutil.rmtree(old)
+  if os.path.exists(path):
+    os.rename(path, old)
+  os.rename(tmp, path)
+  _fsync_dir(os.path.dirname(path))
+  if os.path.exists(old):
+    shutil.rmtree(old)
+
+
+def recover(path: str) -> None:
+  """Finishes an interrupted save or replace of `path` (process 0, while nothing writes it): a
+  complete `<path>.tmp` with no `path` is flipped in; leftovers of finished or abandoned
+  operations (an incomplete .tmp, .old, .deleted) are removed."""
+  tmp = path + ".tmp"
+  if not os.path.exists(path) and os.path.isfile(os.path.join(tmp, MANIFEST)):
+    logging.warning("checkpoint: completing the interrupted save of %s", path)
+    _flip(tmp, path)
+  for suffix in (".tmp", ".old", ".deleted"):
+    if os.path.exists(path + suffix):
+      shutil.rmtree(path + suffix)
+
+
 def is_complete(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, META)) and not path.rstrip("/").endswith(".tmp")
+  """Whether `path` is a committed checkpoint (its manifest exists; `verify` checks the rest)."""
+  return (os.path.isfile(os.path.join(path, MANIFEST)) and
+          not path.rstrip("/").endswith(_ASIDE))
+
+
+def _read_json(path: str, name: str) -> dict:
+  try:
+    with open(os.path.join(path, name)) as f:
+      obj = json.load(f)
+  except (OSError, ValueError) as e:
+    raise Damaged(f"{path}: {name} unreadable ({type(e).__name__}: {e})") from None
+  if not isinstance(obj, dict):
+    raise Damaged(f"{path}: {name} is not a JSON object")
+  return obj
 
 
 def read_meta(path: str) -> dict:
-  if not is_complete(path):
-    raise CheckpointError(f"{path}: not a complete checkpoint (no {META}; an interrupted save "
-                          f"leaves only a .tmp directory)")
-  with open(os.path.join(path, META)) as f:
-    return json.load(f)
+  """meta.json, checked against the manifest's checksum, with the manifest's leaf table as
+  meta["leaves"]. Raises CheckpointError (Damaged when the files disagree)."""
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: not a complete checkpoint (no such directory)")
+  if not os.path.isfile(os.path.join(path, MANIFEST)):
+    what = ("an interrupted save leaves only a .tmp directory" if path.endswith(".tmp") else
+            "a save writes it last; this one was interrupted, damaged, or predates checksums")
+    raise Damaged(f"{path}: not a complete checkpoint (no {MANIFEST}; {what})")
+  manifest = _read_json(path, MANIFEST)
+  if manifest.get("format") != FORMAT or not isinstance(manifest.get("leaves"), list):
+    raise Damaged(f"{path}: {MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT}")
+  if not os.path.isfile(os.path.join(path, META)):
+    raise Damaged(f"{path}: {META} is missing")
+  try:
+    meta_sha = _sha256(os.path.join(path, META))
+  except OSError as e:
+    raise Damaged(f"{path}: {META} unreadable ({e})") from None
+  if meta_sha != manifest.get("meta_sha256"):
+    raise Damaged(f"{path}: {META} differs from the one its manifest recorded")
+  return {**_read_json(path, META), "leaves": manifest["leaves"]}
+
+
+_VERIFIED: dict[str, tuple] = {}  # path -> manifest stat: each checkpoint is hashed once per process
+
+
+def verify(path: str) -> dict:
+  """read_meta, plus every array file present with the size and sha256 its manifest recorded.
+  Returns the meta; raises Damaged naming the first file that differs."""
+  meta = read_meta(path)
+  st = os.stat(os.path.join(path, MANIFEST))
+  key = (st.st_ino, st.st_mtime_ns)
+  if _VERIFIED.get(path) == key:
+    return meta
+  for leaf in meta["leaves"]:
+    for rel, (size, digest) in leaf["files"].items():
+      f, what = os.path.join(path, rel), f"{rel} (of leaf {leaf['path']})"
+      if not os.path.isfile(f):
+        raise Damaged(f"{path}: {what} is missing")
+      if os.path.getsize(f) != size:
+        raise Damaged(f"{path}: {what} has {os.path.getsize(f)} bytes, the manifest recorded "
+                      f"{size}")
+      try:
+        ok = _sha256(f) == digest
+      except OSError as e:
+        raise Damaged(f"{path}: {what} unreadable ({e})") from None
+      if not ok:
+        raise Damaged(f"{path}: {what} fails its checksum")
+  _VERIFIED[path] = key
+  return meta
+
+
+def digest(path: str) -> str:
+  """A content fingerprint of a checkpoint's arrays (from its manifest; no file is reread)."""
+  meta = read_meta(path)
+  h = hashlib.sha256()
+  for leaf in meta["leaves"]:
+    h.update(f"{leaf['path']}:{leaf['dtype']}:{leaf['shape']}".encode())
+    for rel in sorted(leaf["files"]):
+      h.update(f"{rel}:{leaf['files'][rel][1]}".encode())
+  return h.hexdigest()
+
+
+def nbytes(tree) -> int:
+  """Bytes of a pytree's arrays (global shapes): what a checkpoint of it writes, uncompressed."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _check_space(path: str, need: int) -> None:
+  free = shutil.disk_usage(os.path.dirname(path)).free
+  if free < need:
+    raise DiskFull(f"{path}: no space for the checkpoint: it needs {need:,} bytes, the "
+                   f"filesystem has {free:,} free; free space or point --output_dir elsewhere")
+
+
+def _serialize(leaves: list, specs: list[dict]) -> None:
+  """Writes every leaf, waiting for all writes to end (failed or not) before the event loop
+  closes, so a failure raises once instead of leaving writes to die with the loop."""
+  async def write_all():
+    return await asyncio.gather(*[serialization.async_serialize(x, s)
+                                  for x, s in zip(leaves, specs)], return_exceptions=True)
+  errors = [r for r in asyncio.run(write_all()) if isinstance(r, BaseException)]
+  if errors:
+    raise errors[0]
 
 
 def save(path: str, tree, meta: dict) -> str:
   """Writes `tree` (a pytree of jax.Arrays) and `meta` to `path`, atomically. Collective."""
   path = os.path.abspath(path)
   tmp = path + ".tmp"
+  names, leaves = _leaves(tree)
+  need = nbytes(tree) + 2**20  # arrays plus headroom for zarr metadata, meta and manifest
   if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    recover(path)
     if os.path.exists(tmp):
       shutil.rmtree(tmp)  # left by a save that was killed before it committed
+    _check_space(path, need)
     os.makedirs(os.path.join(tmp, "arrays"))
   _barrier(f"ckpt-mkdir:{path}")
-  names, leaves = _leaves(tree)
-  serialization.run_serialization(leaves, [_spec(tmp, i) for i in range(len(leaves))])
-  _barrier(f"ckpt-written:{path}")
-  _commit(path, names, leaves, meta)
+  try:
+    _serialize(leaves, [_spec(tmp, i) for i in range(len(leaves))])
+    _barrier(f"ckpt-written:{path}")
+    _commit(path, names, leaves, meta)
+  except Exception as e:
+    if not is_no_space(e):
+      raise
+    if jax.process_index() == 0:
+      shutil.rmtree(tmp, ignore_errors=True)
+    raise DiskFull(f"{path}: out of disk space while writing the checkpoint ({need:,} bytes "
+                   f"needed; removed the partial {os.path.basename(tmp)}); free space and "
+                   f"rerun to resume") from None
   return path
 
 
 def _commit(path: str, names: list[str], leaves: list, meta: dict) -> None:
-  """meta.json last, then the rename that makes `<path>.tmp` visible as `path`."""
+  """meta.json, then the manifest (each array's files with checksums), then the flip."""
   tmp = path + ".tmp"
   if jax.process_index() == 0:
-    table = [{"path": n, "shape": list(x.shape), "dtype": str(x.dtype)}
-             for n, x in zip(names, leaves)]
-    with open(os.path.join(tmp, META), "w") as f:
-      json.dump({**meta, "leaves": table}, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())
-    if os.path.exists(path):
-      shutil.rmtree(path)  # rewriting a step (e.g. after a rollback): replace it whole
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    meta_path = os.path.join(tmp, META)
+    _write_json(meta_path, meta)
+    table = []
+    for i, (n, x) in enumerate(zip(names, leaves)):
+      root = os.path.join(tmp, "arrays", f"{i:05d}")
+      files = {}
+      for d, _, fs in os.walk(root):
+        for name in fs:
+          f = os.path.join(d, name)
+          files[os.path.relpath(f, tmp)] = [os.path.getsize(f), _sha256(f)]
+      table.append({"path": n, "shape": list(x.shape), "dtype": str(x.dtype),
+                    "files": dict(sorted(files.items()))})
+    _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "meta_sha256": _sha256(meta_path),
+                                              "leaves": table})
+    _fsync_dir(tmp)
+    _flip(tmp, path)
   _barrier(f"ckpt-committed:{path}")
 
 
 def load(path: str, like, prefix: str = "") -> tuple[Any, dict]:
   """Reads a checkpoint into the structure and shardings of `like` (arrays or
-  ShapeDtypeStructs with .sharding). With `prefix`, the checkpoint's leaves whose path starts with
-  it are matched against `like` (e.g. prefix=".params" reads a TrainState's params alone)."""
-  meta = read_meta(path)
+  ShapeDtypeStructs with .sharding), after `verify`. With `prefix`, the checkpoint's leaves whose
+  path starts with it are matched against `like` (e.g. prefix=".params" reads a TrainState's
+  params alone)."""
+  meta = verify(path)
   stored = {e["path"][len(prefix):]: (i, e) for i, e in enumerate(meta["leaves"])
             if e["path"].startswith(prefix)}
   names, templates = _leaves(like)
@@ -128,11 +330,14 @@ def load(path: str, like, prefix: str = "") -> tuple[Any, dict]:
     if tuple(e["shape"]) != tuple(t.shape) or e["dtype"] != str(t.dtype):
       raise CheckpointError(f"{path}: leaf {n} is {e['dtype']}{e['shape']} in the checkpoint but "
                             f"the run expects {t.dtype}{list(t.shape)}")
-    specs.append(_spec(path, i))
+    specs.append(_spec(path, i, read=True))
     shardings.append(t.sharding)
     shapes.append(tuple(t.shape))
     dtypes.append(t.dtype)
-  arrays = serialization.run_deserialization(shardings, specs, shapes, dtypes)
+  try:
+    arrays = serialization.run_deserialization(shardings, specs, shapes, dtypes)
+  except Exception as e:  # verified files that still fail to read: damaged all the same
+    raise Damaged(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]})") from None
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), arrays), meta
 
 
@@ -163,7 +368,7 @@ def load_params(path: str, model_cfg, mesh) -> Any:
   if meta.get("kind") == "params":
     return load(path, like)[0]
   if meta.get("kind") == "state" and not meta.get("lora"):
-    return load(path, like, prefix=".params")[0]
+    return load(path, like, prefix=meta.get("params_prefix", ".params"))[0]
   raise CheckpointError(f"{path}: kind {meta.get('kind')!r} (lora={meta.get('lora')}) holds no "
                         f"full model weights; export one with the final policy or an SFT run")
 
@@ -173,64 +378,127 @@ def load_params(path: str, model_cfg, mesh) -> Any:
 class Manager:
   """Step checkpoints of one stage under `directory`, newest `keep` retained.
 
-  `identity` ({meta key: value}, e.g. the reference model's path) is written into every
-  checkpoint and checked on restore: a rerun with other settings is refused, never resumed.
+  `identity` ({meta key: value}: the run's fingerprint) is written into every checkpoint and
+  checked on restore: a rerun with other settings is refused, naming each value that differs,
+  never resumed. `info` is written too but not compared (e.g. the reference's path: the content
+  is in the fingerprint, and a moved output directory still resumes). Collective (every process
+  constructs it).
   """
 
-  def __init__(self, directory: str, keep: int, identity: dict | None = None):
+  def __init__(self, directory: str, keep: int, identity: dict | None = None,
+               info: dict | None = None):
     if keep < 1:
       raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
     self.directory, self.keep = os.path.abspath(directory), keep
-    self.identity = dict(identity or {})
+    self.identity = json.loads(json.dumps(identity or {}))  # as meta.json reads back
+    self.info = dict(info or {})
+    if jax.process_index() == 0 and os.path.isdir(self.directory):
+      for name in os.listdir(self.directory):
+        m = re.match(r"^(step_\d{8})(\.tmp|\.old|\.deleted)?$", name)
+        if m:
+          recover(os.path.join(self.directory, m.group(1)))
+    _barrier(f"ckpt-recovered:{self.directory}")
 
   def path(self, step: int) -> str:
     return os.path.join(self.directory, f"step_{step:08d}")
 
-  def steps(self) -> list[int]:
+  def _dirs(self) -> list[int]:
+    """Steps with a step_N directory, complete or not."""
     if not os.path.isdir(self.directory):
       return []
-    found = []
-    for name in os.listdir(self.directory):
-      m = _STEP_DIR.match(name)
-      if m and is_complete(os.path.join(self.directory, name)):
-        found.append(int(m.group(1)))
-    return sorted(found)
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(self.directory)) if m)
+
+  def steps(self) -> list[int]:
+    """Committed steps (manifest present; `restore_latest` verifies their contents)."""
+    return [s for s in self._dirs() if is_complete(self.path(s))]
 
   def latest(self, before: int | None = None) -> int | None:
-    """Newest complete step (strictly below `before` if given)."""
+    """Newest committed step (strictly below `before` if given)."""
     s = [x for x in self.steps() if before is None or x < before]
     return s[-1] if s else None
 
   def save(self, step: int, state, meta: dict) -> str:
-    if jax.process_index() == 0:
-      os.makedirs(self.directory, exist_ok=True)
-    out = save(self.path(step), state, {"kind": "state", "step": step, **meta, **self.identity})
+    out = save(self.path(step), state, {"kind": "state", "step": step, **meta, **self.info,
+                                        **self.identity})
     if jax.process_index() == 0:
       for old in self.steps()[:-self.keep]:
-        shutil.rmtree(self.path(old))
+        _remove(self.path(old))
     _barrier(f"ckpt-pruned:{out}")
     return out
 
+  @staticmethod
+  def check_identity_of(path: str, meta: dict, identity: dict) -> None:
+    """Raises CheckpointError naming every value of `identity` (nested one level, as the
+    fingerprint is) that differs in `meta`, with the checkpoint's and this run's value."""
+    diff = []
+    for k, v in identity.items():
+      old = meta.get(k)
+      if isinstance(v, dict) and isinstance(old, dict):
+        diff += [f"{f}: {old.get(f, '(absent)')!r} -> {v.get(f, '(absent)')!r}"
+                 for f in sorted(set(v) | set(old)) if old.get(f, "(absent)") != v.get(f, "(absent)")]
+      elif old != v:
+        diff.append(f"{k}: {old!r} -> {v!r}")
+    if diff:
+      raise CheckpointError(f"{path} was written by a different run, refusing to resume it "
+                            f"(checkpoint -> this run: {'; '.join(diff)}); rerun with the "
+                            f"original settings or use a fresh --output_dir")
+
+  def check_identity(self, path: str, meta: dict) -> None:
+    self.check_identity_of(path, meta, self.identity)
+
   def restore(self, step: int, like) -> tuple[Any, dict]:
     path = self.path(step)
-    meta = read_meta(path)
-    for k, v in self.identity.items():
-      if meta.get(k) != v:
-        raise CheckpointError(f"{path}: {k} is {meta.get(k)!r} but this run has {v!r}; use a "
-                              f"fresh --output_dir or the original settings")
+    self.check_identity(path, read_meta(path))
     return load(path, like)
 
+  def restore_latest(self, like, before: int | None = None) -> tuple[int | None, Any, dict]:
+    """(step, state, meta) of the newest intact step (below `before`), or (None, None, {}).
+    `like` is the template, or a function of the checkpoint's meta that returns it.
+
+    A damaged step (files that fail the manifest, a directory without one) is moved aside to
+    `<dir>.damaged` with one warning naming it and the damage; the next older step is tried.
+    A step of another run (identity) is refused, not skipped.
+    """
+    for step in reversed(self._dirs()):
+      if before is not None and step >= before:
+        continue
+      path = self.path(step)
+      try:
+        meta = verify(path)
+        self.check_identity(path, meta)
+        state, meta = load(path, like(meta) if callable(like) else like)
+        return step, state, meta
+      except Damaged as e:
+        older = [s for s in self.steps() if s < step]
+        logging.warning("checkpoint %s is damaged (%s); moved to %s.damaged and falling back "
+                        "to %s", path, str(e).removeprefix(path + ": "), os.path.basename(path),
+                        f"step {older[-1]}" if older else "the stage's fresh start")
+        move_aside(path)
+    return None, None, {}
+
   def delete_from(self, step: int) -> list[int]:
-    """Removes checkpoints at `step` and later (states after a KL spike); returns their steps."""
-    gone = [s for s in self.steps() if s >= step]
+    """Removes checkpoints at `step` and later (states after a KL spike), newest first; returns
+    their steps."""
+    gone = [s for s in self._dirs() if s >= step]
     if jax.process_index() == 0:
-      for s in gone:
-        shutil.rmtree(self.path(s))
+      for s in reversed(gone):
+        _remove(self.path(s))
     _barrier(f"ckpt-deleted:{self.directory}:{step}")
     return gone
+
+
+def move_aside(path: str) -> None:
+  """Renames a damaged checkpoint to `<path>.damaged` (kept for inspection, never read). Collective."""
+  _barrier(f"ckpt-damaged:{path}")
+  if jax.process_index() == 0:
+    aside = path + ".damaged"
+    if os.path.exists(aside):
+      shutil.rmtree(aside)
+    os.rename(path, aside)
+    _fsync_dir(os.path.dirname(path))
+  _barrier(f"ckpt-moved:{path}")
 
 
 def like_of(tree) -> Any:
   """ShapeDtypeStruct template (with shardings) of a live pytree of arrays."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-

@@ -1,13 +1,16 @@
 """The KL-spike guard: host-side bookkeeping the KL-guard hook consults once per DPO step.
 
 The step reports `kl`, the mean token-level KL(pi || pi_ref) over the batch's completion tokens
-(see `dpo.logprobs.token_kl`). A spike is a KL above `kl_max`, or above `spike_factor` times the
-mean of the last `window` accepted values. The second test waits until `window` values exist and
-ignores KL below `spike_min`: KL grows from exactly 0 at the first LoRA step, and during warmup
-it can grow several-fold within a window while still tiny (measured on the default task: 0.0065
-against a 20-step mean of 0.00078 at step 21 of 300). The runner
-answers a spike by rolling back to the last good checkpoint and cutting the learning rate 10x;
-that policy lives in dpo/hooks.py and dpo/runner.py, the detection here, so each can be tested alone.
+(see `dpo.logprobs.token_kl`), or the hook hands in an estimate of it (dpo/hooks.py). A spike is
+a KL above `kl_max`, or above `spike_factor` times the largest of the last `window` accepted
+values. The relative test waits until `window` values exist (KL grows from exactly 0 at the
+first LoRA step, many-fold per step at first) and ignores KL below `spike_min`. It compares with
+the window's largest value, not its mean: during warmup KL grows several-fold within a window
+while growing only a little per step (measured on the default task: 0.0065 against a 20-step
+mean of 0.00078 at step 21 of 300), and batch-to-batch noise stays under the window's maximum;
+an update gone wrong jumps far past it. The runner answers a spike by rolling back to the last
+good checkpoint and cutting the learning rate 10x; that policy lives in dpo/hooks.py and
+dpo/runner.py, the detection here, so each can be tested alone.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ class KLGuard:
     if self.kl_max > 0 and kl > self.kl_max:
       return f"kl {kl:.4g} > kl_max {self.kl_max:.4g}"
     if self.spike_factor > 0 and len(self.history) >= self.window and kl > self.spike_min:
-      mean = sum(self.history) / len(self.history)
-      if kl > self.spike_factor * mean:
-        return (f"kl {kl:.4g} > kl_spike_factor {self.spike_factor:g} x recent mean {mean:.4g} "
+      top = max(self.history)
+      if kl > self.spike_factor * top:
+        return (f"kl {kl:.4g} > kl_spike_factor {self.spike_factor:g} x recent max {top:.4g} "
                 f"(last {len(self.history)} steps)")
     self.history = (self.history + [kl])[-self.window:]
     return None

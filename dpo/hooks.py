@@ -8,13 +8,14 @@ TR-DPO reference updates. Tests add fault-injection hooks of their own (tests/fa
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Callable
 
 import jax
 import numpy as np
 
-from dpo import guards, reference
+from dpo import checkpoint, guards, reference
 from dpo.runner import Hook, Rollback, Stage
 
 
@@ -57,23 +58,63 @@ class LogMetrics(Hook):
 
 
 class KLGuard(Hook):
-  """Reads each step's token KL; a spike (dpo/guards.py) raises a rollback with the learning-rate
-  cut. Its KL history travels with the checkpoints so a resumed run judges as an uninterrupted one."""
+  """Reads each step's KL (or its estimate); a spike (dpo/guards.py) raises a rollback with the
+  learning-rate cut. Its history travels with the checkpoints so a resumed run judges as an
+  uninterrupted one.
 
-  def __init__(self, cfg):  # a GuardConfig
-    self.cfg = cfg
+  What it watches (`Config.kl_estimate`), in nats per completion token:
+    kl         the exact token KL(pi || pi_ref) the step computes (--log_kl or --kl_max);
+    logratio   otherwise: |log pi/pi_ref| of the batch's chosen and rejected completions (from
+               the implicit rewards, divided by beta and the data's mean completion length),
+               free in every step, with the reference in the step or precomputed;
+    nll_drift  reference-free losses: how far the chosen completions' NLL has moved from the
+               stage's first step (the policy's drift from where it started).
+  """
+
+  ESTIMATES = {"kl": "the exact token KL(pi||ref) of each step",
+               "logratio": "|log pi/pi_ref| per token of the batch's pairs",
+               "nll_drift": "the drift of the chosen NLL per token from the first step "
+                            "(reference-free loss)"}
+
+  def __init__(self, cfg, estimate: str = "kl", beta: float = 1.0,
+               tokens_per_sequence: float = 1.0):  # a GuardConfig
+    if estimate not in self.ESTIMATES:
+      raise ValueError(f"unknown KL estimate {estimate!r}; one of {sorted(self.ESTIMATES)}")
+    self.cfg, self.estimate = cfg, estimate
+    self.beta, self.tokens = beta, max(tokens_per_sequence, 1e-9)
     self.guard = guards.KLGuard(cfg.kl_max, cfg.kl_spike_factor, cfg.kl_window, cfg.kl_spike_min)
+    self.first_nll = None
+
+  def start(self, run: Stage) -> None:
+    logging.info("KL guard: roll back when %s exceeds %s", self.ESTIMATES[self.estimate], " or ".join(
+        ([f"{self.cfg.kl_max:g}"] if self.cfg.kl_max else []) +
+        ([f"{self.cfg.kl_spike_factor:g} x its largest value over the last {self.cfg.kl_window} "
+          f"steps (once above "
+          f"{self.cfg.kl_spike_min:g})"] if self.cfg.kl_spike_factor else [])))
+
+  def value(self, metrics: dict) -> float:
+    if self.estimate == "kl":
+      return float(metrics["kl"])
+    if self.estimate == "logratio":
+      r = abs(float(metrics["rewards/chosen"])) + abs(float(metrics["rewards/rejected"]))
+      return r / (2 * self.beta * self.tokens)
+    nll = -float(metrics["logps/chosen"]) / self.tokens
+    if self.first_nll is None and math.isfinite(nll):
+      self.first_nll = nll
+    return abs(nll - self.first_nll) if self.first_nll is not None else float("nan")
 
   def metrics(self, run: Stage, step: int, metrics: dict) -> None:
-    reason = self.guard.check(float(metrics["kl"]))
+    reason = self.guard.check(self.value(metrics))
     if reason is not None:
-      raise Rollback(step, reason, self.cfg.rollback_lr_factor, self.cfg.max_rollbacks)
+      raise Rollback(step, f"{self.estimate} {reason.removeprefix('kl ')}",
+                     self.cfg.rollback_lr_factor, self.cfg.max_rollbacks)
 
   def state_dict(self) -> dict:
-    return {"kl_history": list(self.guard.history)}
+    return {"kl_history": list(self.guard.history), "kl_first_nll": self.first_nll}
 
   def load_state_dict(self, meta: dict) -> None:
     self.guard.history = list(meta.get("kl_history", ()))
+    self.first_nll = meta.get("kl_first_nll")
 
 
 class SaveCheckpoints(Hook):
@@ -106,10 +147,44 @@ class Evaluate(Hook):
 
 
 class UpdateReference(Hook):
-  """TR-DPO: after each step, possibly mix the policy into the frozen reference."""
+  """TR-DPO: after each step, possibly mix the policy into the frozen reference. The moving
+  reference (the adapter, or the full copy without LoRA) travels with the checkpoints, so a
+  resume or a rollback continues against the reference of that step, not the initial one."""
 
   def __init__(self, cfg):  # a ReferenceConfig
     self.cfg = cfg
+    self.rank = None  # the reference adapter's rank (LoRA: soft updates stack adapters)
 
   def after_step(self, run: Stage) -> None:
     run.frozen = reference.maybe_update(self.cfg, run.at, run.state, run.frozen)
+    self._track(run)
+
+  def arrays(self, run: Stage):
+    return run.frozen.params if run.frozen.ref_lora is None else run.frozen.ref_lora
+
+  def state_dict(self) -> dict:
+    return {"ref_rank": self.rank} if self.rank is not None else {}
+
+  def arrays_like(self, run: Stage, meta: dict):
+    like = checkpoint.like_of(self.arrays(run))
+    if run.frozen.ref_lora is None or "ref_rank" not in meta:
+      return like
+    r = meta["ref_rank"]  # the stacked adapter's rank at that checkpoint (soft updates grow it)
+    return {g: {t: {"a": _with_rank(f["a"], -1, r), "b": _with_rank(f["b"], 1, r)}
+                for t, f in targets.items()} for g, targets in like.items()}
+
+  def load_arrays(self, run: Stage, tree) -> None:
+    if tree is not None:
+      run.frozen = (run.frozen._replace(params=tree) if run.frozen.ref_lora is None else
+                    run.frozen._replace(ref_lora=tree))
+    self._track(run)
+
+  def _track(self, run: Stage) -> None:
+    lora = run.frozen.ref_lora
+    self.rank = None if lora is None else jax.tree.leaves(lora)[0].shape[-1]
+
+
+def _with_rank(like: jax.ShapeDtypeStruct, axis: int, rank: int) -> jax.ShapeDtypeStruct:
+  shape = list(like.shape)
+  shape[axis] = rank
+  return jax.ShapeDtypeStruct(tuple(shape), like.dtype, sharding=like.sharding)

@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 import configs
-from dpo import chat, checkpoint, curves, evaluate, formats, hooks, packing, prepare, reference
-from dpo import task, tracking, train
+from dpo import chat, checkpoint, curves, evaluate, formats, hooks, identity, packing, prepare
+from dpo import reference, task, tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
@@ -215,9 +215,11 @@ class Program:
   extra_hooks: Mapping[str, Sequence[Hook]]
   mirror: Hook  # metrics.jsonl -> TensorBoard / W&B (dpo/tracking.py); last, after the writers
 
-  def stage(self, name: str, fresh, frozen, arrays, hooks: list, identity: dict) -> Stage:
-    """Stage `name` (sft or dpo) over `arrays`, resuming from <output_dir>/checkpoints/<name>;
-    `identity` is what a checkpoint must match to be resumed."""
+  def stage(self, name: str, fresh, frozen, arrays, hooks: list, info: dict,
+            initial: str) -> Stage:
+    """Stage `name` (sft or dpo) over `arrays` from the model with digest `initial`, resuming
+    from <output_dir>/checkpoints/<name>; the stage's fingerprint is what a checkpoint must
+    match to be resumed, `info` is recorded beside it."""
     c, o = self.cfg, self.cfg.optim
     step_fn, spec = _STEPS[name][0], _STEPS[name][1](c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
@@ -229,7 +231,8 @@ class Program:
     loader = data_lib.Loader(arrays, o.global_batch_size,
                              c.run.seed + (1 if name == "sft" else 2), pid, nproc)
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
-                               c.checkpoint.keep_checkpoints, identity)
+                               c.checkpoint.keep_checkpoints,
+                               {"fingerprint": identity.fingerprint(c, name, arrays, initial)}, info)
     return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
                  [*hooks, *self.extra_hooks.get(name, ()), self.mirror])
 
@@ -262,7 +265,9 @@ def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: Me
 def _sft(p: Program, params, sft_out: str):
   """The SFT stage (all weights train); returns the SFT model, also saved to `sft_out`."""
   c = p.cfg
-  if checkpoint.is_complete(sft_out):
+  initial = identity.model_digest(c.checkpoint.init_from)
+  want = {"fingerprint": identity.fingerprint(c, "sft", p.data.sft, initial)}
+  if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps"):
     logging.info("sft: %s exists; stage done", sft_out)
     return checkpoint.load_params(sft_out, c.model, p.mesh)
   spec = train.StepConfig.sft(c)
@@ -272,8 +277,9 @@ def _sft(p: Program, params, sft_out: str):
   stage_hooks = [hooks.LogMetrics(c.run.log_every),
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
   state = p.stage("sft", fresh, None, p.data.sft, stage_hooks,
-                  {"init_from": c.checkpoint.init_from, "lora": False}).run()
-  checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step))
+                  {"init_from": c.checkpoint.init_from, "lora": False}, initial).run()
+  checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step),
+                         metrics_records=p.writer.count, **want)
   logging.info("sft: model -> %s", sft_out)
   return state.params
 
@@ -332,13 +338,17 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   split = lambda t: (params, t) if c.lora.enabled else (t, None)
   evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
   log = hooks.LogMetrics(c.run.log_every)
-  stage_hooks = [*([hooks.KLGuard(c.guard)] if c.guard.enabled else []), log,
+  mask = p.data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
+  guard = hooks.KLGuard(c.guard, c.kl_estimate, c.loss.beta, float(mask.sum() / max(
+      mask.shape[0] * mask.shape[1], 1)))
+  stage_hooks = [*([guard] if c.guard.enabled else []), log,
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
                  hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
                  *([hooks.UpdateReference(c.reference)] if tr_dpo else [])]
   t_dpo = time.perf_counter()
   state = p.stage("dpo", fresh, frozen, pairs, stage_hooks,
-                  {"reference": reference_path, "lora": c.lora.enabled}).run()
+                  {"reference": reference_path, "lora": c.lora.enabled},
+                  identity.model_digest(reference_path)).run()
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy, lora = split(state.params)
   _export(c, params, policy, lora, int(state.step), reference_path, p.data)
@@ -464,6 +474,7 @@ def run(cfg, mesh=None, init_params=None,
   out = cfg.run.output_dir
   if cfg.data.inspect_data != 0:
     return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
+  identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out)
@@ -500,8 +511,9 @@ def run(cfg, mesh=None, init_params=None,
       reference_path = ref_from if ref_from.startswith("hf:") else os.path.abspath(ref_from)
     if not reference_path:
       reference_path = os.path.abspath(os.path.join(ckroot, "dpo_base"))
-      if not checkpoint.is_complete(reference_path):
-        checkpoint.save_params(reference_path, params, cfg.model, stage="init")
+      want = {"fingerprint": identity.fingerprint(cfg, "init", {}, "random")}
+      if not identity.reusable(reference_path, want):
+        checkpoint.save_params(reference_path, params, cfg.model, stage="init", **want)
     summary.update(_dpo(program, params, reference_path))
   mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)

@@ -145,7 +145,8 @@ MODIFIERS: dict[str, Hyperparameter] = {
     "ld": Hyperparameter(
         "ld_alpha", 1.0, "LD-DPO (Liu et al. 2024): weight of log-probs past the pair's shared "
         "length; 1.0 disables, values in (0, 1) desensitise to length.",
-        lambda v: 0.0 <= v <= 1.0, "in [0, 1]", every=True),
+        lambda v: 0.0 < v <= 1.0, "in (0, 1] (0 would drop every token past the shared length)",
+        every=True),
 }
 _F = (F_DIVERGENCE, F_ALPHA)
 _ALL = tuple(MODIFIERS)

@@ -13,9 +13,11 @@ never read: the key is the file name and is checked again inside the file.
 
 TR-DPO (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good Alignment", sec. 3):
 every k steps the reference becomes alpha * policy + (1 - alpha) * reference (soft) or the policy
-(hard). With LoRA the reference is base + a frozen LoRA copy, updated factor-wise: the hard
-update is exact; the soft update mixes the A and B factors, which is not the same as mixing the
-deltas A @ B (a product of mixes), but it keeps the reference a rank-r adapter on the base.
+(hard), a mix of the weights. With LoRA the reference is base + a frozen adapter and the mix is
+of the adapter products, kept exactly by stacking: alpha * A_p B_p + (1 - alpha) * A_r B_r =
+[A_p, A_r] [alpha B_p; (1 - alpha) B_r], so each soft update adds the policy's rank to the
+reference adapter (a hard update resets it to the policy's). The reference is checkpointed
+(hooks.UpdateReference), so resume and rollback restore it exactly.
 """
 
 from __future__ import annotations
@@ -157,12 +159,25 @@ def _mix(alpha, new, old):
   return jax.tree.map(lambda n, o: (alpha * n + (1 - alpha) * o).astype(o.dtype), new, old)
 
 
+@jax.jit
+def _stack(alpha, new, old):
+  """LoRA adapters whose product is alpha * new's + (1 - alpha) * old's: A [L, *in, R] side by
+  side, B [L, R, *out] stacked and weighted (the rank axis is A's last and B's second)."""
+  def one(n, o):
+    return {"a": jnp.concatenate([n["a"], o["a"]], axis=-1),
+            "b": jnp.concatenate([alpha * n["b"], (1 - alpha) * o["b"]], axis=1).astype(o["b"].dtype)}
+  return jax.tree.map(one, new, old, is_leaf=lambda x: isinstance(x, dict) and "a" in x)
+
+
 def maybe_update(cfg, step: int, state: train.TrainState, frozen: train.Frozen) -> train.Frozen:
   """TR-DPO: after every ref_update_every-th step, mix the policy into the reference.
-  `cfg` is the ReferenceConfig; with LoRA (frozen.ref_lora set) the adapters are mixed."""
+  `cfg` is the ReferenceConfig; with LoRA (frozen.ref_lora set) the adapter products are mixed."""
   if cfg.ref_update == "none" or step % cfg.ref_update_every:
     return frozen
-  alpha = jnp.float32(1.0 if cfg.ref_update == "hard" else cfg.ref_update_alpha)
+  hard = cfg.ref_update == "hard"
+  alpha = jnp.float32(1.0 if hard else cfg.ref_update_alpha)
   if frozen.ref_lora is not None:
-    return frozen._replace(ref_lora=_mix(alpha, state.params, frozen.ref_lora))
+    if hard:  # a copy of the policy's factors (alpha = 1 in _mix: fresh buffers, not aliases)
+      return frozen._replace(ref_lora=_mix(alpha, state.params, state.params))
+    return frozen._replace(ref_lora=_stack(alpha, state.params, frozen.ref_lora))
   return frozen._replace(params=_mix(alpha, state.params, frozen.params))

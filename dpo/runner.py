@@ -52,6 +52,17 @@ class Hook:
   def load_state_dict(self, meta: dict) -> None:
     """Restores from a checkpoint's meta (or {} when the stage starts afresh)."""
 
+  def arrays(self, run: "Stage"):
+    """Device arrays this hook must carry across a checkpoint (a pytree), or None."""
+    return None
+
+  def arrays_like(self, run: "Stage", meta: dict):
+    """The template (`checkpoint.like_of`) of the `arrays` saved with checkpoint `meta`."""
+    return checkpoint.like_of(self.arrays(run))
+
+  def load_arrays(self, run: "Stage", tree) -> None:
+    """Restores `arrays` (None: the stage starts afresh)."""
+
 
 class Rollback(Exception):
   """Raised from `Hook.metrics`: the state measured at `step` is bad; restore the newest
@@ -67,35 +78,116 @@ class TrainingStopped(RuntimeError):
 
 
 class MetricsWriter:
-  """Appends one JSON object per record to <output_dir>/metrics.jsonl (process 0 only)."""
+  """One JSON object per line in <output_dir>/metrics.jsonl (process 0 only).
+
+  The file is a log that a resume rewinds: each checkpoint records how many records existed
+  when it was saved (`count`), and resuming from it keeps exactly those (`rewind`), so records
+  that a resumed or rolled-back run writes again replace the old ones instead of duplicating
+  them. A torn last line (a kill or a full disk mid-write) is dropped with a warning when the
+  file is opened; a write that runs out of space truncates its partial line and raises DiskFull.
+  """
 
   def __init__(self, output_dir: str):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(output_dir, "metrics.jsonl")
-    if self.enabled:
-      os.makedirs(output_dir, exist_ok=True)
+    self.count = 0  # records in the file (process 0)
+    if not self.enabled:
+      return
+    os.makedirs(output_dir, exist_ok=True)
+    records = self._read()
+    self.count = len(records)
+
+  def _read(self) -> list[str]:
+    """The file's complete records (lines); a torn or unparsable last line is dropped."""
+    if not os.path.exists(self.path):
+      return []
+    with open(self.path, "rb") as f:
+      data = f.read()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    for i, line in enumerate(lines):
+      try:
+        json.loads(line)
+      except ValueError:
+        if i < len(lines) - 1:
+          raise checkpoint.CheckpointError(
+              f"{self.path}:{i + 1}: not a JSON record (the file was edited or damaged; only a "
+              f"torn last line is repaired)") from None
+        tail, lines = line + b"\n" + tail, lines[:-1]
+    if tail:
+      logging.warning("%s: dropping a torn last line (%d bytes, from an interrupted write): %r",
+                      self.path, len(tail), tail[:80])
+      self._replace(lines)
+    return [l.decode() for l in lines]
+
+  def _replace(self, lines: list) -> None:
+    tmp = self.path + ".tmp"
+    try:
+      with open(tmp, "wb") as f:
+        f.writelines(l + b"\n" for l in lines)
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as e:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+      if checkpoint.is_no_space(e):
+        raise checkpoint.DiskFull(f"{self.path}: out of disk space rewriting the metrics "
+                                  f"({sum(len(l) + 1 for l in lines):,} bytes needed)") from None
+      raise
+    os.replace(tmp, self.path)
 
   def write(self, record: dict) -> None:
-    if self.enabled:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-  def truncate_after(self, stage: str, step: int) -> None:
-    """Drops the records a resumed run will write again: this stage's after `step`, other
-    records of the same or a later stage at or after `step`, all records of later stages."""
-    if not (self.enabled and os.path.exists(self.path)):
+    if not self.enabled:
       return
-    order = lambda name: 0 if name == "sft" else 1  # sft, then dpo and its evaluations
-    cur = order(stage)
-    with open(self.path) as f:
-      records = [json.loads(line) for line in f if line.strip()]
-    keep = [r for r in records
-            if order(r.get("stage")) < cur or (order(r.get("stage")) == cur and (
-                r["step"] <= step if r.get("stage") == stage else r["step"] < step))]
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in keep)
-    os.replace(tmp, self.path)
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+      start = os.fstat(fd).st_size
+      try:
+        view = memoryview(line)
+        while view:
+          view = view[os.write(fd, view):]
+      except OSError as e:
+        os.ftruncate(fd, start)  # no torn line left behind
+        if checkpoint.is_no_space(e):
+          raise checkpoint.DiskFull(f"{self.path}: out of disk space writing a metrics record "
+                                    f"({len(line):,} bytes needed); free space and rerun to "
+                                    f"resume") from None
+        raise
+    finally:
+      os.close(fd)
+    self.count += 1
+
+  @staticmethod
+  def _order(stage) -> int:
+    return 0 if stage == "sft" else 1  # sft, then dpo and its evaluations
+
+  def rewind(self, count: int, what: str, stage: str) -> None:
+    """Keeps the first `count` records (the file as it was when `what`, a checkpoint of
+    `stage`, was saved) and any later stage's records after them (an SFT stage resumed only to
+    rebuild its export leaves the DPO stage's records to the DPO stage)."""
+    if not self.enabled:
+      return
+    lines = [l.encode() for l in self._read()]
+    if len(lines) < count:
+      logging.warning("%s has %d records but %s was saved after %d; the missing ones are not "
+                      "rewritten", self.path, len(lines), what, count)
+    later = [l for l in lines[count:] if self._order(json.loads(l).get("stage")) >
+             self._order(stage)]
+    keep = lines[:count] + later
+    if len(keep) < len(lines):
+      self._replace(keep)
+    self.count = len(keep)
+
+  def rewind_stage(self, stage: str) -> None:
+    """Drops the records of `stage` and the stages after it (a stage that starts afresh)."""
+    if not self.enabled:
+      return
+    lines = self._read()
+    keep = [l.encode() for l in lines if self._order(json.loads(l).get("stage")) < self._order(stage)]
+    if len(keep) < len(lines):
+      self._replace(keep)
+    self.count = len(keep)
 
 
 @dataclasses.dataclass
@@ -118,10 +210,12 @@ class Stage:
   rollbacks: int = 0
   tokens: int = 0        # non-padding tokens up to the step being read, all processes
   _dispatched: int = 0   # the same, up to the last dispatched step
+  _fresh_records: int = 0  # metrics.jsonl records before this stage's first step
+  _frozen0: Any = None     # the frozen part at the stage's fresh start (TR-DPO moves it)
 
   def run(self):
-    self.state = self.fresh()
-    self._restore(self.ckpts.latest(), resumed=True)
+    self.state, self._frozen0 = self.fresh(), self.frozen
+    self._restore(resumed=True)
     pending = None
     while self.at < self.steps or pending is not None:
       try:
@@ -155,24 +249,58 @@ class Stage:
       for h in self.hooks:
         h.metrics(self, step, metrics)
 
+  @property
+  def steps_flag(self) -> str:
+    return "--sft_steps" if self.name == "sft" else "--steps"
+
   def snapshot(self) -> dict:
     """The checkpoint meta of the current position (the state is saved beside it)."""
-    meta = {"stage": self.name, "loader": self.loader.state(), "rollbacks": self.rollbacks}
+    meta = {"stage": self.name, "loader": self.loader.state(), "rollbacks": self.rollbacks,
+            "steps": self.steps, "metrics_records": self.writer.count}
     for h in self.hooks:
       meta.update(h.state_dict())
     return meta
 
+  def _carriers(self) -> list[Hook]:
+    return [h for h in self.hooks if h.arrays(self) is not None]
+
   def save(self) -> None:
-    path = self.ckpts.save(self.at, self.state, self.snapshot())
+    """A checkpoint of the state (and the hooks' arrays beside it: {"state", "hooks"})."""
+    carriers, meta = self._carriers(), self.snapshot()
+    tree = self.state
+    if carriers:
+      tree = {"state": self.state, "hooks": {type(h).__name__: h.arrays(self) for h in carriers}}
+      meta["params_prefix"] = "['state'].params"
+    path = self.ckpts.save(self.at, tree, meta)
     logging.info("%s: checkpoint step %d -> %s", self.name, self.at, path)
 
-  def _restore(self, step: int | None, resumed: bool = False) -> None:
-    """Loads checkpoint `step` (None: the fresh state) with the loader and hook states."""
-    meta: dict = {"loader": {"epoch": 0, "index": 0}}
+  def _like(self, meta: dict):
+    like, carriers = checkpoint.like_of(self.state), self._carriers()
+    if not carriers:
+      return like
+    return {"state": like, "hooks": {type(h).__name__: h.arrays_like(self, meta) for h in carriers}}
+
+  def _restore(self, before: int | None = None, resumed: bool = False) -> None:
+    """Loads the newest intact checkpoint (below `before`) with the loader, hook states and
+    metrics position, or the fresh state when there is none."""
+    carriers = self._carriers()
+    step, state, meta = self.ckpts.restore_latest(self._like, before)
     if step is None:
       self.state = self.state if resumed else self.fresh()
+      self.frozen = self._frozen0
+      for h in carriers:
+        h.load_arrays(self, None)
+      meta = {"loader": {"epoch": 0, "index": 0}}
+      if resumed:
+        self.writer.rewind_stage(self.name)
+        self._fresh_records = self.writer.count
+      else:
+        self.writer.rewind(self._fresh_records, f"the start of stage {self.name}", self.name)
     else:
-      self.state, meta = self.ckpts.restore(step, checkpoint.like_of(self.state))
+      self.state = state["state"] if carriers else state
+      for h in carriers:
+        h.load_arrays(self, state["hooks"][type(h).__name__])
+      self.writer.rewind(meta["metrics_records"], self.ckpts.path(step), self.name)
     self.loader.restore(meta["loader"])
     for h in self.hooks:
       h.load_state_dict(meta)
@@ -180,11 +308,22 @@ class Stage:
     if resumed:
       self.rollbacks = meta.get("rollbacks", 0)
       if step is not None:
-        self.writer.truncate_after(self.name, step)
+        self._check_length(step, meta)
         logging.info("%s: resumed from %s (step %d of %d)", self.name, self.ckpts.path(step),
                      step, self.steps)
       for h in self.hooks:
         h.start(self)
+
+  def _check_length(self, step: int, meta: dict) -> None:
+    """--steps below a checkpoint is refused; above the run's earlier --steps, logged."""
+    if step > self.steps:
+      raise checkpoint.CheckpointError(
+          f"{self.steps_flag}={self.steps} is below the checkpoint {self.ckpts.path(step)} "
+          f"(step {step}); give {self.steps_flag} >= {step}, or a fresh --output_dir")
+    if meta.get("steps", self.steps) != self.steps:
+      logging.warning("%s: %s extended from %d to %d; the learning-rate schedule after step %d "
+                      "follows the new length", self.name, self.steps_flag, meta["steps"],
+                      self.steps, step)
 
   def _rollback(self, rb: Rollback) -> None:
     """The state measured at rb.step (params after update rb.step - 1) is bad."""
@@ -193,10 +332,11 @@ class Stage:
           f"{self.name}: KL spike at step {rb.step} ({rb.reason}) after {self.rollbacks} "
           f"rollbacks already (--max_rollbacks={rb.limit}); stopping. Lower the learning rate, "
           f"or raise --kl_max / --kl_spike_factor if this KL is expected.")
-    self.rollbacks += 1
+    rollbacks = self.rollbacks + 1
     lr_scale = float(self.state.lr_scale) * rb.lr_factor
     dropped = self.ckpts.delete_from(rb.step - 1)
-    self._restore(self.ckpts.latest(before=rb.step - 1))
+    self._restore(before=rb.step - 1)  # also rewinds metrics.jsonl to that checkpoint
+    self.rollbacks = rollbacks
     self.state = self.state._replace(lr_scale=jax.device_put(
         np.float32(lr_scale), self.state.lr_scale.sharding))
     logging.warning("%s: KL SPIKE at step %d: %s. ROLLBACK %d/%d to step %d%s; learning-rate "

@@ -1,11 +1,14 @@
-"""Fault injection for tests: stage-runner hooks (dpo/runner.py) and a checkpoint-commit kill.
+"""Fault injection for tests: stage-runner hooks (dpo/runner.py), kills at each phase of a
+checkpoint write (real SIGKILL or simulated), and a full disk.
 
 Installed with `loop.run(cfg, extra_hooks={"dpo": [NanLoss(2)]})`; none of this is reachable
 from the user's config or flags.
 """
 
+import errno
 import logging
 import os
+import shutil
 import signal
 
 import jax
@@ -77,3 +80,91 @@ def kill_during_commit(step: int) -> None:
     commit(path, *args)
 
   checkpoint._commit = killing_commit
+
+
+class Killed(BaseException):
+  """A simulated SIGKILL: a BaseException, so no `except Exception` cleanup runs; what it leaves
+  on disk is what a kill at that instant leaves."""
+
+
+def kill_at(monkeypatch, phase: str, name: str) -> None:
+  """Makes the checkpoint write of directory basename `name` die at `phase`:
+
+  arrays    the arrays are written, nothing else
+  meta      meta.json is written, the manifest is not
+  manifest  the manifest is written, the directory is not flipped into place
+  flip      a replaced step is renamed to .old, the new copy is still .tmp
+  cleanup   the new copy is in place, the .old one not yet removed
+  delete    a deleted step is renamed to .deleted, not yet removed
+  """
+  def mine(path):
+    return os.path.basename(str(path).rstrip("/")).split(".")[0] == name
+
+  def wrap(owner, attr, before=None, after=None):
+    fn = getattr(owner, attr)
+
+    def wrapped(*args, **kwargs):
+      for when, test in (("before", before), ("after", after)):
+        if when == "after":
+          out = fn(*args, **kwargs)
+        if test is not None and test(*args):
+          logging.warning("fault: simulated kill (%s) %s %s%s", phase, when, attr, args[:2])
+          raise Killed(f"killed at {phase} of {name}")
+      return out
+    monkeypatch.setattr(owner, attr, wrapped)
+
+  suffix = {"cleanup": ".old", "delete": ".deleted"}.get(phase)
+  kills = {
+      "arrays": lambda: wrap(checkpoint, "_serialize", after=lambda leaves, specs: any(
+          mine(os.path.dirname(os.path.dirname(s["kvstore"]["path"]))) for s in specs)),
+      "meta": lambda: wrap(checkpoint, "_write_json", before=lambda path, obj: (
+          os.path.basename(path) == checkpoint.MANIFEST and mine(os.path.dirname(path)))),
+      "manifest": lambda: wrap(checkpoint, "_flip", before=lambda tmp, path: mine(path)),
+      "flip": lambda: wrap(checkpoint.os, "rename", after=lambda src, dst: (
+          str(dst).endswith(".old") and mine(src))),
+      "cleanup": lambda: wrap(checkpoint.shutil, "rmtree", before=lambda path, *a: (
+          str(path).endswith(suffix) and mine(path))),
+  }
+  kills["delete"] = kills["cleanup"]
+  if phase not in kills:
+    raise ValueError(f"unknown phase {phase!r}")
+  kills[phase]()
+
+
+def no_space(monkeypatch, where: str, after: int = 0) -> None:
+  """ENOSPC from the next `where` write ("metrics": a metrics.jsonl append, after `after` good
+  records, part of the line written first; "checkpoint": tensorstore's array write)."""
+  if where == "metrics":
+    write, calls = os.write, [0]
+
+    def full_write(fd, data):
+      if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "metrics.jsonl":
+        calls[0] += 1
+        if calls[0] > after:
+          write(fd, bytes(data[:7]))  # a torn start of the line, as a filling disk leaves
+          raise OSError(errno.ENOSPC, "No space left on device")
+      return write(fd, data)
+    monkeypatch.setattr(os, "write", full_write)
+  elif where == "checkpoint":
+    from jax.experimental.array_serialization import serialization
+
+    async def full_serialize(arr, spec, *a, **kw):
+      f = f"{spec['kvstore']['path']}/0"  # tensorstore's words on a full tmpfs
+      raise ValueError(f'RESOURCE_EXHAUSTED: Error writing local file "{f}": Failed writing: '
+                       f'"{f}.__lock": Failed to write 893728 bytes to file 7: No space left on '
+                       f"device [os_error_code='28']")
+    monkeypatch.setattr(serialization, "async_serialize", full_serialize)
+  else:
+    raise ValueError(f"unknown place {where!r}")
+
+
+class Recorder(Hook):
+  """Keeps every (step, metrics) the stage reads, as Python floats, including steps that a
+  rollback later replays (metrics.jsonl keeps only the replayed ones)."""
+
+  def __init__(self):
+    self.seen = []
+
+  def metrics(self, run, step, metrics):
+    self.seen.append((step, {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()
+                             if np.ndim(v) == 0}))

@@ -1,6 +1,8 @@
-"""Checkpoints: atomic commit, restore across meshes, bitwise resume, SIGKILL mid-save."""
+"""Checkpoints: atomic commit, restore across meshes, bitwise resume, SIGKILL mid-save, a kill at
+each phase of save / replace / delete / export, every kind of damage, a full disk."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -8,8 +10,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import configs
+import faults
 from dpo import checkpoint, loop, train
 from faults import Crash, SimulatedCrash
 from models import lora as lora_lib
@@ -24,19 +28,8 @@ TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_di
             log_every=1, sft_steps=4, steps=6, checkpoint_every=2, keep_checkpoints=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """These tests rerun the same tiny programs many times; a persistent compilation cache makes
-  every compile after the first a disk read (the executables are identical, so results are too)."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (path, 0, 0)):
-    jax.config.update(n, v)
-  yield path
-  for n, v in old.items():
-    jax.config.update(n, v)
+# A persistent compilation cache for the tiny programs these tests rerun (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +185,222 @@ def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path, compile_cache):
   killed = subprocess.run(killing, env=env, capture_output=True,
                           text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
-  mgr = checkpoint.Manager(out / "checkpoints" / "dpo", 2)
-  assert os.path.isdir(mgr.path(4) + ".tmp")  # the arrays were written, the commit never happened
-  assert mgr.steps() == [2]
+  dpo_dir = out / "checkpoints" / "dpo"
+  assert sorted(os.listdir(dpo_dir)) == ["step_00000002", "step_00000004.tmp"]  # arrays only
+  assert not os.path.exists(dpo_dir / "step_00000004.tmp" / "manifest.json")
+  mgr = checkpoint.Manager(dpo_dir, 2)  # removes the .tmp: it was never committed
+  assert mgr.steps() == [2] and not os.path.exists(dpo_dir / "step_00000004.tmp")
   resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "dpo: resumed from" in resumed.stderr and "(step 2 of 6)" in resumed.stderr
   assert mgr.steps() == [4, 6] and not os.path.exists(mgr.path(4) + ".tmp")
   steps = [r["step"] for r in records(out) if r["stage"] == "dpo"]
   assert steps == [1, 2, 3, 4, 5, 6]
+
+
+# --- damage: verified, never zeros, the newest intact step instead -------------------------------
+
+def _tree(mesh, k):
+  """A small pytree with several chunk files (one per shard of w)."""
+  w = np.arange(64, dtype=np.float32).reshape(8, 8) * (k + 1)
+  return {"w": jax.device_put(w, NamedSharding(mesh, P("data", "tensor"))),
+          "b": jax.device_put(np.full(3, k, np.int32), NamedSharding(mesh, P()))}
+
+
+def _chunk(path, leaf_part="['"):
+  """A data chunk file of the first leaf whose name contains `leaf_part`."""
+  leaf = next(l for l in checkpoint.read_meta(str(path))["leaves"] if leaf_part in l["path"])
+  return os.path.join(path, next(f for f in leaf["files"] if not f.endswith(".zarray")))
+
+
+def _edit(path, text: str, at: int | None = None):
+  """Overwrites `path` with `text`, or (at=i) flips the bits of byte i in place."""
+  if at is None:
+    with open(path, "w") as f:
+      f.write(text)
+    return
+  with open(path, "r+b") as f:
+    f.seek(at)
+    byte = f.read(1)[0]
+    f.seek(at)
+    f.write(bytes([byte ^ 0xFF]))
+
+
+def _truncate(path, size):
+  with open(path, "r+b") as f:
+    f.truncate(size)
+
+
+DAMAGE = {
+    "chunk deleted": lambda p: os.remove(_chunk(p)),
+    "chunk truncated": lambda p: _truncate(_chunk(p), 5),
+    "chunk bit flipped": lambda p: _edit(_chunk(p), "", at=3),
+    "chunk unreadable": lambda p: (os.remove(_chunk(p)), os.mkdir(_chunk(p))),
+    ".zarray deleted": lambda p: os.remove(os.path.join(p, "arrays", "00001", ".zarray")),
+    "meta.json garbled": lambda p: _edit(os.path.join(p, "meta.json"), "{no"),
+    "meta.json changed": lambda p: _edit(os.path.join(p, "meta.json"),
+                                         json.dumps({"kind": "state", "step": 7})),
+    "meta.json deleted": lambda p: os.remove(os.path.join(p, "meta.json")),
+    "manifest deleted": lambda p: os.remove(os.path.join(p, "manifest.json")),
+    "manifest garbled": lambda p: _edit(os.path.join(p, "manifest.json"), "[1, 2"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_step_falls_back_to_the_newest_intact_one(tmp_path, damage, caplog):
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  for step in (1, 2):
+    mgr.save(step, _tree(mesh, step), {"loader": {"epoch": 0, "index": step}})
+  DAMAGE[damage](mgr.path(2))
+  like = checkpoint.like_of(_tree(mesh, 0))
+  with caplog.at_level(logging.WARNING):
+    step, state, meta = checkpoint.Manager(tmp_path / "ck", keep=3).restore_latest(like)
+  assert step == 1 and meta["loader"]["index"] == 1
+  assert_tree_bitwise(state, _tree(mesh, 1))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 1 and "step_00000002 is damaged" in warnings[0], warnings
+  assert "falling back to step 1" in warnings[0]
+  assert mgr.steps() == [1] and os.path.isdir(mgr.path(2) + ".damaged")
+  # Nothing intact left: the stage's fresh start, never a half-read state.
+  DAMAGE[damage](mgr.path(1))
+  assert checkpoint.Manager(tmp_path / "ck", keep=3).restore_latest(like)[0] is None
+  # A damaged export is an error naming it (loop.py rebuilds its own exports, see below).
+  cfg = tiny_cfg(tmp_path)
+  params = transformer.init(cfg.model, jax.random.key(0), mesh)
+  checkpoint.save_params(str(tmp_path / "export"), params, cfg.model)
+  DAMAGE[damage](str(tmp_path / "export"))
+  with pytest.raises(checkpoint.Damaged, match="export"):
+    checkpoint.load_params(str(tmp_path / "export"), cfg.model, mesh)
+
+
+def test_missing_chunk_reads_as_an_error_not_zeros(tmp_path, monkeypatch):
+  """Even past the manifest (a chunk lost after verification), tensorstore fills nothing in."""
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  path = checkpoint.save(str(tmp_path / "ck"), _tree(mesh, 1), {})
+  monkeypatch.setattr(checkpoint, "verify", checkpoint.read_meta)
+  os.remove(_chunk(path))
+  with pytest.raises(checkpoint.Damaged, match="unreadable"):
+    checkpoint.load(path, checkpoint.like_of(_tree(mesh, 0)))
+
+
+# --- a kill at each phase -------------------------------------------------------------------------
+
+# (operation, phase) -> the step and tree version a rerun resumes: old (the state before the
+# operation) or new (after it). "replace" rewrites step 2 (a rollback's re-save), "new" saves
+# step 3, "delete" removes step 2 (delete_from after a spike).
+KILLS = {("new", "arrays"): (2, 2), ("new", "meta"): (2, 2), ("new", "manifest"): (3, 3),
+         ("replace", "arrays"): (2, 2), ("replace", "meta"): (2, 2),
+         ("replace", "manifest"): (2, 2), ("replace", "flip"): (2, 20),
+         ("replace", "cleanup"): (2, 20), ("delete", "delete"): (1, 1)}
+
+
+@pytest.mark.parametrize("operation,phase", KILLS)
+def test_kill_at_each_phase_leaves_a_resumable_directory(tmp_path, monkeypatch, operation, phase):
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  for step in (1, 2):
+    mgr.save(step, _tree(mesh, step), {})
+  with monkeypatch.context() as m:
+    target = {"new": 3, "replace": 2, "delete": 2}[operation]
+    faults.kill_at(m, phase, f"step_{target:08d}")
+    with pytest.raises(faults.Killed):
+      if operation == "delete":
+        mgr.delete_from(2)
+      else:
+        mgr.save(target, _tree(mesh, 20 if operation == "replace" else 3), {})
+  rerun = checkpoint.Manager(tmp_path / "ck", keep=3)  # what a rerun constructs first
+  step, state, _ = rerun.restore_latest(checkpoint.like_of(_tree(mesh, 0)))
+  want_step, version = KILLS[operation, phase]
+  assert step == want_step
+  assert_tree_bitwise(state, _tree(mesh, version))
+  leftovers = [n for n in os.listdir(tmp_path / "ck") if not n.startswith("step_") or "." in n]
+  assert leftovers == [], leftovers
+
+
+def _loop_outputs(out):
+  cfg = tiny_cfg(out)
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  return {name: checkpoint.load_params(str(out / "checkpoints" / name), cfg.model, mesh)
+          for name in ("sft_model", "policy")}
+
+
+@pytest.mark.parametrize("phase,name", [("meta", "step_00000002"), ("flip", "policy"),
+                                        ("manifest", "sft_model")])
+def test_killed_run_resumes_bitwise_without_duplicate_records(tmp_path, reference_run,
+                                                              monkeypatch, phase, name):
+  """A kill in the DPO stage's first checkpoint, in the export of the policy over an earlier
+  one, in the SFT model's export: the rerun's records and models equal the uninterrupted run's."""
+  out = tmp_path / "run"
+  if name == "policy":  # a finished run whose rerun re-exports the policy over the old copy
+    loop.run(tiny_cfg(out))
+  with monkeypatch.context() as m:
+    faults.kill_at(m, phase, name)
+    hooks = {"dpo": [Crash(2)]} if name.startswith("step") else {}
+    with pytest.raises(faults.Killed):
+      loop.run(tiny_cfg(out), extra_hooks=hooks)
+  loop.run(tiny_cfg(out))
+  assert records(out) == records(reference_run)
+  for k, v in _loop_outputs(out).items():
+    assert_tree_bitwise(v, _loop_outputs(reference_run)[k])
+
+
+def test_damaged_sft_model_and_step_are_rebuilt(tmp_path, reference_run, caplog):
+  """A zeroed-out (deleted) chunk in the SFT model and in the newest DPO step: the rerun warns,
+  rebuilds the SFT model from its last step checkpoint and resumes DPO from the older step."""
+  out = tmp_path / "run"
+  with pytest.raises(SimulatedCrash):
+    loop.run(tiny_cfg(out), extra_hooks={"dpo": [Crash(5)]})
+  os.remove(_chunk(out / "checkpoints" / "sft_model", "embed"))
+  os.remove(_chunk(out / "checkpoints" / "dpo" / "step_00000004", "['a']"))
+  with caplog.at_level(logging.WARNING):
+    loop.run(tiny_cfg(out))
+  text = caplog.text
+  assert "sft_model is damaged" in text and "step_00000004 is damaged" in text
+  assert "falling back to step 2" in text
+  assert records(out) == records(reference_run)
+  for k, v in _loop_outputs(out).items():
+    assert_tree_bitwise(v, _loop_outputs(reference_run)[k])
+
+
+# --- metrics.jsonl and a full disk ----------------------------------------------------------------
+
+def test_torn_metrics_line_is_dropped_on_resume(tmp_path, reference_run, caplog):
+  out = tmp_path / "run"
+  with pytest.raises(SimulatedCrash):
+    loop.run(tiny_cfg(out), extra_hooks={"dpo": [Crash(5)]})
+  with open(out / "metrics.jsonl", "a") as f:
+    f.write('{"stage": "dpo", "step": 6, "lo')  # a kill mid-write
+  with caplog.at_level(logging.WARNING):
+    loop.run(tiny_cfg(out))
+  assert "dropping a torn last line" in caplog.text
+  assert records(out) == records(reference_run)
+
+
+@pytest.mark.parametrize("where", ["metrics", "checkpoint", "free space"])
+def test_full_disk_is_one_message_and_the_rerun_resumes(tmp_path, reference_run, monkeypatch,
+                                                        where):
+  out = tmp_path / "run"
+  loop.run(tiny_cfg(out, stage="sft"))  # the SFT stage completes; the disk fills during DPO
+  dpo_dir = out / "checkpoints" / "dpo"
+  with monkeypatch.context() as m:
+    if where == "free space":
+      usage = checkpoint.shutil.disk_usage
+      m.setattr(checkpoint.shutil, "disk_usage",
+                lambda p: usage(p)._replace(free=1000) if "dpo" in str(p) else usage(p))
+    else:
+      faults.no_space(m, where, after=3)
+    with pytest.raises(checkpoint.DiskFull) as e:
+      loop.run(tiny_cfg(out))
+  message = str(e.value)
+  assert "\n" not in message and "bytes" in message
+  assert str(out / ("metrics.jsonl" if where == "metrics" else dpo_dir)) in message
+  if where == "free space":
+    assert "1,000 free" in message
+  with open(out / "metrics.jsonl", "rb") as f:
+    assert f.read().endswith(b"\n")  # no torn line
+  assert not [n for n in (os.listdir(dpo_dir) if dpo_dir.exists() else []) if "." in n]
+  loop.run(tiny_cfg(out))
+  assert records(out) == records(reference_run)
+  for k, v in _loop_outputs(out).items():
+    assert_tree_bitwise(v, _loop_outputs(reference_run)[k])

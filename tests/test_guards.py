@@ -1,6 +1,7 @@
 """Training guards: the in-step non-finite skip, the KL measure, and the KL-spike rollback."""
 
 import json
+import logging
 import math
 import os
 
@@ -11,8 +12,9 @@ import optax
 import pytest
 
 import configs
-from dpo import checkpoint, guards, logprobs, loop, train
-from faults import LrSpike, NanLoss
+from dpo import checkpoint, guards, hooks, logprobs, loop, train
+import faults
+from faults import LrSpike, NanLoss, Recorder
 from models import sharding
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
@@ -21,17 +23,8 @@ TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_di
             log_every=1, stage="dpo", steps=8, checkpoint_every=2, keep_checkpoints=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """Persistent compilation cache: the runs below share their (identical) step programs."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
-    jax.config.update(n, v)
-  yield
-  for n, v in old.items():
-    jax.config.update(n, v)
+# A persistent compilation cache for the tiny programs these tests rerun (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def tiny_cfg(out, **kw):
@@ -54,14 +47,15 @@ def test_guard_kl_max_and_spike_factor():
   # Until the window is full only kl_max could fire: growth from KL = 0 is not a spike.
   for kl in (0.0, 0.01, 0.1):
     assert g.check(kl) is None
-  mean = (0.0 + 0.01 + 0.1) / 3
-  assert g.check(4.0 * mean * 0.99) is None                       # just under 4x the mean
-  mean = (0.01 + 0.1 + 4.0 * (0.11 / 3) * 0.99) / 3
-  assert "recent mean" in g.check(4.0 * mean * 1.01)              # just over 4x the new mean
+  assert g.check(4.0 * 0.1 * 0.99) is None                        # just under 4x the window max
+  top = 4.0 * 0.1 * 0.99                                          # (it joined the window)
+  assert g.check(4.0 * top * 0.99) is None                        # steady growth: never a spike
+  top = 4.0 * top * 0.99
+  assert "recent max" in g.check(4.0 * top * 1.01)                # just over 4x the window max
   assert g.check(float("nan")) is None and len(g.history) == 3    # non-finite: skip's business
   g = guards.KLGuard(kl_max=0.0, spike_factor=4.0, window=2, spike_min=0.05, history=(1e-3, 1e-3))
-  assert g.check(0.04) is None                                    # 40x the mean, under the floor
-  assert "recent mean" in guards.KLGuard(0.0, 4.0, 2, 0.05, (0.01, 0.01)).check(0.06)
+  assert g.check(0.04) is None                                    # 40x the max, under the floor
+  assert "recent max" in guards.KLGuard(0.0, 4.0, 2, 0.05, (0.01, 0.01)).check(0.06)
   assert not guards.KLGuard(0.0, 0.0, 5).enabled
 
 
@@ -116,29 +110,83 @@ def test_injected_nan_is_skipped_and_counted(tmp_path):
 
 def test_injected_kl_spike_rolls_back_and_cuts_lr(tmp_path):
   # KL stays below 1e-4 over these steps; the lr x1000 update at step 5 lifts it above 1e-2.
+  seen = Recorder()  # after the guard: it sees what the guard let through
   summary = loop.run(tiny_cfg(tmp_path, kl_max=1e-3, kl_spike_factor=0.0),
-                     extra_hooks={"dpo": [LrSpike(5)]})
+                     extra_hooks={"dpo": [LrSpike(5), seen]})
   rows = [r for r in records(tmp_path) if r["stage"] == "dpo"]
   events = [r for r in rows if r.get("event") == "rollback"]
   assert len(events) == 1
   ev = events[0]
   # The state after step 5 is measured in step 6's metrics: the newest checkpoint before it is 4.
   assert ev["step"] == 6 and ev["to_step"] == 4 and ev["lr_scale"] == pytest.approx(0.1)
-  pos = rows.index(ev)
-  before = {r["step"]: r for r in rows[:pos]}
-  after = {r["step"]: r for r in rows[pos + 1:]}
-  assert sorted(after) == [5, 6, 7, 8]
+  # metrics.jsonl was rewound to checkpoint 4: one record per step, the replayed ones.
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 6, 5, 6, 7, 8]
+  assert rows.index(ev) == 4
   # Step 5 again starts from the restored step-4 params on the same batch: same loss and KL
   # bit for bit, at a tenth of the scheduled learning rate (the first time it had x1000).
+  steps = [s for s, _ in seen.seen]
+  assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # the spiked step 6 never reached the hooks after
+  first, again = seen.seen[4][1], seen.seen[5][1]
   for k in ("loss", "kl", "rewards/margins"):
-    assert after[5][k] == before[5][k]
-  assert after[5]["learning_rate"] == pytest.approx(before[5]["learning_rate"] / 1000 * 0.1)
-  assert after[6]["kl"] < 1e-3 and summary["lr_scale"] == pytest.approx(0.1)
+    assert again[k] == first[k]
+  assert again["learning_rate"] == pytest.approx(first["learning_rate"] / 1000 * 0.1)
+  assert rows[5]["loss"] == again["loss"]
+  assert rows[-3]["kl"] < 1e-3 and summary["lr_scale"] == pytest.approx(0.1)
   meta = checkpoint.read_meta(str(tmp_path / "checkpoints" / "dpo" / "step_00000008"))
   assert meta["rollbacks"] == 1
+
+
+@pytest.mark.parametrize("phase,spike", [("flip", 5), ("delete", 4)])
+def test_kill_during_rollback_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch, phase,
+                                                               spike):
+  """A kill while the rollback replaces step 4 (its re-save with the cut rate) or deletes it
+  (the spike is measured right after it): the rerun resumes to the same records and policy."""
+  cfg = lambda out: tiny_cfg(out, kl_max=1e-3, kl_spike_factor=0.0)
+  loop.run(cfg(tmp_path / "whole"), extra_hooks={"dpo": [LrSpike(spike)]})
+  out = tmp_path / "killed"
+  with monkeypatch.context() as m:
+    faults.kill_at(m, phase, "step_00000004")
+    with pytest.raises(faults.Killed):
+      loop.run(cfg(out), extra_hooks={"dpo": [LrSpike(spike)]})
+  loop.run(cfg(out), extra_hooks={"dpo": [LrSpike(spike)]})
+  strip = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_sec"} for r in rows]
+  assert strip(records(out)) == strip(records(tmp_path / "whole"))
+  assert len([r for r in records(out) if r.get("event") == "rollback"]) == 1
+  c = cfg(out)
+  mesh = sharding.make_mesh(c.mesh.mesh)
+  load = lambda d: checkpoint.load_params(str(d / "checkpoints" / "policy"), c.model, mesh)
+  for a, b in zip(jax.tree.leaves(load(out)), jax.tree.leaves(load(tmp_path / "whole"))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_too_many_rollbacks_stop_the_run(tmp_path):
   with pytest.raises(loop.TrainingStopped, match="max_rollbacks=1"):
     loop.run(tiny_cfg(tmp_path, steps=6, kl_max=1e-12, kl_spike_factor=0.0, max_rollbacks=1))
   assert len([r for r in records(tmp_path) if r.get("event") == "rollback"]) == 1
+
+
+# --- the default guard: relative, on the KL or the estimate each setting has ---------------------
+
+@pytest.mark.parametrize("extra,estimate,spike", [
+    ({}, "kl", True), ({"precompute_ref": True}, "logratio", True),
+    # Reference-free: on this tiny model even a x1e6 learning rate moves the chosen NLL per token
+    # by 0.6, within 2.5x the batch-to-batch spread; only the normal run is checked here.
+    ({"loss_type": ("simpo",)}, "nll_drift", False)], ids=["kl", "logratio", "nll_drift"])
+def test_default_guard_catches_a_spike_and_not_a_normal_run(tmp_path, extra, estimate, spike,
+                                                            caplog):
+  """The default guard (factor 5 over a 20-step window's max, floor 1e-4) leaves a normal
+  40-step run alone and rolls back an update with a x1e4 learning rate at step 25."""
+  cfg = lambda out: tiny_cfg(out, steps=40, checkpoint_every=10, **extra)
+  c, d = cfg(tmp_path / "normal"), configs.GuardConfig()  # d: the field defaults
+  assert c.guard.enabled and c.kl_estimate == estimate
+  assert (c.guard.kl_spike_factor, c.guard.kl_window, c.guard.kl_spike_min, c.guard.kl_max) == (
+      d.kl_spike_factor, d.kl_window, d.kl_spike_min, 0.0)
+  with caplog.at_level(logging.INFO):
+    loop.run(c)
+  assert f"KL guard: roll back when {hooks.KLGuard.ESTIMATES[estimate]}" in caplog.text
+  assert not [r for r in records(tmp_path / "normal") if r.get("event")]
+  if spike:
+    loop.run(cfg(tmp_path / "spiked"), extra_hooks={"dpo": [LrSpike(25, 1e4)]})
+    events = [r for r in records(tmp_path / "spiked") if r.get("event") == "rollback"]
+    assert len(events) == 1 and events[0]["step"] == 26, events
+    assert events[0]["reason"].startswith(estimate) and "recent max" in events[0]["reason"]

@@ -68,6 +68,24 @@ def test_dpo_from_hf_checkpoint_with_nf4_base_exports_for_transformers(tmp_path)
   orig = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
   ids = torch.tensor([[257, 72, 105, 33]])
   with torch.no_grad():
-    changed = (back(ids).logits - orig(ids).logits).abs().max().item()
+    theirs = back(ids).logits.numpy()
+    changed = np.abs(theirs - orig(ids).logits.numpy()).max()
   assert np.isfinite(changed) and changed > 0  # quantization + trained LoRA are in the export
+  # transformers' logits of the export are our policy's: the NF4 base (dequantized) plus the
+  # trained LoRA of the final checkpoint, through our forward pass.
+  from dpo import checkpoint
+  from models import hf, lora as lora_lib, quant, transformer
+  mesh = sharding.make_mesh("data:2", jax.devices()[:2])
+  model_cfg, base = hf.load(str(src), mesh, cfg.model)
+  base = quant.quantize_params(transformer.param_specs(model_cfg), "nf4", base, mesh)
+  like = lora_lib.init(model_cfg, cfg.lora, jax.random.key(0), mesh)
+  lora, _ = checkpoint.load(str(tmp_path / "run" / "checkpoints" / "dpo" / "step_00000004"),
+                            checkpoint.like_of(like), prefix=".params")
+  tokens = np.asarray(ids.numpy(), np.int32)
+  ours = transformer.forward(model_cfg, base, tokens, np.arange(4, dtype=np.int32)[None],
+                             np.ones_like(tokens), lora=lora, lora_scale=cfg.lora.scale)
+  np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
+  base_only = transformer.forward(model_cfg, base, tokens, np.arange(4, dtype=np.int32)[None],
+                                  np.ones_like(tokens))
+  assert np.abs(np.asarray(base_only) - theirs).max() > 1e-3  # the comparison sees the LoRA
   assert os.path.exists(tmp_path / "out" / "adapter" / "adapter_model.safetensors")

@@ -177,7 +177,7 @@ def test_dpo_wpo(loss_type):
   check(ours(x, loss_type=(loss_type,), wpo=True, **_ours_kw([loss_type], eps)), want)
 
 
-@pytest.mark.parametrize("ld_alpha", [0.0, 0.5])
+@pytest.mark.parametrize("ld_alpha", [0.25, 0.5])  # 0 is refused (drops every token past the shared length)
 @pytest.mark.parametrize("loss_type", DPO_TYPES)
 def test_dpo_ld(loss_type, ld_alpha):
   x = make_inputs(300 + DPO_TYPES.index(loss_type))

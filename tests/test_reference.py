@@ -116,8 +116,11 @@ def test_tr_dpo_updates(setup):
   state = train.TrainState(jnp.int32(4), lora, None, None, None, None)
   assert reference.maybe_update(cfg.reference, 3, state, frozen) is frozen  # not a multiple of k
   soft = reference.maybe_update(cfg.reference, 4, state, frozen)
-  for got, new in zip(jax.tree.leaves(soft.ref_lora), jax.tree.leaves(lora)):
-    np.testing.assert_allclose(np.asarray(got), 0.25 * np.asarray(new), rtol=1e-6, atol=1e-7)
+  # The adapter products mix (tests/test_tr_dpo.py checks non-zero adapters against numpy).
+  product = lambda f: lora_lib.delta(f["a"], f["b"], f["a"].ndim - 2, 1.0)
+  for name, f in soft.ref_lora["layers"].items():
+    np.testing.assert_allclose(np.asarray(product(f)), 0.25 * np.asarray(product(
+        lora["layers"][name])), rtol=1e-5, atol=1e-7)
   assert soft.params is params  # with LoRA the base never changes
   hard = reference.maybe_update(cfg.replace(ref_update="hard").reference, 8, state, frozen)
   for got, new in zip(jax.tree.leaves(hard.ref_lora), jax.tree.leaves(lora)):

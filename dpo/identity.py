@@ -1,0 +1,170 @@
+"""What makes a rerun the same run: the fingerprint every checkpoint carries and a resume must match.
+
+A stage's fingerprint is a flat {name: value} of everything its result depends on: the
+hyperparameters that change the run (the model, LoRA, optimizer, loss, reference and guard
+sections, the seed, the data settings), content hashes of the data files, the tokenizer and the
+tokenised arrays, the initial model's content (a checkpoint's manifest digest, or a Hugging Face
+folder's files), and the code (a hash of the library's source). `checkpoint.Manager` stores it
+and refuses a checkpoint whose fingerprint differs, naming each field with its old and new value.
+Left out, because they do not change what a step computes: the stage's length (`--steps`,
+`--sft_steps`: extending is allowed and logged, shortening below a checkpoint refused by the
+runner), paths, cadences, evaluation, the mesh (a checkpoint restores onto any mesh), `--log_kl`.
+
+`--resume=auto|never|must` (`check_policy`): resume when there is something to resume (auto),
+refuse an output directory that already holds checkpoints (never), or refuse to start afresh
+(must).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import logging
+import os
+
+import numpy as np
+
+from dpo import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESUME = ("auto", "never", "must")
+
+# Fields that do not change what a stage computes (see the module docstring).
+_NEVER = {"steps", "sft_steps", "log_kl", "ref_cache_dir", "data_cache_dir", "eval_data",
+          "task_eval_pairs", "task_eval_prompts", "tokenizer", "train_data", "sft_data"}
+_SFT_OPTIM = ("sft_learning_rate", "global_batch_size", "warmup_ratio", "weight_decay",
+              "adam_b1", "adam_b2", "max_grad_norm")
+_DPO_SECTIONS = ("lora", "optim", "loss", "reference", "guard")
+
+
+@functools.lru_cache(maxsize=None)
+def code_version() -> str:
+  """sha256 (16 hex digits) of the library's source: configs.py and the dpo/ and models/
+  packages (tools and tests excluded)."""
+  h = hashlib.sha256()
+  files = [os.path.join(ROOT, "configs.py"), *glob.glob(os.path.join(ROOT, "dpo", "*.py")),
+           *glob.glob(os.path.join(ROOT, "models", "*.py"))]
+  for f in sorted(files):
+    h.update(os.path.relpath(f, ROOT).encode())
+    with open(f, "rb") as fh:
+      h.update(hashlib.sha256(fh.read()).digest())
+  return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha(path: str, size: int, mtime_ns: int) -> str:
+  del size, mtime_ns  # the cache key: a rewritten file is hashed again
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_digest(path: str) -> str:
+  """sha256 of a file's content, or of a directory's files (names and contents)."""
+  if os.path.isdir(path):
+    h = hashlib.sha256()
+    for f in sorted(glob.glob(os.path.join(path, "*"))):
+      if os.path.isfile(f):
+        h.update(f"{os.path.basename(f)}:{file_digest(f)}".encode())
+    return h.hexdigest()
+  st = os.stat(path)
+  return _file_sha(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def arrays_digest(arrays: dict) -> str:
+  """sha256 over a dict of numpy arrays (names, dtypes, shapes, bytes)."""
+  h = hashlib.sha256()
+  for k in sorted(arrays):
+    a = np.ascontiguousarray(arrays[k])
+    h.update(f"{k}:{a.dtype}:{a.shape}".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def model_digest(source: str) -> str:
+  """The initial model's content: "" (random init, fixed by seed and model section), a dpo-jax
+  checkpoint's manifest digest, or `hf:DIR`'s config and weight files."""
+  if not source:
+    return "random"
+  kind, _, path = source.partition(":")
+  if kind == "hf":
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")) +
+                   glob.glob(os.path.join(path, "config.json")))
+    h = hashlib.sha256()
+    for f in files:
+      h.update(f"{os.path.basename(f)}:{file_digest(f)}".encode())
+    return h.hexdigest()
+  return checkpoint.digest(source)
+
+
+def _plain(value):
+  """JSON-stable form (tuples as lists), as a checkpoint's meta.json reads back."""
+  return json.loads(json.dumps(value))
+
+
+def fingerprint(cfg, stage: str, arrays: dict, initial: str) -> dict:
+  """The fingerprint of stage `stage` ("sft", "dpo", or "init": a --stage=dpo run's random base)
+  trained on `arrays` from the model whose `model_digest` is `initial`."""
+  fp = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
+  fp["seed"] = cfg.run.seed
+  if stage != "init":
+    d = cfg.data
+    fp.update({k: v for k, v in dataclasses.asdict(d).items() if k not in _NEVER})
+    for flag in (("sft_data",) if stage == "sft" else ()) + ("train_data", "tokenizer"):
+      if getattr(d, flag):
+        fp[f"{flag} sha256"] = file_digest(getattr(d, flag))
+    fp["data arrays sha256"] = arrays_digest(arrays)
+    fp["initial model"] = initial
+  if stage == "sft":
+    fp.update({k: getattr(cfg.optim, k) for k in _SFT_OPTIM})
+  elif stage == "dpo":
+    for section in _DPO_SECTIONS:
+      fp.update({k: v for k, v in dataclasses.asdict(getattr(cfg, section)).items()
+                 if k not in _NEVER and not k.startswith("sft_")})
+  fp["code"] = code_version()
+  return _plain(fp)
+
+
+def check_policy(resume: str, checkpoints_dir: str) -> None:
+  """--resume=never refuses a directory that holds checkpoints; must refuses one that holds none."""
+  found = sorted(glob.glob(os.path.join(checkpoints_dir, "*", "step_*")) +
+                 [p for p in glob.glob(os.path.join(checkpoints_dir, "*"))
+                  if checkpoint.is_complete(p)])
+  if resume == "never" and found:
+    raise checkpoint.CheckpointError(
+        f"--resume=never but {checkpoints_dir} holds checkpoints of an earlier run "
+        f"({', '.join(os.path.relpath(p, checkpoints_dir) for p in found[:3])}"
+        f"{', ...' if len(found) > 3 else ''}); use a fresh --output_dir or delete it")
+  if resume == "must" and not found:
+    raise checkpoint.CheckpointError(f"--resume=must but there is no checkpoint under "
+                                     f"{checkpoints_dir} to resume from")
+
+
+def reusable(path: str, want: dict, step: int | None = None, flag: str = "") -> bool:
+  """Whether the export at `path` (an SFT model, a random base) can be used as it is.
+
+  False when it is absent, damaged (one warning; moved to `<path>.damaged`, so the stage runs
+  again from its step checkpoints) or shorter than `step` (the stage is extended, logged).
+  Raises CheckpointError when it belongs to another run (`want` differs, each field named) or
+  is longer than `step`.
+  """
+  if not os.path.exists(path):
+    return False
+  try:
+    meta = checkpoint.verify(path)
+  except checkpoint.Damaged as e:
+    logging.warning("%s is damaged (%s); moved to %s.damaged, rebuilding it", path,
+                    str(e).removeprefix(path + ": "), os.path.basename(path))
+    checkpoint.move_aside(path)
+    return False
+  checkpoint.Manager.check_identity_of(path, meta, want)
+  if step is not None and meta.get("step") != step:
+    if meta.get("step", 0) > step:
+      raise checkpoint.CheckpointError(
+          f"{flag}={step} is below {path} (step {meta.get('step')}); give {flag} >= "
+          f"{meta.get('step')}, or a fresh --output_dir")
+    logging.warning("%s is at step %s; %s=%d extends it", path, meta.get("step"), flag, step)
+    return False
+  return True

@@ -1,0 +1,53 @@
+"""A config that refuses nonsense before any work: one line naming the flag, the value and what
+is allowed (configs.py's section checks), and exit status 2 from launch.py."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import configs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAN = float("nan")
+
+# The values that used to be accepted silently, then more of the same kind.
+REFUSED = [
+    ("beta", 0.0), ("beta", -0.1), ("beta", NAN), ("learning_rate", -1e-3),
+    ("sft_learning_rate", -1e-3), ("learning_rate", NAN), ("lora_alpha", -32.0),
+    ("lora_alpha", 0.0), ("kl_spike_factor", -4.0), ("kl_spike_factor", 0.5),
+    ("rollback_lr_factor", -0.1), ("rollback_lr_factor", NAN), ("max_grad_norm", -1.0),
+    ("max_grad_norm", NAN), ("max_prompt_length", 0), ("max_target_length", 0), ("steps", 0),
+    ("ld_alpha", 0.0), ("weight_decay", -0.1), ("adam_b1", 1.0), ("adam_b2", -0.5),
+    ("kl_max", NAN), ("kl_spike_min", -1.0), ("warmup_ratio", NAN), ("d_model", 0),
+    ("n_layers", 0), ("init_std", -0.02), ("norm_eps", 0.0), ("rope_theta", NAN),
+    ("eval_split", 1.0), ("task_train_pairs", 0), ("eval_temperature", NAN),
+    ("ref_update_alpha", 0.0), ("keep_checkpoints", 0), ("log_every", 0), ("lora_dropout", 1.0),
+    ("sft_steps", 0),
+]
+
+
+@pytest.mark.parametrize("name,value", REFUSED, ids=[f"{n}={v}" for n, v in REFUSED])
+def test_nonsense_is_refused_in_one_line(name, value):
+  with pytest.raises(ValueError) as e:
+    configs.DEFAULT.replace(**{name: value})
+  message = str(e.value)
+  assert "\n" not in message
+  assert f"--{name}" in message and ("nan" in message if math.isnan(value) else repr(value)
+                                     in message or str(value) in message), message
+  assert "must" in message
+
+
+def test_edges_that_mean_something_are_accepted():
+  configs.DEFAULT.replace(max_grad_norm=0.0, kl_spike_factor=0.0, kl_max=0.0, weight_decay=0.0,
+                          ld_alpha=1.0, lora_rank=0, stage="dpo", sft_steps=0, eval_split=0.0)
+
+
+def test_launch_prints_one_line_and_exits_2():
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), "--beta=nan"],
+                     capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 2
+  assert r.stderr.strip() == "error: --beta must be > 0, got nan", r.stderr

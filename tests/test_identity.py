@@ -1,0 +1,134 @@
+"""Resume means the same run: a rerun that changes what the run computes is refused, naming each
+changed value; extending --steps is allowed and logged; --resume=never|must."""
+
+import json
+import logging
+import os
+import shutil
+
+import jax
+import pytest
+
+import configs
+from dpo import checkpoint, identity, loop
+from models import sharding, transformer
+
+TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+            max_prompt_length=16, max_target_length=16, task_train_pairs=32,
+            task_sft_examples=32, task_eval_pairs=0, task_eval_prompts=0, global_batch_size=8,
+            log_every=1, stage="dpo", steps=2, sft_steps=2, checkpoint_every=1,
+            keep_checkpoints=2)
+
+
+# A persistent compilation cache for the tiny programs these tests rerun (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+def tiny_cfg(out, **kw):
+  return configs.DEFAULT.replace(**{**TINY, "output_dir": str(out), **kw})
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  """A finished --stage=dpo run (checkpoints at steps 1 and 2)."""
+  out = tmp_path_factory.mktemp("finished")
+  loop.run(tiny_cfg(out))
+  return out
+
+
+def _copy(src, dst):
+  shutil.copytree(src, dst)
+  return dst
+
+
+# The issue's silent resume changes (and more): each is refused with both values named.
+CHANGES = {"beta": 0.2, "learning_rate": 1e-3, "seed": 1, "global_batch_size": 16,
+           "loss_type": ("ipo",), "lora_rank": 4, "lora_alpha": 8.0, "max_grad_norm": 0.5,
+           "rpo_alpha": 1.0, "ref_update": "hard", "max_target_length": 12,
+           "task_train_pairs": 48}
+
+
+@pytest.mark.parametrize("name", CHANGES)
+def test_changed_hyperparameter_refuses_to_resume(tmp_path, finished, name):
+  out = _copy(finished, tmp_path / "run")
+  before = checkpoint.read_meta(str(out / "checkpoints" / "dpo" / "step_00000002"))
+  new = CHANGES[name]
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    loop.run(tiny_cfg(out, **{name: new}))
+  message = str(e.value)
+  old = before["fingerprint"][name]
+  plain = list(new) if isinstance(new, tuple) else new
+  assert f"{name}: {old!r} -> {plain!r}" in message, message
+  assert "was written by a different run" in message and "\n" not in message  # dpo_base or step 2
+
+
+def test_changed_code_data_file_or_initial_model_refuses(tmp_path, monkeypatch):
+  data = tmp_path / "pairs.jsonl"
+  rows = [{"prompt": f"q{i} ", "chosen": "good answer", "rejected": "bad"} for i in range(16)]
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  cfg = tiny_cfg(tmp_path / "init")
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  init = str(tmp_path / "init_model")
+  checkpoint.save_params(init, transformer.init(cfg.model, jax.random.key(0), mesh), cfg.model)
+  run = lambda: loop.run(tiny_cfg(tmp_path / "run", train_data=str(data), init_from=init,
+                                  steps=1))
+  run()
+  with monkeypatch.context() as m:
+    m.setattr(identity, "code_version", lambda: "0123456789abcdef")
+    with pytest.raises(checkpoint.CheckpointError, match=r"code: '[0-9a-f]{16}' -> "
+                                                         r"'0123456789abcdef'"):
+      run()
+  rows[3]["chosen"] = "a different answer"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  with pytest.raises(checkpoint.CheckpointError, match="train_data sha256: '[0-9a-f]{64}' -> "):
+    run()
+  rows[3]["chosen"] = "good answer"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  run()  # the original content resumes (the finished run does nothing more)
+  checkpoint.save_params(init, transformer.init(cfg.model, jax.random.key(1), mesh), cfg.model)
+  with pytest.raises(checkpoint.CheckpointError, match="initial model: '[0-9a-f]{64}' -> "):
+    run()
+
+
+def test_steps_below_the_checkpoint_refused_extending_logged(tmp_path, finished, caplog):
+  out = _copy(finished, tmp_path / "run")
+  with pytest.raises(checkpoint.CheckpointError, match=r"--steps=1 is below the checkpoint "
+                                                       r".*step_00000002 \(step 2\)"):
+    loop.run(tiny_cfg(out, steps=1))
+  with caplog.at_level(logging.WARNING):
+    loop.run(tiny_cfg(out, steps=3))
+  assert "--steps extended from 2 to 3" in caplog.text
+  rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+  assert [r["step"] for r in rows if r["stage"] == "dpo"] == [1, 2, 3]
+
+
+def test_sft_steps_below_the_sft_model_refused(tmp_path):
+  out = tmp_path / "run"
+  loop.run(tiny_cfg(out, stage="sft"))
+  with pytest.raises(checkpoint.CheckpointError, match="--sft_steps=1 is below .*sft_model"):
+    loop.run(tiny_cfg(out, stage="sft", sft_steps=1))
+  with pytest.raises(checkpoint.CheckpointError, match="sft_learning_rate: 0.003 -> 0.001"):
+    loop.run(tiny_cfg(out, stage="sft", sft_learning_rate=1e-3))
+
+
+def test_resume_policy(tmp_path, finished):
+  with pytest.raises(checkpoint.CheckpointError, match="--resume=must but there is no checkpoint"):
+    loop.run(tiny_cfg(tmp_path / "fresh", resume="must"))
+  assert not os.path.exists(tmp_path / "fresh")  # refused before any work
+  out = _copy(finished, tmp_path / "run")
+  with pytest.raises(checkpoint.CheckpointError, match="--resume=never but .* holds checkpoints"):
+    loop.run(tiny_cfg(out, resume="never"))
+  loop.run(tiny_cfg(out, resume="must"))
+  with pytest.raises(ValueError, match="--resume='sometimes': must be auto, never or must"):
+    tiny_cfg(out, resume="sometimes")
+
+
+def test_fingerprint_leaves_out_what_does_not_change_the_run():
+  cfg = tiny_cfg("/tmp/x")
+  fp = identity.fingerprint(cfg, "dpo", {}, "random")
+  other = cfg.replace(output_dir="/tmp/y", log_every=7, checkpoint_every=5, eval_every=3,
+                      mesh="data:1", log_kl=False, steps=50, keep_checkpoints=9)
+  assert identity.fingerprint(other, "dpo", {}, "random") == fp
+  assert "sft_learning_rate" not in fp and "sft_learning_rate" in identity.fingerprint(
+      cfg, "sft", {}, "random")
+  assert identity.fingerprint(cfg.replace(sft_learning_rate=1e-4), "dpo", {}, "random") == fp
