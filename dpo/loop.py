@@ -213,7 +213,6 @@ class Program:
   data: Data
   writer: MetricsWriter
   extra_hooks: Mapping[str, Sequence[Hook]]
-  mirror: Hook  # metrics.jsonl -> TensorBoard / W&B (dpo/tracking.py); last, after the writers
 
   def stage(self, name: str, fresh, frozen, arrays, hooks: list, info: dict,
             initial: str) -> Stage:
@@ -234,7 +233,7 @@ class Program:
                                c.checkpoint.keep_checkpoints,
                                {"fingerprint": identity.fingerprint(c, name, arrays, initial)}, info)
     return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
-                 [*hooks, *self.extra_hooks.get(name, ()), self.mirror])
+                 [*hooks, *self.extra_hooks.get(name, ())])
 
 
 def _check_batch(cfg, mesh) -> None:
@@ -493,10 +492,10 @@ def run(cfg, mesh=None, init_params=None,
   summary: dict[str, Any] = provenance(cfg, mesh)
   if data.reports:
     summary["data"] = data.reports
-  # TensorBoard / W&B follow metrics.jsonl (each record is flushed as it is forwarded, so a
-  # crash loses nothing there); last in every stage's hooks, after the hooks that write.
-  mirror = tracking.Mirror(cfg, writer.path)
-  program = Program(cfg, mesh, data, writer, extra_hooks or {}, mirror)
+  # TensorBoard / W&B get each record of metrics.jsonl as it is written (and flushed, so a
+  # crash loses nothing there).
+  mirror = tracking.Mirror(cfg, writer)
+  program = Program(cfg, mesh, data, writer, extra_hooks or {})
   ckroot = os.path.join(out, "checkpoints")
   init_from = cfg.checkpoint.init_from
   reference_path = (os.path.abspath(init_from) if init_from and not init_from.startswith("hf:")

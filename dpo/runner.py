@@ -91,6 +91,7 @@ class MetricsWriter:
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(output_dir, "metrics.jsonl")
     self.count = 0  # records in the file (process 0)
+    self.listeners: list = []  # called with each record once it is in the file (tracking.Mirror)
     if not self.enabled:
       return
     os.makedirs(output_dir, exist_ok=True)
@@ -157,6 +158,8 @@ class MetricsWriter:
     finally:
       os.close(fd)
     self.count += 1
+    for listener in self.listeners:
+      listener(record)
 
   @staticmethod
   def _order(stage) -> int:

@@ -1,8 +1,8 @@
 """Where a run's records go besides metrics.jsonl: TensorBoard event files and Weights & Biases.
 
-metrics.jsonl (dpo/runner.MetricsWriter) stays the source of truth. `Mirror` is a stage hook
-that forwards every record appended to it, whichever part of the program wrote it (the log
-line's training metrics, evaluations, rollback events), to the sinks: TensorBoard under
+metrics.jsonl (dpo/runner.MetricsWriter) stays the source of truth. `Mirror` listens to its
+writer and forwards every record once it is in the file, whichever part of the program wrote it
+(the log line's training metrics, evaluations, rollback events), to the sinks: TensorBoard under
 <output_dir>/tb/ whenever the tensorboard package is installed (its own summary writer, no
 TensorFlow), W&B with --wandb_project. Tags are "<stage>/<metric>" ("sft/loss", "dpo/kl") and
 the evaluation's own "eval/<metric>"; a rollback's numbers are "<stage>/rollback/<field>".
@@ -11,14 +11,12 @@ Only process 0 writes. With the extras absent the run says once how to get them.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Iterator
 
 import jax
 
-from dpo.runner import Hook, Stage
 
 INSTALL = "pip install 'dpo-jax[{}]'"
 
@@ -93,37 +91,20 @@ def sinks(cfg) -> list:
   return out
 
 
-class Mirror(Hook):
-  """Forwards the records appended to metrics.jsonl to the sinks, at each step's metrics (after
-  the hooks before it in the list wrote theirs) and at `close`. On a resume the file was
-  truncated to the checkpoint; reading goes on from its new end."""
+class Mirror:
+  """Forwards each record the MetricsWriter appends to metrics.jsonl to the sinks. A resume or
+  rollback rewinds the file and writes the replayed steps again: the sinks get them again (a
+  rollback's event record marks where)."""
 
-  def __init__(self, cfg, path: str):
-    self.sinks, self.path = sinks(cfg), path
-    self.offset = os.path.getsize(path) if os.path.exists(path) else 0
+  def __init__(self, cfg, writer):
+    self.sinks = sinks(cfg) if writer.enabled else []
+    writer.listeners.append(self.write)
 
-  def _forward(self) -> None:
-    if not (self.sinks and os.path.exists(self.path)):
-      return
-    with open(self.path) as f:
-      f.seek(self.offset)
-      lines = f.readlines()
-      self.offset = f.tell()
-    for line in lines:
-      if line.strip():
-        record = json.loads(line)
-        for sink in self.sinks:
-          sink.write(record)
-
-  def start(self, run: Stage) -> None:
-    self._forward()
-    self.offset = min(self.offset, os.path.getsize(self.path) if os.path.exists(self.path) else 0)
-
-  def metrics(self, run: Stage, step: int, metrics: dict) -> None:
-    self._forward()
+  def write(self, record: dict) -> None:
+    for sink in self.sinks:
+      sink.write(record)
 
   def close(self) -> None:
-    self._forward()
     for sink in self.sinks:
       sink.close()
     self.sinks = []

@@ -23,7 +23,8 @@ class SimulatedCrash(RuntimeError):
 
 
 class NanLoss(Hook):
-  """Makes step `step`'s loss NaN through a NaN loss mask (the in-step guard must skip it)."""
+  """Makes step `step`'s loss NaN through NaN loss masks (the in-step guard must skip it): the
+  pair rows' `loss_mask` and, with prefix sharing, the shared rows' `score_weight`."""
 
   def __init__(self, step: int):
     self.step = step
@@ -32,7 +33,8 @@ class NanLoss(Hook):
     if run.at + 1 != self.step:
       return batch
     logging.warning("fault: NaN loss mask at %s step %d", run.name, self.step)
-    return {**batch, "loss_mask": batch["loss_mask"] * np.float32("nan")}
+    return {**batch, **{k: batch[k] * np.float32("nan") for k in ("loss_mask", "score_weight")
+                        if k in batch}}
 
 
 class LrSpike(Hook):

@@ -85,6 +85,7 @@ class _FusedHead:
   """Stands for a model with TRL's fused LM head: returns the given per-token log-probs."""
   training = True
   is_gradient_checkpointing = False
+  _modules: dict = {}  # no submodules (accelerate's unwrap_model walks them)
 
   def __init__(self, lp, sumsq):
     self.lp, self.sumsq = _concat(lp)[:, 1:], _concat(sumsq)[:, 1:]

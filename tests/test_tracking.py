@@ -10,6 +10,7 @@ import pytest
 
 import configs
 from dpo import tracking
+from dpo.runner import MetricsWriter
 
 
 def tensorboard_scalars(logdir) -> dict:
@@ -62,34 +63,28 @@ def assert_mirrored(records, out, wandb=True):
   return tb
 
 
-def test_mirror_follows_metrics_jsonl_across_a_resume(tmp_path):
+def test_mirror_forwards_every_record_the_writer_appends(tmp_path):
   cfg = configs.DEFAULT.replace(output_dir=str(tmp_path), wandb_project="test",
                                 wandb_mode="offline")
-  path = tmp_path / "metrics.jsonl"
-  write = lambda *rs: open(path, "a").writelines(json.dumps(r) + "\n" for r in rs)
+  writer = MetricsWriter(str(tmp_path))
   records = [{"stage": "sft", "step": 2, "loss": 5.0, "tokens_per_sec": 10.0},
              {"stage": "dpo", "step": 2, "loss": 0.69, "rewards/margins": 0.0, "kl": 0.01},
              {"stage": "eval", "step": 2, "eval/win_rate": 0.5, "eval/perplexity": None},
              {"stage": "dpo", "step": 4, "event": "rollback", "reason": "kl", "to_step": 2,
               "lr_scale": 0.1, "rollbacks": 1}]
-  mirror = tracking.Mirror(cfg, str(path))
-  write(records[0])
-  mirror.metrics(None, 2, {})
-  write(*records[1:3])
-  mirror.start(None)  # a new stage starts: nothing truncated, nothing re-sent
-  write(records[3])
-  mirror.metrics(None, 4, {})
-  # A resume truncates the file to a checkpoint before re-writing; records go on from its end.
-  lines = open(path).readlines()[:2]
-  open(path, "w").writelines(lines)
-  mirror.start(None)
+  mirror = tracking.Mirror(cfg, writer)
+  for r in records:
+    writer.write(r)
+  # A rollback rewinds the file to a checkpoint and writes the replayed steps again.
+  writer.rewind(2, "step 2", "dpo")
   resumed = {"stage": "dpo", "step": 3, "loss": 0.6}
-  write(resumed)
+  writer.write(resumed)
   mirror.close()
+  assert len(open(tmp_path / "metrics.jsonl").readlines()) == 3
   tb = assert_mirrored(records + [resumed], tmp_path)
   assert tb["dpo/rollback/lr_scale"] == {4: pytest.approx(0.1)}
   assert tb["eval/win_rate"] == {2: 0.5} and "eval/perplexity" not in tb  # nulls are skipped
-  assert tb["dpo/loss"] == {2: pytest.approx(0.69), 3: pytest.approx(0.6)}  # each once
+  assert tb["dpo/loss"] == {2: pytest.approx(0.69), 3: pytest.approx(0.6)}
 
 
 def test_missing_wandb_is_one_clear_error(tmp_path, monkeypatch):
