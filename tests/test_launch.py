@@ -95,7 +95,7 @@ def test_invalid_flag_value_is_one_line_naming_flag_value_and_type():
   assert "--steps=abc" in proc.stderr and "takes an integer" in proc.stderr
   proc = _launch("--wandb_mode=sometimes", "--traceback", timeout=300)
   assert proc.returncode == 1 and "Traceback" in proc.stderr  # --traceback shows the stack
-  assert "wandb_mode must be online or offline, got 'sometimes'" in proc.stderr
+  assert "--wandb_mode='sometimes': must be online or offline" in proc.stderr
 
 
 def test_bad_flag_value_is_a_clear_error(tmp_path):
