@@ -191,14 +191,14 @@ class Evaluator:
     if self._ref is None and self.prompt_ids:
       comps = sample(self.cfg, self.mesh, self.scfg, self.ref_params, None, self.prompt_ids,
                      self.ref_key)
-      self._ref = (comps, *self._judge(comps))
+      self._ref = (comps, *self.judge(comps))
     return self._ref
 
   def _strip_stop(self, comp):
     stops = (self.scfg.eos_id, *self.scfg.stop_ids)
     return comp[:-1] if comp and comp[-1] in stops else comp
 
-  def _judge(self, comps):
+  def judge(self, comps):
     """(texts, true rewards or None, well-formed flags or None) of sampled completions."""
     texts = [self.tok.decode(self._strip_stop(c)) for c in comps]
     rewards = None if self.reward_fn is None else np.array([self.reward_fn(t) for t in texts])
@@ -223,7 +223,7 @@ class Evaluator:
     ref_comps, ref_texts, ref_rewards, ref_formed = self._reference()
     comps = sample(self.cfg, self.mesh, self.scfg, policy_params, lora, self.prompt_ids,
                    self.policy_key)
-    texts, rewards, formed = self._judge(comps)
+    texts, rewards, formed = self.judge(comps)
     pol, ref, counts = completion_logps(self.cfg, self.mesh, policy_params, lora, self.ref_params,
                                         self.prompt_ids, comps, self.tok.pad_id)
     m["kl_per_sequence"] = float(np.mean(pol - ref))

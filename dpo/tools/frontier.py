@@ -32,7 +32,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import evaluate, loop, task
+from dpo import evaluate, loop
 from dpo.tools import compare_losses
 from models import sharding
 
@@ -63,15 +63,16 @@ def run_points(cfg, mesh, params, method: str, value: float) -> list[dict]:
 def best_of_n(cfg, mesh, params, ns: list[int], n_max: int) -> list[dict]:
   """Mean true reward of the best of the first N SFT samples per prompt, for each N."""
   data = loop.Data(cfg)
-  ev = evaluate.Evaluator(cfg, mesh, data.tok, data.eval_prompts, params)
+  ev = evaluate.Evaluator(cfg, mesh, data.tok, data.eval_prompts, params,
+                          reward_fn=data.reward_fn, well_formed_fn=data.well_formed_fn)
   key = jax.random.fold_in(jax.random.key(cfg.run.seed), 11)
   rewards, formed = [], []
   for i in range(n_max):
     comps = evaluate.sample(cfg, mesh, ev.scfg, params, None, ev.prompt_ids,
                             jax.random.fold_in(key, i))
-    texts = [data.tok.decode(c) for c in comps]
-    rewards.append([task.true_reward(t) for t in texts])
-    formed.append([task.well_formed(p, t) for p, t in zip(ev.prompt_texts, texts)])
+    _, r, w = ev.judge(comps)
+    rewards.append(r)
+    formed.append(w)
   r, w = np.array(rewards), np.array(formed)  # [n_max, prompts]
   points = []
   for n in ns:
