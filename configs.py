@@ -173,8 +173,10 @@ class DataConfig:
                        "the embedded default task.")
   eval_data: str = _f("", "Held-out preference data (same formats); empty = --eval_split of "
                       "train_data, or the embedded task's held-out pairs.")
-  sft_data: str = _f("", "SFT JSONL ({prompt, completion}); empty = the chosen responses of "
-                     "train_data, or the embedded task's SFT data.")
+  sft_data: str = _f("", "SFT data ({prompt, completion}, {messages}, ShareGPT "
+                     "{conversations}; rendered with the --chat_template the preference data "
+                     "gets); empty = the chosen responses of train_data, or the embedded "
+                     "task's SFT data.")
   data_format: str = _f("auto", "auto, standard, conversational, implicit, openai, sharegpt or "
                         "columns (see dpo/formats.py).")
   prompt_field: str = _f("", "data_format=columns: the field holding the prompt (dotted paths "

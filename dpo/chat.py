@@ -8,6 +8,8 @@ semantics of transformers' `apply_chat_template` (a sandboxed Jinja2 environment
 ids with transformers itself). The prompt is the rendering with the generation prompt; each
 completion is the rendering of prompt + its assistant turns minus the prompt, which must be an
 exact prefix of it (an error names the record where it is not). `resolve_template` picks it.
+SFT conversations (`render_sft`) are rendered the same way: the prompt with the generation
+prompt, the completion the full rendering minus the prompt.
 
 For tokenizers without a template (the byte tokenizer, GPT-2) these hand-written families are
 named choices (`--chat_template=NAME`), one small function set each, written from the family's
@@ -40,8 +42,8 @@ import logging
 import os
 from typing import Callable, NamedTuple, Sequence, Union
 
-from dpo.data import DataError, PreferenceRecord
-from dpo.formats import ChatRecord, Message, Record
+from dpo.data import DataError, PreferenceRecord, SFTRecord
+from dpo.formats import ChatRecord, Message, Record, SFTExample
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -267,19 +269,28 @@ class JinjaTemplate:
                        f"{self.bos_text!r} and others without")
     return prompt[len(self.bos_text):] if emits else prompt
 
-  def render_pair(self, record: "ChatRecord") -> PreferenceRecord:
-    prompt = self.render(record.prompt, True)
-    sides = []
-    for side, turns in (("chosen", record.chosen), ("rejected", record.rejected)):
-      full = self.render(tuple(record.prompt) + tuple(turns), False)
-      if not full.startswith(prompt):
-        k = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), len(full))
+  def render_turns(self, prompt: Sequence[Message], completions: dict[str, Sequence[Message]]
+                   ) -> tuple[str, list[str]]:
+    """(prompt text without BOS, each completion's text): the prompt rendered with the
+    generation prompt, each completion the rendering of prompt + its turns minus the prompt,
+    which must extend it exactly (ValueError naming the side where it does not)."""
+    text = self.render(prompt, True)
+    out = []
+    for side, turns in completions.items():
+      full = self.render(tuple(prompt) + tuple(turns), False)
+      if not full.startswith(text):
+        k = next((i for i, (a, b) in enumerate(zip(text, full)) if a != b), len(full))
         raise ValueError(
             f"chat template {self.name}: the rendering of prompt + {side} does not extend the "
             f"rendered prompt (with the generation prompt); they differ from character {k}: "
-            f"prompt has {prompt[k:k + 40]!r}, prompt + {side} has {full[k:k + 40]!r}")
-      sides.append(full[len(prompt):])
-    return PreferenceRecord(self.strip_bos(prompt), *sides)
+            f"prompt has {text[k:k + 40]!r}, prompt + {side} has {full[k:k + 40]!r}")
+      out.append(full[len(text):])
+    return self.strip_bos(text), out
+
+  def render_pair(self, record: "ChatRecord") -> PreferenceRecord:
+    prompt, sides = self.render_turns(record.prompt, {"chosen": record.chosen,
+                                                      "rejected": record.rejected})
+    return PreferenceRecord(prompt, *sides)
 
 
 def read_chat_template(directory: str) -> str | None:
@@ -354,6 +365,10 @@ def end_of_turn_ids(t: Template, tok) -> list[int]:
   return list(dict.fromkeys([tok.eos_id, *(i for i in tok.encode(completion) if i in specials)]))
 
 
+def _refusal(where: str, e: ValueError) -> DataError:
+  return e if isinstance(e, DataError) else DataError(f"{where}: {e}" if where else str(e))
+
+
 def render_record(record: Record, t: Template, where: str = "") -> PreferenceRecord:
   """A ChatRecord as prompt/completion text; text records pass through unchanged. A template
   that refuses the conversation raises DataError naming `where`."""
@@ -364,7 +379,19 @@ def render_record(record: Record, t: Template, where: str = "") -> PreferenceRec
       return t.render_pair(record)
     return PreferenceRecord(render_prompt(t, record.prompt), render_completion(t, record.chosen),
                             render_completion(t, record.rejected))
-  except DataError:
-    raise
   except ValueError as e:
-    raise DataError(f"{where}: {e}" if where else str(e)) from None
+    raise _refusal(where, e) from None
+
+
+def render_sft(record: SFTExample, t: Template, where: str = "") -> SFTRecord:
+  """An SFT conversation as prompt/completion text, rendered exactly as `render_record` renders
+  a preference pair's prompt and chosen side; text records pass through unchanged."""
+  if isinstance(record, SFTRecord):
+    return record
+  try:
+    if isinstance(t, JinjaTemplate):
+      prompt, (completion,) = t.render_turns(record.prompt, {"completion": record.completion})
+      return SFTRecord(prompt, completion)
+    return SFTRecord(render_prompt(t, record.prompt), render_completion(t, record.completion))
+  except ValueError as e:
+    raise _refusal(where, e) from None

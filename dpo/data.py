@@ -4,8 +4,9 @@ Every data file is read by `iter_objects`: JSONL or a JSON array, optionally gzi
 from the magic bytes, not the name), with or without a UTF-8 byte-order mark. JSONL is read
 lazily; a JSON array is parsed whole (the format allows nothing else). Errors are `DataError`s whose message starts with the record's
 location, `file:LINE` for JSONL (1-based line) or `file[INDEX]` for JSON arrays (0-based), and
-names the offending field. `dpo.formats` parses the objects of the preference formats users
-bring; `load_preference_jsonl` / `load_sft_jsonl` read the plain string records.
+names the offending field. `dpo.formats` parses the objects of the preference and SFT formats
+users bring; `load_preference_jsonl` reads plain string preference records (--eval_data of the
+embedded task).
 
 Layout of a tokenized DPO example (one row per pair, axis P = 2 for chosen / rejected):
 
@@ -183,15 +184,6 @@ def load_preference_jsonl(path: str) -> list[PreferenceRecord]:
   return out
 
 
-def load_sft_jsonl(path: str) -> list[SFTRecord]:
-  """Reads {"prompt", "completion"} records from any file `iter_objects` reads."""
-  out = [SFTRecord(text_field(o, "prompt", where, allow_empty=True),
-                   text_field(o, "completion", where)) for where, o in iter_objects(path)]
-  if not out:
-    raise DataError(f"{path}: no records")
-  return out
-
-
 # --- tokenization ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -269,11 +261,13 @@ def tokenize_pairs(records: Sequence[PreferenceRecord], tok, max_prompt_length: 
 
 
 def tokenize_sft(records: Sequence[SFTRecord], tok, max_prompt_length: int,
-                 max_target_length: int, what: str = "sft") -> dict[str, np.ndarray]:
-  """Arrays of shape [N, T]."""
+                 max_target_length: int, what: str = "sft", add_bos: bool = True,
+                 add_eos: bool = True) -> dict[str, np.ndarray]:
+  """Arrays of shape [N, T]; `add_bos` / `add_eos` as for `tokenize_pairs`."""
   stats = TruncationStats(examples=len(records))
-  rows = [(encode_prompt(tok, r.prompt, max_prompt_length, stats),
-           encode_completion(tok, r.completion, max_target_length, stats)) for r in records]
+  rows = [(encode_prompt(tok, r.prompt, max_prompt_length, stats, add_bos),
+           encode_completion(tok, r.completion, max_target_length, stats, add_eos))
+          for r in records]
   stats.report(what)
   return _pack_rows(rows, _round_up(max(len(p) + len(c) for p, c in rows), 8), tok.pad_id)
 

@@ -31,6 +31,16 @@ another format than the file's is an error naming it, or a counted skip with
                     dotted paths reaching into nested records ("meta.question", "turns.0.text");
                     a mapped value may be a string or a message list
 
+SFT data (`--sft_data`; the layout decided over all records the same way, `iter_sft_records`):
+
+    standard        {"prompt": str, "completion": str}
+    conversational  {"prompt": [msg], "completion": [assistant msg]}  (TRL prompt-completion)
+    messages        {"messages": [msg, ..., assistant msg]}  (TRL / OpenAI chat fine-tuning)
+    sharegpt        {"conversations": [{"from", "value"}, ..., gpt turn], "system": optional}
+
+A conversation's trailing assistant turns are the completion and everything before them the
+prompt; a conversation that does not end with an assistant turn is an error naming the record.
+
 A message's content is a string or an OpenAI content-part list ([{"type": "text", "text": ...}]:
 the text parts are joined; any other part is an error). The prompt of a conversation must not
 end with an assistant turn (the completion would be a second one).
@@ -47,8 +57,8 @@ import logging
 import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
-from dpo.data import (DataError, PreferenceRecord, check_text, get_field, iter_objects,
-                      text_field)
+from dpo.data import (DataError, PreferenceRecord, SFTRecord, check_text, get_field,
+                      iter_objects, text_field)
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "sharegpt", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
@@ -65,7 +75,13 @@ class ChatRecord(NamedTuple):
   rejected: tuple[Message, ...]
 
 
+class ChatSFTRecord(NamedTuple):
+  prompt: tuple[Message, ...]
+  completion: tuple[Message, ...]
+
+
 Record = Union[PreferenceRecord, ChatRecord]
+SFTExample = Union[SFTRecord, ChatSFTRecord]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +344,30 @@ def _undetectable(where: str, obj: dict) -> DataError:
                    f"other column names")
 
 
+def _decide(path: str, classify, undetectable, skips: "Skips | None",
+            fix: str = "fix the file, pass --data_format, or") -> str:
+  """The format every record of `path` says it is in (`classify`), which must agree: a record
+  of another format than the most common one is an error naming it, unless skips are counted."""
+  counts, first, unknown = collections.Counter(), {}, None
+  for where, obj in iter_objects(path):
+    fmt = classify(obj)
+    if fmt is None:  # parsed as the file's format later, which names its missing field
+      unknown = unknown or undetectable(where, obj)
+      continue
+    counts[fmt] += 1
+    first.setdefault(fmt, where)
+  if not counts:
+    raise unknown or DataError(f"{path}: no records")
+  fmt = counts.most_common(1)[0][0]
+  others = {f: n for f, n in counts.items() if f != fmt}
+  if others and skips is None:
+    f, n = max(others.items(), key=lambda kv: kv[1])
+    raise DataError(f"{first[f]}: this record reads as {f} ({n} such records) but {counts[fmt]} "
+                    f"records of {path} are {fmt}; {fix} "
+                    f"--skip_bad_records to skip the records that do not fit")
+  return fmt
+
+
 def detect_format(path: str, spec: FormatSpec = FormatSpec(), skips: "Skips | None" = None
                   ) -> str:
   """The file's format (explicit flags win): every record's own format, all of which must agree.
@@ -339,24 +379,7 @@ def detect_format(path: str, spec: FormatSpec = FormatSpec(), skips: "Skips | No
     return spec.data_format
   if spec.chosen_field or spec.rejected_field:
     return "columns"
-  counts, first, unknown = collections.Counter(), {}, None
-  for where, obj in iter_objects(path):
-    fmt = record_format(obj)
-    if fmt is None:  # parsed as the file's format below, which names its missing field
-      unknown = unknown or _undetectable(where, obj)
-      continue
-    counts[fmt] += 1
-    first.setdefault(fmt, where)
-  if not counts:
-    raise unknown or DataError(f"{path}: no records")
-  fmt = counts.most_common(1)[0][0]
-  others = {f: n for f, n in counts.items() if f != fmt}
-  if others and skips is None:
-    f, n = max(others.items(), key=lambda kv: kv[1])
-    raise DataError(f"{first[f]}: this record reads as {f} ({n} such records) but {counts[fmt]} "
-                    f"records of {path} are {fmt}; fix the file, pass --data_format, or "
-                    f"--skip_bad_records to skip the records that do not fit")
-  return fmt
+  return _decide(path, record_format, _undetectable, skips)
 
 
 class Skips:
@@ -377,6 +400,25 @@ class Skips:
                       self.count)
 
 
+def _iter_parsed(path: str, fmt: str, parse, classify, skips: "Skips | None", stats
+                 ) -> Iterator[tuple[str, object]]:
+  """(location, record) of each object `parse` reads; a record `classify` puts in another
+  format than the file's `fmt` (None: do not check) is an error, or a counted skip."""
+  for where, obj in iter_objects(path):
+    try:
+      own = classify(obj) if classify is not None else None
+      if own is not None and own != fmt:
+        raise DataError(f"{where}: this record reads as {own}, not as the file's {fmt}")
+      record = parse(obj, where)
+    except DataError as e:
+      if skips is None:
+        raise
+      skips.add(e)
+      continue
+    stats[f"format_{fmt}"] += 1
+    yield where, record
+
+
 def iter_records(path: str, spec: FormatSpec = FormatSpec(),
                  stats: collections.Counter | None = None, skips: Skips | None = None
                  ) -> Iterator[tuple[str, Record]]:
@@ -389,19 +431,91 @@ def iter_records(path: str, spec: FormatSpec = FormatSpec(),
   fmt = detect_format(path, spec, skips)
   logging.info("%s: data format %s", path, fmt)
   parse = _PARSERS[fmt]
-  for where, obj in iter_objects(path):
-    try:
-      own = record_format(obj) if spec.data_format == "auto" and fmt != "columns" else None
-      if own is not None and own != fmt:
-        raise DataError(f"{where}: this record reads as {own}, not as the file's {fmt}")
-      record = parse(obj, where, spec, stats)
-    except DataError as e:
-      if skips is None:
-        raise
-      skips.add(e)
-      continue
-    stats[f"format_{fmt}"] += 1
-    yield where, record
+  check = record_format if spec.data_format == "auto" and fmt != "columns" else None
+  yield from _iter_parsed(path, fmt, lambda obj, where: parse(obj, where, spec, stats), check,
+                          skips, stats)
+
+
+# --- SFT data ---------------------------------------------------------------------------------
+
+def _nonempty(turns: tuple[Message, ...], field: str, where: str) -> tuple[Message, ...]:
+  if not any(m.content.strip() for m in turns):
+    raise DataError(f"{where}: field {field!r} is empty; an SFT example needs the assistant's "
+                    f"answer")
+  return turns
+
+
+def _conversation(value, field: str, where: str, system=None) -> ChatSFTRecord:
+  """A whole conversation: its trailing assistant turns are the completion, the rest the
+  prompt (a leading `system` string first)."""
+  msgs = _messages(value, field, where, _PROMPT_ROLES)
+  if not msgs:
+    raise DataError(f"{where}: field {field!r} has no messages")
+  if msgs[-1].role != "assistant":
+    raise DataError(f"{where}: field '{field}[{len(msgs) - 1}]' is a {msgs[-1].role!r} turn; an "
+                    f"SFT conversation must end with the assistant's answer (the completion)")
+  k = len(msgs)
+  while k and msgs[k - 1].role == "assistant":
+    k -= 1
+  if not k:
+    raise DataError(f"{where}: field {field!r} holds only assistant turns; the prompt before "
+                    f"the answer is missing")
+  if system is not None and system != "":
+    msgs = (Message("system", content_text(system, "system", where)),) + msgs
+    k += 1
+  return ChatSFTRecord(msgs[:k], _nonempty(msgs[k:], field, where))
+
+
+def _sft_standard(obj, where) -> SFTExample:
+  return SFTRecord(text_field(obj, "prompt", where, allow_empty=True),
+                   text_field(obj, "completion", where))
+
+
+def _sft_conversational(obj, where) -> SFTExample:
+  return ChatSFTRecord(_prompt(get_field(obj, "prompt", where), "prompt", where),
+                       _nonempty(_response(get_field(obj, "completion", where), "completion",
+                                           where), "completion", where))
+
+
+def _sft_messages(obj, where) -> SFTExample:
+  return _conversation(get_field(obj, "messages", where), "messages", where)
+
+
+def _sft_sharegpt(obj, where) -> SFTExample:
+  return _conversation(get_field(obj, "conversations", where), "conversations", where,
+                       obj.get("system"))
+
+
+_SFT_PARSERS = {"standard": _sft_standard, "conversational": _sft_conversational,
+                "messages": _sft_messages, "sharegpt": _sft_sharegpt}
+SFT_FORMATS = tuple(_SFT_PARSERS)
+
+
+def sft_record_format(obj: dict) -> str | None:
+  """The SFT layout one record's keys say it is in (None: none of them)."""
+  if "messages" in obj:
+    return "messages"
+  if "conversations" in obj:
+    return "sharegpt"
+  if "prompt" in obj and "completion" in obj:
+    return "conversational" if isinstance(obj["prompt"], list) else "standard"
+  return None
+
+
+def _sft_undetectable(where: str, obj: dict) -> DataError:
+  return DataError(f"{where}: cannot read fields {sorted(obj)} as SFT data; expected "
+                   f"{{prompt, completion}} (strings or messages), {{messages}} ending with an "
+                   f"assistant turn, or ShareGPT {{conversations}}")
+
+
+def iter_sft_records(path: str, stats: collections.Counter | None = None,
+                     skips: Skips | None = None) -> Iterator[tuple[str, SFTExample]]:
+  """Lazily yields (location, SFT record) of `path`, its layout decided over all records (a
+  record of another layout is an error naming it, or a counted skip)."""
+  stats = collections.Counter() if stats is None else stats
+  fmt = _decide(path, sft_record_format, _sft_undetectable, skips, fix="fix the file or pass")
+  logging.info("%s: SFT data format %s", path, fmt)
+  yield from _iter_parsed(path, fmt, _SFT_PARSERS[fmt], sft_record_format, skips, stats)
 
 
 # --- quality filters --------------------------------------------------------------------------

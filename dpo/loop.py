@@ -41,9 +41,10 @@ class Data:
   """Tokenized SFT, training and held-out arrays for one run.
 
   With --train_data the pairs go through dpo.prepare (any supported format, quality filters,
-  chat template, held-out split, cached tokenisation); SFT then uses --sft_data or, failing
-  that, the chosen rows of the training pairs. A data set smaller than one global batch is a
-  DataError naming the file and the flag. `inspect` writes what the model is trained on.
+  chat template, held-out split, cached tokenisation); SFT then uses --sft_data (any SFT
+  layout, rendered with the same template) or, failing that, the chosen rows of the training
+  pairs. A data set smaller than one global batch is a DataError naming the file and the flag.
+  `inspect` writes what the model is trained on.
   """
 
   def __init__(self, cfg, tok=None, check_sizes: bool = True):
@@ -81,9 +82,10 @@ class Data:
         eval_prep = prep(d.eval_data, eval_split=0.0)
         self.reports.append(eval_prep.report)
         self.held = eval_prep.train
-    if d.sft_data:
-      self.sft = data_lib.tokenize_sft(data_lib.load_sft_jsonl(d.sft_data), self.tok, *lens,
-                                       what="sft data")
+    if d.sft_data:  # rendered with the template the preference data gets
+      self.sft, report = prepare.prepare_sft(d.sft_data, self.tok, self.template, *lens,
+                                             skip_bad=d.skip_bad_records)
+      self.reports.append(report)
     elif self.embedded:
       self.sft = data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, seed), self.tok,
                                        *lens, what="sft data")

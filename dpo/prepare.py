@@ -14,6 +14,9 @@ writes (their process is gone, or they are over an hour old) are removed.
 
 The held-out split hashes the rendered prompt, so it does not depend on file order or seed and
 pairs that share a prompt never straddle train and held-out.
+
+`prepare_sft` reads an SFT file (`--sft_data`) the same way, renders its conversations with the
+same template and tokenises them (not cached: SFT files are read once per run).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dpo import chat, formats
-from dpo.data import DataError, tokenize_pairs
+from dpo.data import DataError, tokenize_pairs, tokenize_sft
 
 _VERSION = "prefs-v2"
 _ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -132,6 +135,16 @@ def _load(path: str) -> Prepared:
   return Prepared(train, held, report)
 
 
+def _template_marks(t, rendered: bool) -> dict:
+  """tokenize_* keywords for texts rendered (`rendered`) by template `t`: a tokenizer's own
+  template writes BOS (or not: `emits_bos`, learnt from its renderings) and the end of each
+  turn itself, so its texts get a BOS id only where it writes one, and no EOS. Text records and
+  hand-written templates get both."""
+  if rendered and isinstance(t, chat.JinjaTemplate) and t.emits_bos is not None:
+    return dict(add_bos=t.emits_bos, add_eos=False)
+  return {}
+
+
 def prepare_pairs(path: str, tok, spec: formats.FormatSpec = formats.FormatSpec(),
                   template: str = "auto", max_prompt_length: int = 512,
                   max_target_length: int = 512, eval_split: float = 0.0,
@@ -178,6 +191,7 @@ def prepare_pairs(path: str, tok, spec: formats.FormatSpec = formats.FormatSpec(
   if not located:
     raise DataError(f"{path}: no records")
   kept, filt = formats.filter_records(located)
+  chats = any(isinstance(r, formats.ChatRecord) for _, r in kept)
   train, held, rendered = [], [], []
   for where, rec in kept:
     try:
@@ -203,8 +217,7 @@ def prepare_pairs(path: str, tok, spec: formats.FormatSpec = formats.FormatSpec(
             "tokenizer": tok.fingerprint(), "cache": "miss" if cache_path else "off"}
   logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
                len(train), len(held), eval_split, t.name)
-  # A tokenizer's own template writes BOS (or not) and the end of each turn itself.
-  marks = dict(add_bos=t.emits_bos, add_eos=False) if jinja and t.emits_bos is not None else {}
+  marks = _template_marks(t, chats)
   prepared = Prepared(
       tokenize_pairs(train, tok, *lens, what=f"{path} train pairs", **marks),
       tokenize_pairs(held, tok, *lens, what=f"{path} held-out pairs", **marks) if held else None,
@@ -214,3 +227,37 @@ def prepare_pairs(path: str, tok, spec: formats.FormatSpec = formats.FormatSpec(
     _save(cache_path, prepared)
     logging.info("%s: cached tokenised pairs at %s", path, cache_path)
   return prepared
+
+
+def prepare_sft(path: str, tok, template="auto", max_prompt_length: int = 512,
+                max_target_length: int = 512, skip_bad: bool = False
+                ) -> tuple[dict[str, np.ndarray], dict]:
+  """(the [N, T] arrays, a report) of one SFT file in any layout `formats.iter_sft_records`
+  reads, its conversations rendered by `template` exactly as `prepare_pairs` renders a pair's
+  prompt and chosen side (so SFT and DPO see one text format). With `skip_bad`, records that
+  do not fit or that the template refuses are counted and skipped."""
+  t = chat.resolve_template(template, tok)
+  stats = collections.Counter()
+  skips = formats.Skips(path) if skip_bad else None
+  examples, chats = [], False
+  for where, rec in formats.iter_sft_records(path, stats, skips):
+    chats = chats or isinstance(rec, formats.ChatSFTRecord)
+    try:
+      examples.append(chat.render_sft(rec, t, where))
+    except DataError as e:
+      if skips is None:
+        raise
+      skips.add(e)
+  if skips is not None:
+    skips.log()
+  if not examples:
+    raise DataError(f"{path}: no SFT examples" + (" left after skipping bad records" if skips
+                                                   and skips.count else ""))
+  report = {"path": path, "role": "sft", **dict(stats), "examples": len(examples),
+            "skipped_bad_records": skips.count if skips is not None else 0,
+            "template": t.name if chats else None}
+  logging.info("%s: %d SFT examples%s", path, len(examples),
+               f", chat template {t.name}" if chats else " (text, no chat template)")
+  arrays = tokenize_sft(examples, tok, max_prompt_length, max_target_length,
+                        what=f"{path} SFT examples", **_template_marks(t, chats))
+  return arrays, report

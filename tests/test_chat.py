@@ -105,6 +105,8 @@ import datetime
 import json
 import os
 
+import numpy as np
+
 from conftest import SHARED_DATA
 from dpo import data, prepare, tokenizer
 from dpo.data import DataError
@@ -356,3 +358,73 @@ def test_where_a_folder_keeps_its_template(tmp_path):
   t = chat.resolve_template(str(path), tokenizer.ByteTokenizer())
   rec = ChatRecord((M("user", "Hi"),), (M("assistant", "A"),), (M("assistant", "B"),))
   assert chat.render_record(rec, t) == PreferenceRecord("[user] Hi\n[assistant] ", "A\n", "B\n")
+
+
+@needs_gpt2
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sft_data_renders_as_transformers_does(tmp_path, family):
+  """--sft_data conversations get the tokenizer's own template: the prompt's ids are
+  apply_chat_template(prompt, add_generation_prompt=True)'s, the completion's the rest of the
+  whole conversation's rendering; a ShareGPT file reads the same."""
+  transformers = pytest.importorskip("transformers")
+  folder = _folder(tmp_path, family)
+  hf = transformers.AutoTokenizer.from_pretrained(folder)
+  tok = tokenizer.load_tokenizer(folder)
+  convs = [(p, c) for p, c, _ in _conversations(family)]
+  messages = [{"messages": p + [{"role": "assistant", "content": c}]} for p, c in convs]
+  speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+  sharegpt = [{"conversations": [{"from": speaker[m["role"]], "value": m["content"]}
+                                 for m in r["messages"]]} for r in messages]
+  arrays = {}
+  for name, rows in (("messages", messages), ("sharegpt", sharegpt)):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    arrays[name], report = prepare.prepare_sft(str(path), tok, max_prompt_length=512,
+                                               max_target_length=512)
+    assert report[f"format_{name}"] == len(rows) and report["template"].endswith("own)")
+  for k in arrays["messages"]:
+    np.testing.assert_array_equal(arrays["messages"][k], arrays["sharegpt"][k])
+  a = arrays["messages"]
+  for i, (prompt, answer) in enumerate(convs):
+    tokens, mask = a["tokens"][i], a["loss_mask"][i]
+    start, end = int(mask.argmax()), int(a["segment_ids"][i].sum())
+    want_prompt = hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    want_full = hf.apply_chat_template(prompt + [{"role": "assistant", "content": answer}],
+                                       tokenize=False)
+    assert tokens[:start].tolist() == _ids(hf.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True))
+    assert tokens[start:end].tolist() == hf(want_full[len(want_prompt):],
+                                            add_special_tokens=False)["input_ids"]
+
+
+@needs_gpt2
+def test_loop_sft_data_uses_the_preference_data_template(tmp_path):
+  """loop.Data: --sft_data and --train_data in chat layouts, one tokenizer folder: the SFT rows
+  equal the chosen rows of the same conversations as preference pairs; a conversation the
+  template refuses is a DataError naming the SFT file and record."""
+  import configs
+  from dpo import loop
+  folder = _folder(tmp_path, "qwen2.5")
+  prefs, sft = tmp_path / "prefs.jsonl", tmp_path / "sft.jsonl"
+  convs = [([{"role": "user", "content": f"q{i}"}], f"yes {i}", f"no {i}") for i in range(8)]
+  prefs.write_text("".join(json.dumps({
+      "prompt": p, "chosen": [{"role": "assistant", "content": c}],
+      "rejected": [{"role": "assistant", "content": r}]}) + "\n" for p, c, r in convs))
+  sft.write_text("".join(json.dumps({"messages": p + [{"role": "assistant", "content": c}]})
+                         + "\n" for p, c, _ in convs))
+  cfg = configs.DEFAULT.replace(train_data=str(prefs), sft_data=str(sft), tokenizer=folder,
+                                vocab_size=50304, global_batch_size=4, data_cache_dir="none",
+                                output_dir=str(tmp_path / "run"))
+  d = loop.Data(cfg)
+  for k in d.sft:
+    np.testing.assert_array_equal(d.sft[k], d.pairs[k][:, 0])
+  assert d.reports[-1]["role"] == "sft" and d.reports[-1]["format_messages"] == 8
+  gemma = _folder(tmp_path, "gemma2")
+  sft.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "a"}]}) + "\n" +
+                 json.dumps({"messages": [{"role": "system", "content": "S"},
+                                          {"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "a"}]}) + "\n")
+  with pytest.raises(DataError, match=r"sft\.jsonl:2: chat template .* System role not "
+                                      r"supported"):
+    loop.Data(cfg.replace(tokenizer=gemma))

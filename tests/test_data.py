@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dpo import data
+from dpo import data, formats
 from dpo.data import DataError, PreferenceRecord
 from dpo.tokenizer import ByteTokenizer
 
@@ -70,7 +70,7 @@ def _file(tmp_path, name, rows, array=False, gz=False):
 def test_loaders_read_jsonl_arrays_and_gzip(tmp_path, array, gz):
   pairs = data.load_preference_jsonl(_file(tmp_path, "pairs.data", PAIRS, array, gz))
   assert pairs == [PreferenceRecord(**r) for r in PAIRS]
-  sft = data.load_sft_jsonl(_file(tmp_path, "sft.data", SFT, array, gz))
+  sft = [r for _, r in formats.iter_sft_records(_file(tmp_path, "sft.data", SFT, array, gz))]
   assert sft == [data.SFTRecord(**r) for r in SFT]
 
 
@@ -79,11 +79,12 @@ def test_loaders_read_jsonl_arrays_and_gzip(tmp_path, array, gz):
     (True, False, r"sft.data\[1\]"), (True, True, r"sft.data\[1\]")])
 def test_sft_errors_name_record_and_field(tmp_path, array, gz, where):
   bad = [SFT[0], {"prompt": "Q", "completion": ""}]
+  read = lambda rows: list(formats.iter_sft_records(_file(tmp_path, "sft.data", rows, array, gz)))
   with pytest.raises(DataError, match=where + r": field 'completion' is empty"):
-    data.load_sft_jsonl(_file(tmp_path, "sft.data", bad, array, gz))
+    read(bad)
   bad = [SFT[0], {"prompt": "Q", "answer": "A"}]
   with pytest.raises(DataError, match=where + r": missing field 'completion'"):
-    data.load_sft_jsonl(_file(tmp_path, "sft.data", bad, array, gz))
+    read(bad)
 
 
 def test_preference_errors_in_gzip_and_array(tmp_path):

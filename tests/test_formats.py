@@ -345,3 +345,82 @@ def test_unreadable_inputs_are_one_line_errors(tmp_path):
     list(formats.iter_records(str(deep)))
   with pytest.raises(DataError, match="is a directory"):
     list(formats.iter_records(str(tmp_path)))
+
+
+# --- SFT data: the same conversation in every SFT layout --------------------------------------
+
+SFT_ROWS = {
+    "standard": {"prompt": TEXT_PROMPT, "completion": f" {GOOD}"},
+    "conversational": {"prompt": MSGS, "completion": [{"role": "assistant", "content": GOOD}]},
+    # TRL's conversational language-modeling layout and OpenAI's chat fine-tuning files.
+    "messages": {"messages": MSGS + [{"role": "assistant",
+                                      "content": [{"type": "text", "text": GOOD}]}]},
+    # LLaMA-Factory's ShareGPT SFT layout (data/README.md).
+    "sharegpt": {"conversations": [{"from": "human", "value": U1}, {"from": "gpt", "value": A1},
+                                   {"from": "human", "value": U2}, {"from": "gpt", "value": GOOD}],
+                 "system": SYS},
+}
+EXPECTED_SFT_CHAT = formats.ChatSFTRecord(EXPECTED_CHAT.prompt, EXPECTED_CHAT.chosen)
+
+
+@pytest.mark.parametrize("name", sorted(SFT_ROWS))
+@pytest.mark.parametrize("kind", ["jsonl", "array"])
+def test_every_sft_layout_gives_the_same_record(tmp_path, name, kind):
+  path = _write(tmp_path / f"sft.{kind}", [SFT_ROWS[name]] * 3, kind)
+  stats = collections.Counter()
+  records = [r for _, r in formats.iter_sft_records(path, stats)]
+  want = (formats.SFTRecord(TEXT_PROMPT, f" {GOOD}") if name == "standard" else
+          EXPECTED_SFT_CHAT)
+  assert records == [want] * 3 and stats[f"format_{name}"] == 3
+  # Rendered, a conversation is exactly the preference pair's prompt and chosen side.
+  t = chat.TEMPLATES["chatml"]
+  pair = chat.render_record(EXPECTED_CHAT if name != "standard" else EXPECTED_TEXT, t)
+  assert chat.render_sft(records[0], t) == formats.SFTRecord(pair.prompt, pair.chosen)
+
+
+def test_multi_turn_sft_trains_on_the_trailing_assistant_turns(tmp_path):
+  extra = {"role": "assistant", "content": "Or red."}
+  path = _write(tmp_path / "m.jsonl", [{"messages": SFT_ROWS["messages"]["messages"] + [extra]}])
+  (rec,) = [r for _, r in formats.iter_sft_records(path)]
+  assert rec.prompt == EXPECTED_CHAT.prompt  # the earlier assistant turn stays in the prompt
+  assert rec.completion == (formats.Message("assistant", GOOD), formats.Message("assistant",
+                                                                                "Or red."))
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"messages": MSGS}, r"m\.jsonl:2: field 'messages\[3\]' is a 'user' turn; an SFT "
+                         r"conversation must end with the assistant's answer"),
+    ({"messages": [{"role": "assistant", "content": "x"}]},
+     r"m\.jsonl:2: field 'messages' holds only assistant turns"),
+    ({"messages": []}, r"m\.jsonl:2: field 'messages' has no messages"),
+    ({"messages": MSGS + [{"role": "assistant", "content": "  "}]},
+     r"m\.jsonl:2: field 'messages' is empty"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "text": "a"}]},
+     r"m\.jsonl:2: messages\[1\]: missing field 'content'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]},
+                   {"role": "assistant", "content": "a"}]},
+     r"m\.jsonl:2: field 'messages\[0\]\.content\[0\]' is a 'image_url' part"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
+     r"m\.jsonl:2: this record reads as sharegpt \(1 such records\)"),
+    ({"prompt": "q", "completion": "a"},
+     r"m\.jsonl:2: this record reads as standard \(1 such records\)"),
+    ({"text": "a"}, r"m\.jsonl:2: missing field 'messages'"),
+])
+def test_sft_records_that_do_not_fit_are_named(tmp_path, row, match):
+  path = _write(tmp_path / "m.jsonl", [SFT_ROWS["messages"], row, SFT_ROWS["messages"]])
+  with pytest.raises(DataError, match=match):
+    list(formats.iter_sft_records(path))
+  skips = formats.Skips("m.jsonl")
+  assert len(list(formats.iter_sft_records(path, skips=skips))) == 2 and skips.count == 1
+
+
+def test_sft_layout_mismatch_and_unknown_fields(tmp_path):
+  one = _write(tmp_path / "s.jsonl", [SFT_ROWS["sharegpt"], SFT_ROWS["standard"],
+                                      SFT_ROWS["sharegpt"]])
+  with pytest.raises(DataError, match=r"s\.jsonl:2: this record reads as standard \(1 such "
+                                      r"records\) but 2 records of .* are sharegpt; fix the file "
+                                      r"or pass --skip_bad_records"):
+    list(formats.iter_sft_records(one))
+  bad = _write(tmp_path / "t.jsonl", [{"text": "x"}])
+  with pytest.raises(DataError, match=r"t\.jsonl:1: cannot read fields \['text'\] as SFT data"):
+    list(formats.iter_sft_records(bad))

@@ -45,6 +45,23 @@ CASES = {  # name: (make the flags, the message's pattern)
     "batch larger than the data": (
         lambda p: {"train_data": _file(p, json.dumps(GOOD) + "\n"), "global_batch_size": 8},
         r"d\.jsonl: 1 training examples .* --global_batch_size=8"),
+    "sft conversation without the answer": (
+        lambda p: {"train_data": _file(p, json.dumps(GOOD) + "\n"), "sft_data": _file(p, json.dumps(
+            {"messages": [{"role": "user", "content": "q"}]}) + "\n", "s.jsonl")},
+        r"s\.jsonl:1: field 'messages\[0\]' is a 'user' turn; an SFT conversation must end "
+        r"with the assistant's answer"),
+    "sft ShareGPT speaker": (
+        lambda p: {"train_data": _file(p, json.dumps(GOOD) + "\n"), "sft_data": _file(p, json.dumps(
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]})
+            + "\n", "s.jsonl")},
+        r"s\.jsonl:1: field 'conversations\[1\]\.from' is 'bot'; expected one of"),
+    "sft, gemma, system only": (
+        lambda p: {"train_data": _file(p, json.dumps(GOOD) + "\n"), "chat_template": "gemma",
+                   "sft_data": _file(p, json.dumps({"messages": [
+                       {"role": "system", "content": "S"}, {"role": "assistant",
+                                                            "content": "a"}]}) + "\n",
+                       "s.jsonl")},
+        r"s\.jsonl:1: gemma: a system message needs a following user turn"),
 }
 
 
