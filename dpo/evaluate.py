@@ -6,7 +6,8 @@ held-out pair (the last partial batch is padded with copies and masked out of th
 Generation metrics (`Evaluator`) sample one response per held-out prompt from the policy and one
 from the reference with models/sampler.py, then report
   * win rate of policy over reference under the task's ground-truth reward (ties count half) and
-    the mean true reward of each; None when the data has no ground-truth reward;
+    the mean true reward of each; None when the data has no ground-truth reward, with the
+    reason in `win_rate_reason` (summary.json, the table and the verdict say it);
   * on-policy KL(policy || reference), estimated as the mean over policy samples y ~ pi(.|x) of
     log pi(y|x) - log pi_ref(y|x) (nats): per sequence, and per token as the sum of those
     differences over the sum of sampled tokens (EOS counted, prompt not);
@@ -157,6 +158,11 @@ def _length_stats(prefix: str, comps: Sequence[Sequence[int]], texts: Sequence[s
   }
 
 
+# Why win rate (and the true rewards) are null on data without a ground-truth reward.
+NO_REWARD = ("no reward function: only the embedded task defines a true reward; this data's "
+             "samples are compared by KL, lengths and distinct-n")
+
+
 class Evaluator:
   """Generation (and, given held-out pairs, pair) metrics of a policy against its reference.
 
@@ -218,7 +224,7 @@ class Evaluator:
     if not self.prompt_ids:
       m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None,
                kl_per_sequence=None, kl_per_token=None, policy_wellformed_rate=None,
-               reference_wellformed_rate=None)
+               reference_wellformed_rate=None, win_rate_reason="no prompts to sample from")
       return m, []
     ref_comps, ref_texts, ref_rewards, ref_formed = self._reference()
     comps = sample(self.cfg, self.mesh, self.scfg, policy_params, lora, self.prompt_ids,
@@ -230,7 +236,8 @@ class Evaluator:
     m["kl_per_token"] = float(np.sum(pol - ref) / max(np.sum(counts), 1.0))
     m["policy_logp_per_token"] = float(np.sum(pol) / max(np.sum(counts), 1.0))
     if rewards is None:
-      m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None)
+      m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None,
+               win_rate_reason=NO_REWARD)
     else:
       m["win_rate"] = win_rate(rewards, ref_rewards)
       m["policy_true_reward"] = float(rewards.mean())
@@ -245,7 +252,8 @@ class Evaluator:
                 "policy_reward": value(rewards, i), "reference_reward": value(ref_rewards, i),
                 "policy_well_formed": value(formed, i),
                 "reference_well_formed": value(ref_formed, i),
-                "log_ratio": float(pol[i] - ref[i])}
+                "log_ratio": float(pol[i] - ref[i]), "policy_tokens": len(comps[i]),
+                "reference_tokens": len(ref_comps[i])}
                for i, prompt in enumerate(self.prompt_texts)]
     return m, samples
 
@@ -278,9 +286,12 @@ def verdicts(metrics: dict, reference_perplexity: float | None) -> list[dict]:
       ("well-formed: reference", f">= {WELLFORMED_MIN}",
        metrics.get("reference_wellformed_rate"), lambda v: v >= WELLFORMED_MIN),
   ]
-  return [{"target": name, "want": want, "value": value,
-           "verdict": "n/a" if value is None else ("PASS" if ok(value) else "FAIL")}
-          for name, want, value, ok in checks]
+  out = [{"target": name, "want": want, "value": value,
+          "verdict": "n/a" if value is None else ("PASS" if ok(value) else "FAIL")}
+         for name, want, value, ok in checks]
+  if out[0]["value"] is None and metrics.get("win_rate_reason"):
+    out[0]["reason"] = metrics["win_rate_reason"]
+  return out
 
 
 def _fmt(v) -> str:
@@ -313,6 +324,8 @@ def report(metrics: dict, samples: Sequence[dict], show: int,
   for label, key in rows:
     keys = key if isinstance(key, tuple) else (key,)
     lines.append(f"{label:<{width}}  " + " / ".join(_fmt(metrics.get(k)) for k in keys))
+    if key == "win_rate" and metrics.get("win_rate") is None and metrics.get("win_rate_reason"):
+      lines[-1] += f" ({metrics['win_rate_reason']})"
   if samples and show:
     lines.append("")
     lines.append("--- samples (same prompt): policy | reference ---")

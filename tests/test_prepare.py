@@ -111,7 +111,7 @@ OPENAI_PARTS = [{"input": {"messages": [{"role": "user", "content": [
 @pytest.mark.parametrize("rows,name,fmt", [
     (SHAREGPT, "sharegpt.json", "sharegpt"),  # LLaMA-Factory ships JSON arrays
     (OPENAI_PARTS, "openai.jsonl", "openai")])
-def test_run_end_to_end(tmp_path, rows, name, fmt):
+def test_run_end_to_end(tmp_path, capsys, rows, name, fmt):
   path = tmp_path / name
   path.write_text(json.dumps(rows) if name.endswith(".json") else
                   "".join(json.dumps(r) + "\n" for r in rows))
@@ -125,14 +125,34 @@ def test_run_end_to_end(tmp_path, rows, name, fmt):
   with open(out / "summary.json") as f:
     assert json.load(f)["data"][0]["filters"]["kept"] == 64
   # Generation metrics on real data: the held-out prompts as the template rendered them are
-  # sampled; KL and lengths are measured, win rate has no reward function and is null.
-  assert summary["kl_per_token"] is not None and summary["policy_length_mean"] > 0
-  assert summary["win_rate"] is None and summary["policy_wellformed_rate"] is None
-  verdicts = {v["target"]: v["verdict"] for v in summary["verdicts"]}
-  assert verdicts["win rate"] == "n/a" and verdicts["KL per token (nats)"] != "n/a"
+  # sampled; KL, lengths and distinct-n are measured, win rate has no reward function and is
+  # null with the reason, in summary.json, its verdict and the table.
+  with open(out / "summary.json") as f:
+    written = json.load(f)
+  for k in ("kl_per_token", "kl_per_sequence", "policy_length_mean", "reference_length_mean",
+            "policy_distinct_1", "policy_distinct_2", "reference_distinct_2"):
+    assert isinstance(written[k], float), k
+  assert written["policy_length_mean"] > 0
+  assert written["win_rate"] is None and written["policy_wellformed_rate"] is None
+  assert written["win_rate_reason"].startswith("no reward function")
+  verdicts = {v["target"]: v for v in written["verdicts"]}
+  assert verdicts["win rate"]["verdict"] == "n/a" and verdicts["KL per token (nats)"][
+      "verdict"] != "n/a"
+  assert verdicts["win rate"]["reason"] == written["win_rate_reason"]
+  table = capsys.readouterr().out
+  assert f"n/a ({written['win_rate_reason']})" in table
+  assert "KL(policy||ref) per token (nats)" in table and "distinct-1 / distinct-2" in table
+  # samples.jsonl: every sampled prompt with both responses side by side, their log-ratio and
+  # lengths; the mean log-ratio is the KL per sequence, the lengths' mean the length figure.
   samples = [json.loads(l) for l in open(out / "samples.jsonl")]
   assert len(samples) == summary["eval_prompts"] == summary["pairs"]
   assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
+  assert all(isinstance(s["policy"], str) and isinstance(s["reference"], str) for s in samples)
+  assert np.mean([s["log_ratio"] for s in samples]) == pytest.approx(written["kl_per_sequence"],
+                                                                    rel=1e-5, abs=1e-6)
+  assert np.mean([s["policy_tokens"] for s in samples]) == written["policy_length_mean"]
+  assert np.mean([s["reference_tokens"] for s in samples]) == written["reference_length_mean"]
+  assert f"  policy:    {samples[0]['policy']!r}" in table
 
 
 def test_inspect_data_writes_the_preview_and_trains_nothing(tmp_path, capsys):
