@@ -428,3 +428,5 @@ def test_loop_sft_data_uses_the_preference_data_template(tmp_path):
   with pytest.raises(DataError, match=r"sft\.jsonl:2: chat template .* System role not "
                                       r"supported"):
     loop.Data(cfg.replace(tokenizer=gemma))
+  arrays, report = prepare.prepare_sft(str(sft), tokenizer.load_tokenizer(gemma), skip_bad=True)
+  assert report["skipped_bad_records"] == 1 and len(arrays["tokens"]) == report["examples"] == 1
