@@ -84,6 +84,21 @@ def kill_during_commit(step: int) -> None:
   checkpoint._commit = killing_commit
 
 
+def kill_after_checkpoint(step: int) -> None:
+  """SIGKILL this process right after a step-`step` checkpoint of its stage is committed (every
+  process has passed the save's last barrier), as a host lost between two checkpoints."""
+  save = checkpoint.Manager.save
+
+  def killing_save(self, at, *args, **kwargs):
+    out = save(self, at, *args, **kwargs)
+    if at == step:
+      logging.warning("fault: SIGKILL after the checkpoint %s", out)
+      os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+  checkpoint.Manager.save = killing_save
+
+
 class Killed(BaseException):
   """A simulated SIGKILL: a BaseException, so no `except Exception` cleanup runs; what it leaves
   on disk is what a kill at that instant leaves."""

@@ -1,5 +1,6 @@
-"""`python tests/launch_with_kill.py STEP launch-flags...`: launch.py whose step-STEP checkpoint
-commit is killed (tests/test_checkpoint.py runs it in a subprocess)."""
+"""`python tests/launch_with_kill.py WHEN STEP launch-flags...`: launch.py SIGKILLed at its
+step-STEP checkpoint: WHEN is `commit` (its arrays written, not committed; tests/test_checkpoint.py)
+or `after` (committed, every process past it; tests/test_multihost.py kills one peer so)."""
 
 import os
 import sys
@@ -11,5 +12,6 @@ import faults  # noqa: E402
 import launch  # noqa: E402
 
 if __name__ == "__main__":
-  faults.kill_during_commit(int(sys.argv.pop(1)))
+  when, step = sys.argv.pop(1), int(sys.argv.pop(1))
+  {"commit": faults.kill_during_commit, "after": faults.kill_after_checkpoint}[when](step)
   launch.app.run(launch.main)

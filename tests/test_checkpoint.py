@@ -178,7 +178,8 @@ def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path, compile_cache):
   flags = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
   cmd = [sys.executable, os.path.join(ROOT, "launch.py"), *flags, "--stage=dpo",
          f"--output_dir={out}"]
-  killing = [sys.executable, os.path.join(ROOT, "tests", "launch_with_kill.py"), "4", *cmd[2:]]
+  killing = [sys.executable, os.path.join(ROOT, "tests", "launch_with_kill.py"), "commit", "4",
+             *cmd[2:]]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
          "JAX_COMPILATION_CACHE_DIR": compile_cache,
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
