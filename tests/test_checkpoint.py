@@ -173,17 +173,24 @@ def test_stage_handoff_and_export(tmp_path, reference_run):
   assert summary["skipped_steps"] == 0
 
 
+def _launch_cmd(out, fault=()):
+  """launch.py on the tiny DPO config, or with `fault` = (WHEN, STEP) tests/launch_with_kill.py."""
+  flags = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
+  script = [os.path.join(ROOT, "tests", "launch_with_kill.py"), *fault] if fault else [
+      os.path.join(ROOT, "launch.py")]
+  return [sys.executable, *script, *flags, "--stage=dpo", f"--output_dir={out}"]
+
+
+def _launch_env(compile_cache):
+  return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+          "JAX_COMPILATION_CACHE_DIR": compile_cache,
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path, compile_cache):
   out = tmp_path / "run"
-  flags = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
-  cmd = [sys.executable, os.path.join(ROOT, "launch.py"), *flags, "--stage=dpo",
-         f"--output_dir={out}"]
-  killing = [sys.executable, os.path.join(ROOT, "tests", "launch_with_kill.py"), "commit", "4",
-             *cmd[2:]]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "JAX_COMPILATION_CACHE_DIR": compile_cache,
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  killed = subprocess.run(killing, env=env, capture_output=True,
+  cmd, env = _launch_cmd(out), _launch_env(compile_cache)
+  killed = subprocess.run(_launch_cmd(out, ("commit", "4")), env=env, capture_output=True,
                           text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
   dpo_dir = out / "checkpoints" / "dpo"
@@ -376,6 +383,21 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path, reference_run, caplog)
     loop.run(tiny_cfg(out))
   assert "dropping a torn last line" in caplog.text
   assert records(out) == records(reference_run)
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "metrics"])
+def test_full_disk_through_launch_is_one_line_and_exit_2(tmp_path, compile_cache, where):
+  """What the user sees: one `error:` line naming the path and the bytes, status 2; no
+  traceback, no "Event loop is closed" from tensorstore's writes dying with the loop."""
+  out = tmp_path / "run"
+  r = subprocess.run(_launch_cmd(out, (f"full-{where}", "3")), env=_launch_env(compile_cache),
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2, r.stderr[-3000:]
+  errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+  assert len(errors) == 1 and "bytes" in errors[0], r.stderr[-3000:]
+  assert str(out / ("metrics.jsonl" if where == "metrics" else "checkpoints")) in errors[0]
+  for noise in ("Traceback", "Event loop is closed", "Exception ignored", "Task exception"):
+    assert noise not in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("where", ["metrics", "checkpoint", "free space"])
