@@ -150,7 +150,8 @@ def kill_at(monkeypatch, phase: str, name: str) -> None:
 
 def no_space(monkeypatch, where: str, after: int = 0) -> None:
   """ENOSPC from the next `where` write ("metrics": a metrics.jsonl append, after `after` good
-  records, part of the line written first; "checkpoint": tensorstore's array write)."""
+  records, part of the line written first; "tensorboard": the mirror's event-file append after
+  `after` good ones; "checkpoint": tensorstore's array write)."""
   if where == "metrics":
     write, calls = os.write, [0]
 
@@ -171,6 +172,21 @@ def no_space(monkeypatch, where: str, after: int = 0) -> None:
                        f'"{f}.__lock": Failed to write 893728 bytes to file 7: No space left on '
                        f"device [os_error_code='28']")
     monkeypatch.setattr(serialization, "async_serialize", full_serialize)
+  elif where == "tensorboard":  # the event file's append in tensorboard's writer thread
+    from tensorboard.compat.tensorflow_stub.io import gfile
+    real, calls = gfile.io, [0]
+
+    class FullIO:
+      def __getattr__(self, name):
+        return getattr(real, name)
+
+      def open(self, path, mode="r", *args, **kwargs):
+        if "tfevents" in str(path) and "a" in mode:
+          calls[0] += 1
+          if calls[0] > after:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real.open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(gfile, "io", FullIO())
   else:
     raise ValueError(f"unknown place {where!r}")
 

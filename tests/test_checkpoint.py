@@ -385,22 +385,26 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path, reference_run, caplog)
   assert records(out) == records(reference_run)
 
 
-@pytest.mark.parametrize("where", ["checkpoint", "metrics"])
+@pytest.mark.parametrize("where", ["checkpoint", "metrics", "tensorboard"])
 def test_full_disk_through_launch_is_one_line_and_exit_2(tmp_path, compile_cache, where):
   """What the user sees: one `error:` line naming the path and the bytes, status 2; no
-  traceback, no "Event loop is closed" from tensorstore's writes dying with the loop."""
+  traceback, no "Event loop is closed" from tensorstore's writes dying with the loop, none from
+  tensorboard's writer thread."""
   out = tmp_path / "run"
   r = subprocess.run(_launch_cmd(out, (f"full-{where}", "3")), env=_launch_env(compile_cache),
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 2, r.stderr[-3000:]
   errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
   assert len(errors) == 1 and "bytes" in errors[0], r.stderr[-3000:]
-  assert str(out / ("metrics.jsonl" if where == "metrics" else "checkpoints")) in errors[0]
-  for noise in ("Traceback", "Event loop is closed", "Exception ignored", "Task exception"):
+  assert str(out / {"metrics": "metrics.jsonl", "tensorboard": "tb"}.get(where, "checkpoints")
+             ) in errors[0]
+  for noise in ("Traceback", "Event loop is closed", "Exception ignored", "Task exception",
+                "Exception in thread"):
     assert noise not in r.stderr, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("where", ["metrics", "checkpoint", "free space"])
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("where", ["metrics", "tensorboard", "checkpoint", "free space"])
 def test_full_disk_is_one_message_and_the_rerun_resumes(tmp_path, reference_run, monkeypatch,
                                                         where):
   out = tmp_path / "run"
@@ -417,7 +421,7 @@ def test_full_disk_is_one_message_and_the_rerun_resumes(tmp_path, reference_run,
       loop.run(tiny_cfg(out))
   message = str(e.value)
   assert "\n" not in message and "bytes" in message
-  assert str(out / ("metrics.jsonl" if where == "metrics" else dpo_dir)) in message
+  assert str(out / {"metrics": "metrics.jsonl", "tensorboard": "tb"}.get(where, dpo_dir)) in message
   if where == "free space":
     assert "1,000 free" in message
   with open(out / "metrics.jsonl", "rb") as f:
