@@ -353,6 +353,52 @@ def test_killed_run_resumes_bitwise_without_duplicate_records(tmp_path, referenc
     assert_tree_bitwise(v, _loop_outputs(reference_run)[k])
 
 
+def _folder(root):
+  """{relative path: content} of a folder: a safetensors file as its header metadata and
+  tensors (read by the safetensors library; its header's key order varies from write to
+  write), any other file as bytes with the folder's own path written ROOT (the adapter names
+  its base by absolute path)."""
+  from safetensors import safe_open
+  out = {}
+  for d, _, files in os.walk(root):
+    for f in files:
+      path = os.path.join(d, f)
+      if f.endswith(".safetensors"):
+        with safe_open(path, framework="numpy") as st:
+          out[os.path.relpath(path, root)] = (st.metadata(), {
+              k: (st.get_tensor(k).dtype, st.get_tensor(k).tobytes()) for k in st.keys()})
+        continue
+      with open(path, "rb") as fh:
+        out[os.path.relpath(path, root)] = fh.read().replace(str(root).encode(), b"ROOT")
+  return out
+
+
+def test_kill_during_the_hf_export_and_the_rerun_rewrites_it(tmp_path, monkeypatch):
+  """--export_hf is written in place: a kill after its first safetensors file leaves a partial
+  folder; the rerun (the training is done) exports again, equal file for file."""
+  cfg = lambda out: tiny_cfg(out, stage="dpo", export_hf=str(out / "hf"))
+  loop.run(cfg(tmp_path / "whole"))
+  from models import hf
+  write, calls = hf.write_safetensors, []
+
+  def killing_write(*args, **kwargs):
+    write(*args, **kwargs)
+    calls.append(args[0])
+    raise faults.Killed(f"killed after writing {args[0]}")
+  out = tmp_path / "killed"
+  with monkeypatch.context() as m:
+    m.setattr(hf, "write_safetensors", killing_write)
+    with pytest.raises(faults.Killed):
+      loop.run(cfg(out))
+  assert calls == [str(out / "hf" / "model.safetensors")]
+  assert not (out / "hf" / "config.json").exists()  # partial: no config.json yet
+  loop.run(cfg(out))
+  whole = _folder(tmp_path / "whole" / "hf")
+  assert {"config.json", "model.safetensors", "adapter/adapter_config.json"} <= set(whole)
+  assert _folder(out / "hf") == whole
+  assert records(out) == records(tmp_path / "whole")
+
+
 def test_damaged_sft_model_and_step_are_rebuilt(tmp_path, reference_run, caplog):
   """A zeroed-out (deleted) chunk in the SFT model and in the newest DPO step: the rerun warns,
   rebuilds the SFT model from its last step checkpoint and resumes DPO from the older step."""
