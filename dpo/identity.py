@@ -142,13 +142,16 @@ def check_policy(resume: str, checkpoints_dir: str) -> None:
                                      f"{checkpoints_dir} to resume from")
 
 
-def reusable(path: str, want: dict, step: int | None = None, flag: str = "") -> bool:
+def reusable(path: str, want: dict, step: int | None = None, flag: str = "",
+             downstream: str = "") -> bool:
   """Whether the export at `path` (an SFT model, a random base) can be used as it is.
 
   False when it is absent, damaged (one warning; moved to `<path>.damaged`, so the stage runs
   again from its step checkpoints) or shorter than `step` (the stage is extended, logged).
-  Raises CheckpointError when it belongs to another run (`want` differs, each field named) or
-  is longer than `step`.
+  Raises CheckpointError when it belongs to another run (`want` differs, each field named), is
+  longer than `step`, or is shorter while `downstream` (the step checkpoints of the stage that
+  trains from it) holds checkpoints: extending would replace the model those were trained
+  from, so it is refused before any work, naming the flag and both lengths.
   """
   if not os.path.exists(path):
     return False
@@ -165,6 +168,12 @@ def reusable(path: str, want: dict, step: int | None = None, flag: str = "") -> 
       raise checkpoint.CheckpointError(
           f"{flag}={step} is below {path} (step {meta.get('step')}); give {flag} >= "
           f"{meta.get('step')}, or a fresh --output_dir")
+    later = sorted(glob.glob(os.path.join(downstream, "step_*"))) if downstream else []
+    if later:
+      raise checkpoint.CheckpointError(
+          f"{flag}={step} would extend {path} (step {meta.get('step')}), but "
+          f"{os.path.relpath(later[-1], os.path.dirname(path))} was trained from it; give "
+          f"{flag}={meta.get('step')} to resume, or a fresh --output_dir")
     logging.warning("%s is at step %s; %s=%d extends it", path, meta.get("step"), flag, step)
     return False
   return True

@@ -268,7 +268,8 @@ def _sft(p: Program, params, sft_out: str):
   c = p.cfg
   initial = identity.model_digest(c.checkpoint.init_from)
   want = {"fingerprint": identity.fingerprint(c, "sft", p.data.sft, initial)}
-  if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps"):
+  if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps",
+                       downstream=os.path.join(os.path.dirname(sft_out), "dpo")):
     logging.info("sft: %s exists; stage done", sft_out)
     return checkpoint.load_params(sft_out, c.model, p.mesh)
   spec = train.StepConfig.sft(c)

@@ -158,8 +158,16 @@ class MetricsWriter:
     finally:
       os.close(fd)
     self.count += 1
-    for listener in self.listeners:
-      listener(record)
+    for listener in self.listeners:  # the TensorBoard / W&B mirror, on the same disk
+      try:
+        listener(record)
+      except OSError as e:
+        if not checkpoint.is_no_space(e):
+          raise
+        where = os.fsdecode(e.filename) if e.filename else os.path.dirname(self.path)
+        raise checkpoint.DiskFull(f"{where}: out of disk "
+                                  f"space mirroring a metrics record ({len(line):,} bytes in "
+                                  f"metrics.jsonl); free space and rerun to resume") from None
 
   @staticmethod
   def _order(stage) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Iterator
 
 import jax
@@ -36,9 +37,24 @@ def scalars(record: dict) -> Iterator[tuple[str, float]]:
       yield (key if key.startswith(f"{stage}/") else f"{prefix}/{key}"), float(value)
 
 
+def _quiet_writer_thread(default):
+  """A threading.excepthook that leaves tensorboard's event-writer thread's full-disk error to
+  the main thread (its flush re-raises it; the metrics writer reports one DiskFull line)."""
+  from dpo import checkpoint
+
+  def hook(args):
+    if not (type(args.thread).__name__ == "_AsyncWriterThread" and
+            checkpoint.is_no_space(args.exc_value)):
+      default(args)
+  hook.quiet_writer_thread = True
+  return hook
+
+
 class TensorBoard:
   def __init__(self, logdir: str):
     from tensorboard.summary import Writer
+    if not getattr(threading.excepthook, "quiet_writer_thread", False):
+      threading.excepthook = _quiet_writer_thread(threading.excepthook)
     self.writer = Writer(logdir)
 
   def write(self, record: dict) -> None:

@@ -84,6 +84,21 @@ def kill_during_commit(step: int) -> None:
   checkpoint._commit = killing_commit
 
 
+def kill_after_checkpoint(step: int) -> None:
+  """SIGKILL this process right after a step-`step` checkpoint of its stage is committed (every
+  process has passed the save's last barrier), as a host lost between two checkpoints."""
+  save = checkpoint.Manager.save
+
+  def killing_save(self, at, *args, **kwargs):
+    out = save(self, at, *args, **kwargs)
+    if at == step:
+      logging.warning("fault: SIGKILL after the checkpoint %s", out)
+      os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+  checkpoint.Manager.save = killing_save
+
+
 class Killed(BaseException):
   """A simulated SIGKILL: a BaseException, so no `except Exception` cleanup runs; what it leaves
   on disk is what a kill at that instant leaves."""
@@ -135,7 +150,8 @@ def kill_at(monkeypatch, phase: str, name: str) -> None:
 
 def no_space(monkeypatch, where: str, after: int = 0) -> None:
   """ENOSPC from the next `where` write ("metrics": a metrics.jsonl append, after `after` good
-  records, part of the line written first; "checkpoint": tensorstore's array write)."""
+  records, part of the line written first; "tensorboard": the mirror's event-file append after
+  `after` good ones; "checkpoint": tensorstore's array write)."""
   if where == "metrics":
     write, calls = os.write, [0]
 
@@ -156,6 +172,21 @@ def no_space(monkeypatch, where: str, after: int = 0) -> None:
                        f'"{f}.__lock": Failed to write 893728 bytes to file 7: No space left on '
                        f"device [os_error_code='28']")
     monkeypatch.setattr(serialization, "async_serialize", full_serialize)
+  elif where == "tensorboard":  # the event file's append in tensorboard's writer thread
+    from tensorboard.compat.tensorflow_stub.io import gfile
+    real, calls = gfile.io, [0]
+
+    class FullIO:
+      def __getattr__(self, name):
+        return getattr(real, name)
+
+      def open(self, path, mode="r", *args, **kwargs):
+        if "tfevents" in str(path) and "a" in mode:
+          calls[0] += 1
+          if calls[0] > after:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real.open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(gfile, "io", FullIO())
   else:
     raise ValueError(f"unknown place {where!r}")
 

@@ -173,16 +173,24 @@ def test_stage_handoff_and_export(tmp_path, reference_run):
   assert summary["skipped_steps"] == 0
 
 
+def _launch_cmd(out, fault=()):
+  """launch.py on the tiny DPO config, or with `fault` = (WHEN, STEP) tests/launch_with_kill.py."""
+  flags = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
+  script = [os.path.join(ROOT, "tests", "launch_with_kill.py"), *fault] if fault else [
+      os.path.join(ROOT, "launch.py")]
+  return [sys.executable, *script, *flags, "--stage=dpo", f"--output_dir={out}"]
+
+
+def _launch_env(compile_cache):
+  return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+          "JAX_COMPILATION_CACHE_DIR": compile_cache,
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path, compile_cache):
   out = tmp_path / "run"
-  flags = [f"--{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in TINY.items()]
-  cmd = [sys.executable, os.path.join(ROOT, "launch.py"), *flags, "--stage=dpo",
-         f"--output_dir={out}"]
-  killing = [sys.executable, os.path.join(ROOT, "tests", "launch_with_kill.py"), "4", *cmd[2:]]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "JAX_COMPILATION_CACHE_DIR": compile_cache,
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  killed = subprocess.run(killing, env=env, capture_output=True,
+  cmd, env = _launch_cmd(out), _launch_env(compile_cache)
+  killed = subprocess.run(_launch_cmd(out, ("commit", "4")), env=env, capture_output=True,
                           text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
   dpo_dir = out / "checkpoints" / "dpo"
@@ -345,6 +353,52 @@ def test_killed_run_resumes_bitwise_without_duplicate_records(tmp_path, referenc
     assert_tree_bitwise(v, _loop_outputs(reference_run)[k])
 
 
+def _folder(root):
+  """{relative path: content} of a folder: a safetensors file as its header metadata and
+  tensors (read by the safetensors library; its header's key order varies from write to
+  write), any other file as bytes with the folder's own path written ROOT (the adapter names
+  its base by absolute path)."""
+  from safetensors import safe_open
+  out = {}
+  for d, _, files in os.walk(root):
+    for f in files:
+      path = os.path.join(d, f)
+      if f.endswith(".safetensors"):
+        with safe_open(path, framework="numpy") as st:
+          out[os.path.relpath(path, root)] = (st.metadata(), {
+              k: (st.get_tensor(k).dtype, st.get_tensor(k).tobytes()) for k in st.keys()})
+        continue
+      with open(path, "rb") as fh:
+        out[os.path.relpath(path, root)] = fh.read().replace(str(root).encode(), b"ROOT")
+  return out
+
+
+def test_kill_during_the_hf_export_and_the_rerun_rewrites_it(tmp_path, monkeypatch):
+  """--export_hf is written in place: a kill after its first safetensors file leaves a partial
+  folder; the rerun (the training is done) exports again, equal file for file."""
+  cfg = lambda out: tiny_cfg(out, stage="dpo", export_hf=str(out / "hf"))
+  loop.run(cfg(tmp_path / "whole"))
+  from models import hf
+  write, calls = hf.write_safetensors, []
+
+  def killing_write(*args, **kwargs):
+    write(*args, **kwargs)
+    calls.append(args[0])
+    raise faults.Killed(f"killed after writing {args[0]}")
+  out = tmp_path / "killed"
+  with monkeypatch.context() as m:
+    m.setattr(hf, "write_safetensors", killing_write)
+    with pytest.raises(faults.Killed):
+      loop.run(cfg(out))
+  assert calls == [str(out / "hf" / "model.safetensors")]
+  assert not (out / "hf" / "config.json").exists()  # partial: no config.json yet
+  loop.run(cfg(out))
+  whole = _folder(tmp_path / "whole" / "hf")
+  assert {"config.json", "model.safetensors", "adapter/adapter_config.json"} <= set(whole)
+  assert _folder(out / "hf") == whole
+  assert records(out) == records(tmp_path / "whole")
+
+
 def test_damaged_sft_model_and_step_are_rebuilt(tmp_path, reference_run, caplog):
   """A zeroed-out (deleted) chunk in the SFT model and in the newest DPO step: the rerun warns,
   rebuilds the SFT model from its last step checkpoint and resumes DPO from the older step."""
@@ -377,7 +431,26 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path, reference_run, caplog)
   assert records(out) == records(reference_run)
 
 
-@pytest.mark.parametrize("where", ["metrics", "checkpoint", "free space"])
+@pytest.mark.parametrize("where", ["checkpoint", "metrics", "tensorboard"])
+def test_full_disk_through_launch_is_one_line_and_exit_2(tmp_path, compile_cache, where):
+  """What the user sees: one `error:` line naming the path and the bytes, status 2; no
+  traceback, no "Event loop is closed" from tensorstore's writes dying with the loop, none from
+  tensorboard's writer thread."""
+  out = tmp_path / "run"
+  r = subprocess.run(_launch_cmd(out, (f"full-{where}", "3")), env=_launch_env(compile_cache),
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2, r.stderr[-3000:]
+  errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+  assert len(errors) == 1 and "bytes" in errors[0], r.stderr[-3000:]
+  assert str(out / {"metrics": "metrics.jsonl", "tensorboard": "tb"}.get(where, "checkpoints")
+             ) in errors[0]
+  for noise in ("Traceback", "Event loop is closed", "Exception ignored", "Task exception",
+                "Exception in thread"):
+    assert noise not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("where", ["metrics", "tensorboard", "checkpoint", "free space"])
 def test_full_disk_is_one_message_and_the_rerun_resumes(tmp_path, reference_run, monkeypatch,
                                                         where):
   out = tmp_path / "run"
@@ -394,7 +467,7 @@ def test_full_disk_is_one_message_and_the_rerun_resumes(tmp_path, reference_run,
       loop.run(tiny_cfg(out))
   message = str(e.value)
   assert "\n" not in message and "bytes" in message
-  assert str(out / ("metrics.jsonl" if where == "metrics" else dpo_dir)) in message
+  assert str(out / {"metrics": "metrics.jsonl", "tensorboard": "tb"}.get(where, dpo_dir)) in message
   if where == "free space":
     assert "1,000 free" in message
   with open(out / "metrics.jsonl", "rb") as f:

@@ -111,6 +111,26 @@ def test_sft_steps_below_the_sft_model_refused(tmp_path):
     loop.run(tiny_cfg(out, stage="sft", sft_learning_rate=1e-3))
 
 
+def test_sft_steps_extended_under_a_started_dpo_stage_refused(tmp_path, caplog):
+  """Extending SFT before DPO has started is allowed and logged; once DPO checkpoints exist it
+  would replace their initial model, so it is refused before any work, naming both lengths."""
+  out = tmp_path / "run"
+  loop.run(tiny_cfg(out, stage="sft"))
+  with caplog.at_level(logging.WARNING):
+    loop.run(tiny_cfg(out, stage="all", sft_steps=3, steps=1))
+  assert "--sft_steps=3 extends it" in caplog.text
+  sft_model = out / "checkpoints" / "sft_model"
+  before = checkpoint.read_meta(str(sft_model))
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    loop.run(tiny_cfg(out, stage="all", sft_steps=5, steps=1))
+  assert str(e.value) == (f"--sft_steps=5 would extend {sft_model} (step 3), but "
+                          f"dpo/step_00000001 was trained from it; give --sft_steps=3 to "
+                          f"resume, or a fresh --output_dir")
+  assert checkpoint.read_meta(str(sft_model)) == before  # nothing trained, nothing replaced
+  assert not os.path.exists(out / "checkpoints" / "sft" / "step_00000005")
+  loop.run(tiny_cfg(out, stage="all", sft_steps=3, steps=1))  # the original still resumes
+
+
 def test_resume_policy(tmp_path, finished):
   with pytest.raises(checkpoint.CheckpointError, match="--resume=must but there is no checkpoint"):
     loop.run(tiny_cfg(tmp_path / "fresh", resume="must"))

@@ -2,7 +2,8 @@
 
 Two processes with two fake CPU devices each (gloo collectives) must produce the loss trajectory
 of one process with four devices; a killed process must bring the other down with an error
-within the heartbeat timeout instead of leaving it hanging.
+within the heartbeat timeout instead of leaving it hanging, and rerunning both must resume from
+the last checkpoint to the uninterrupted run's records and policy, bit for bit.
 """
 
 import json
@@ -15,6 +16,8 @@ import time
 
 import numpy as np
 import pytest
+
+from dpo import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,8 +42,12 @@ def _env(devices: int) -> dict:
   return env
 
 
-def _launch(args, devices, log_path):
-  return subprocess.Popen([sys.executable, os.path.join(ROOT, "launch.py"), *TINY, *args],
+def _launch(args, devices, log_path, kill=()):
+  """launch.py, or with `kill` = (WHEN, STEP) tests/launch_with_kill.py (a SIGKILL at that
+  checkpoint)."""
+  script = [os.path.join(ROOT, "tests", "launch_with_kill.py"), *map(str, kill)] if kill else [
+      os.path.join(ROOT, "launch.py")]
+  return subprocess.Popen([sys.executable, *script, *TINY, *args],
                           cwd=ROOT, env=_env(devices), stdout=open(log_path, "w"),
                           stderr=subprocess.STDOUT)
 
@@ -50,9 +57,9 @@ def _distributed(port, pid, heartbeat=100):
           "--num_processes=2", f"--process_id={pid}", f"--heartbeat_timeout_seconds={heartbeat}"]
 
 
-def _records(out_dir):
+def _records(out_dir, drop=()):
   with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+    return [{k: v for k, v in json.loads(line).items() if k not in drop} for line in f]
 
 
 def _wait(procs, logs, timeout=420):
@@ -66,18 +73,35 @@ def _wait(procs, logs, timeout=420):
         p.kill()
 
 
-def test_two_processes_match_one_process_on_four_devices(tmp_path):
+# Four steps with checkpoints at 2 and 4: the runs below, and the killed-peer run's rerun.
+STEPS = ["--steps=4", "--checkpoint_every=2"]
+
+
+def _no_abort(log: str) -> None:
+  """A clean exit: no abort, no C++ stack dump."""
+  for noise in ("Fatal Python error", "SIGABRT", "Aborted", "*** Begin stack trace"):
+    assert noise not in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The 4-step run as two processes with two devices each and as one process with four,
+  launched together: (two-process output, one-process output, logs)."""
+  tmp = tmp_path_factory.mktemp("uninterrupted")
   port = _free_port()
-  multi, single = tmp_path / "two", tmp_path / "one"
-  logs = [tmp_path / "p0.log", tmp_path / "p1.log", tmp_path / "single.log"]
-  steps = ["--steps=4"]
+  multi, single = tmp / "two", tmp / "one"
+  logs = [tmp / "p0.log", tmp / "p1.log", tmp / "single.log"]
   procs = [
-      _launch([*steps, f"--output_dir={multi}", *_distributed(port, 0)], 2, logs[0]),
-      _launch([*steps, f"--output_dir={multi}", *_distributed(port, 1)], 2, logs[1]),
-      _launch([*steps, f"--output_dir={single}"], 4, logs[2]),
+      _launch([*STEPS, f"--output_dir={multi}", *_distributed(port, 0)], 2, logs[0]),
+      _launch([*STEPS, f"--output_dir={multi}", *_distributed(port, 1)], 2, logs[1]),
+      _launch([*STEPS, f"--output_dir={single}"], 4, logs[2]),
   ]
   _wait(procs, logs)
+  return multi, single, logs
 
+
+def test_two_processes_match_one_process_on_four_devices(uninterrupted):
+  multi, single, logs = uninterrupted
   two, one = _records(multi), _records(single)
   # Only process 0 writes: exactly one record per step plus the eval record, not two.
   assert [r["stage"] for r in two] == ["dpo"] * 4 + ["eval"]
@@ -127,10 +151,51 @@ def test_dead_process_stops_the_other_within_heartbeat_timeout(tmp_path, how):
     # A clean exit: one line naming what was lost, status 4; no abort, no C++ stack dump.
     assert rc == 4, log[-3000:]
     assert "lost contact with the other processes" in log, log[-3000:]
-    for noise in ("Fatal Python error", "SIGABRT", "Aborted", "*** Begin stack trace"):
-      assert noise not in log, log[-3000:]
+    _no_abort(log)
     assert took < heartbeat + 30
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
+
+
+def test_killed_peer_then_the_rerun_resumes_to_the_uninterrupted_run(tmp_path, uninterrupted):
+  """Process 1 is SIGKILLed right after the step-2 checkpoint: process 0 exits with one line and
+  status 4 within the heartbeat bound; rerunning both resumes from step 2, and the records and
+  the policy equal the uninterrupted two-process run's bit for bit (the same mesh, the same
+  executables, gloo's fixed reduction order)."""
+  heartbeat, out = 10, tmp_path / "out"
+  args = [*STEPS, f"--output_dir={out}"]
+  logs = [tmp_path / "p0.log", tmp_path / "p1.log"]
+  port = _free_port()
+  procs = [_launch([*args, *_distributed(port, 0, heartbeat)], 2, logs[0]),
+           _launch([*args, *_distributed(port, 1, heartbeat)], 2, logs[1], kill=("after", 2))]
+  try:
+    assert procs[1].wait(timeout=420) == -signal.SIGKILL, open(logs[1]).read()[-3000:]
+    killed = time.monotonic()
+    rc = procs[0].wait(timeout=heartbeat + 60)
+    took = time.monotonic() - killed
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  log = open(logs[0]).read()
+  print(f"process 0 exited with {rc} {took:.1f} s after process 1 was killed")
+  assert rc == 4 and "lost contact with the other processes" in log, log[-3000:]
+  _no_abort(log)
+  assert took < heartbeat + 30
+  dpo_dir = out / "checkpoints" / "dpo"
+  assert sorted(os.listdir(dpo_dir)) == ["step_00000002"]  # nothing half-written beside it
+  assert [r["step"] for r in _records(out)] == [1, 2]
+
+  port = _free_port()
+  reruns = [tmp_path / "rerun0.log", tmp_path / "rerun1.log"]
+  _wait([_launch([*args, *_distributed(port, i)], 2, reruns[i]) for i in range(2)], reruns)
+  rerun = open(reruns[0]).read()
+  assert "dpo: resumed from" in rerun and "(step 2 of 4)" in rerun, rerun[-3000:]
+  multi = uninterrupted[0]
+  clock = {"tokens_per_sec", "eval/eval_time_s"}  # wall-clock fields
+  assert _records(out, drop=clock) == _records(multi, drop=clock)
+  for name in ("policy", "dpo/step_00000004"):  # every array file's sha256 (the manifests')
+    assert (checkpoint.digest(str(out / "checkpoints" / name)) ==
+            checkpoint.digest(str(multi / "checkpoints" / name))), name
