@@ -286,8 +286,10 @@ class GuardConfig:
                               "per token (free: the loss computes it), with reference-free losses "
                               "the drift of the chosen NLL per token (the log says which).")
   kl_window: int = _f(20, "Steps in the KL window (the factor test waits for a full window).")
-  kl_spike_min: float = _f(1e-4, "The factor test ignores KL below this (nats per token): "
-                          "values this small are noise, not a policy gone astray.")
+  kl_spike_min: float = _f(0.01, "The factor test ignores KL below this (nats per token). "
+                          "0.01 is the low end of the band the recipe expects: in a normal run "
+                          "KL grows from 0 by more than kl_spike_factor within a window early "
+                          "on, which is no spike.")
   rollback_lr_factor: float = _f(0.1, "Learning-rate multiplier applied at each rollback.")
   max_rollbacks: int = _f(3, "Stop the run after this many KL-spike rollbacks.")
 

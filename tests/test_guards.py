@@ -183,7 +183,7 @@ def sft_model(tmp_path_factory):
     ids=["kl", "logratio", "nll_drift"])
 def test_default_guard_catches_a_spike_and_not_a_normal_run(tmp_path, extra, estimate, caplog,
                                                             request):
-  """The default guard (factor 5 over a 20-step window's max, floor 1e-4) leaves a normal
+  """The default guard (factor 5 over a 20-step window's max, floor 0.01) leaves a normal
   40-step run alone and rolls back an update with a x1e4 learning rate at step 25, naming the
   estimate it watches; the replayed step 25 at the cut rate is not a spike again."""
   if extra.get("init_from") == "sft":
