@@ -289,8 +289,9 @@ def verdicts(metrics: dict, reference_perplexity: float | None) -> list[dict]:
   out = [{"target": name, "want": want, "value": value,
           "verdict": "n/a" if value is None else ("PASS" if ok(value) else "FAIL")}
          for name, want, value, ok in checks]
-  if out[0]["value"] is None and metrics.get("win_rate_reason"):
-    out[0]["reason"] = metrics["win_rate_reason"]
+  for v in out:  # the win-rate row says why it could not be measured
+    if v["target"] == "win rate" and v["value"] is None and metrics.get("win_rate_reason"):
+      v["reason"] = metrics["win_rate_reason"]
   return out
 
 
