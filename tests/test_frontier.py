@@ -47,3 +47,23 @@ def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
   for method in ("| DPO |", "| Preferred-FT |", "| best-of-N |"):
     assert method in table
   assert (out / "frontier.png").stat().st_size > 10_000
+  # --init_from reuses that SFT model instead of training one: the same points, no SFT stage.
+  again = tmp_path / "again"
+  res = subprocess.run([c.replace(f"--output_dir={out}", f"--output_dir={again}") for c in cmd]
+                       + [f"--init_from={out}/sft/checkpoints/sft_model"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "SFT model: " in res.stdout and not (again / "sft").exists()
+  reused = [json.loads(l) for l in open(again / "frontier.jsonl")]
+  assert [p.pop("kl_per_sequence") for p in reused] == pytest.approx(
+      [p.pop("kl_per_sequence") for p in points], abs=1e-5)
+  assert [p.pop("true_reward") for p in reused] == pytest.approx(
+      [p.pop("true_reward") for p in points], abs=1e-6)
+  assert reused == points
+
+
+def test_the_frontier_refuses_flags_it_sets_per_run(tmp_path):
+  res = subprocess.run([sys.executable, "-m", "dpo.tools.frontier", "--rpo_alpha=1",
+                        f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode != 0 and "--rpo_alpha is set per run" in res.stderr

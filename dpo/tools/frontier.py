@@ -2,9 +2,11 @@
 
     python -m dpo.tools.frontier --output_dir=runs/frontier
 
-One SFT model (the preset's SFT stage, trained once under <output_dir>/sft) is the reference and
-the starting point of every method:
-  * DPO (sigmoid loss) at each beta of --betas, one run each;
+One SFT model is the reference and the starting point of every method: the preset's SFT stage,
+trained once under <output_dir>/sft, or with --init_from an SFT model already trained (the
+default job's runs/default/checkpoints/sft_model, so the sweep does not train it again):
+  * DPO (sigmoid loss, without the preset's RPO term: the paper's method) at each beta of
+    --betas, one run each;
   * Preferred-FT: supervised fine-tuning on the chosen responses of the same pairs (the `sft`
     loss of dpo/losses.py: the chosen NLL, no reference), with the same LoRA and schedule;
   * best-of-N from the SFT model, N in --best_of: --best_of_max samples per prompt drawn once,
@@ -136,10 +138,10 @@ def plot(points: list[dict], path: str) -> bool:
 
 def main(argv) -> None:
   del argv
-  for name in ("loss_type", "loss_weights", "stage", "beta"):
+  for name in ("loss_type", "loss_weights", "stage", "beta", "rpo_alpha"):
     if FLAGS[name].present:
       raise app.UsageError(f"--{name} is set per run by the frontier tool")
-  cfg = configs.from_flags()
+  cfg = configs.from_flags().replace(rpo_alpha=0.0)
   if max(int(n) for n in FLAGS.best_of) > FLAGS.best_of_max:
     raise app.UsageError("--best_of_max must be at least the largest --best_of")
   if cfg.data.train_data:
@@ -147,8 +149,13 @@ def main(argv) -> None:
   out = cfg.run.output_dir
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   t0 = time.perf_counter()
-  params = compare_losses.sft_model(cfg.replace(output_dir=os.path.join(out, "sft")), mesh)
-  print(f"SFT: {time.perf_counter() - t0:.0f}s", flush=True)
+  if cfg.checkpoint.init_from:
+    cfg, params = loop.initial_params(cfg, jax.random.key(cfg.run.seed), mesh)
+    print(f"SFT model: {cfg.checkpoint.init_from}", flush=True)
+    cfg = cfg.replace(init_from="")  # every run starts from `params`
+  else:
+    params = compare_losses.sft_model(cfg.replace(output_dir=os.path.join(out, "sft")), mesh)
+    print(f"SFT: {time.perf_counter() - t0:.0f}s", flush=True)
   points = best_of_n(cfg, mesh, params, [int(n) for n in FLAGS.best_of], FLAGS.best_of_max)
   for beta in FLAGS.betas:
     points += run_points(cfg.replace(stage="dpo", loss_type=("sigmoid",), beta=float(beta),
