@@ -67,3 +67,7 @@ def test_the_frontier_refuses_flags_it_sets_per_run(tmp_path):
                         f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
   assert res.returncode != 0 and "--rpo_alpha is set per run" in res.stderr
+  res = subprocess.run([sys.executable, "-m", "dpo.tools.frontier", "--init_from=some/sft_model",
+                        "--sft_steps=10", f"--output_dir={tmp_path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode != 0 and "--sft_steps is read by nothing with --init_from" in res.stderr

@@ -150,6 +150,10 @@ def main(argv) -> None:
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   t0 = time.perf_counter()
   if cfg.checkpoint.init_from:
+    for name in ("sft_steps", "sft_learning_rate", "sft_data"):
+      if FLAGS[name].present:
+        raise app.UsageError(f"--{name} is read by nothing with --init_from (the SFT model is "
+                             "given, not trained)")
     cfg, params = loop.initial_params(cfg, jax.random.key(cfg.run.seed), mesh)
     print(f"SFT model: {cfg.checkpoint.init_from}", flush=True)
     cfg = cfg.replace(init_from="")  # every run starts from `params`
