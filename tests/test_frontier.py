@@ -49,8 +49,10 @@ def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
   assert (out / "frontier.png").stat().st_size > 10_000
   # --init_from reuses that SFT model instead of training one: the same points, no SFT stage.
   again = tmp_path / "again"
-  res = subprocess.run([c.replace(f"--output_dir={out}", f"--output_dir={again}") for c in cmd]
-                       + [f"--init_from={out}/sft/checkpoints/sft_model"],
+  # The SFT flags are dropped: with --init_from nothing reads them, and the tool refuses them.
+  rerun = [c.replace(f"--output_dir={out}", f"--output_dir={again}") for c in cmd
+           if not c.startswith("--sft_steps=")]
+  res = subprocess.run(rerun + [f"--init_from={out}/sft/checkpoints/sft_model"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   assert "SFT model: " in res.stdout and not (again / "sft").exists()
