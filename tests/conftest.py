@@ -5,14 +5,27 @@ Under CI=true a test that would skip because a test dependency does not import
 transformers install must not turn the oracle tests into a green run.
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole session, inherited by every subprocess (launch,
+# tools, multi-host): many tests compile the same tiny programs, and a hit skips XLA's compile.
+# The executables are the same as a fresh compile's, so results are too; the cache is new each
+# session and removed at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="dpo-jax-test-cache-")
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
@@ -20,20 +33,9 @@ SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-  """A persistent compilation cache for one test module: tests that rerun the same tiny
-  programs (resume, faults) read every compile after the first from disk; the executables are
-  identical, so results are too. Yields the cache directory (for subprocesses)."""
-  import jax
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (path, 0, 0)):
-    jax.config.update(n, v)
-  yield path
-  for n, v in old.items():
-    jax.config.update(n, v)
+def compile_cache():
+  """The session's persistent compilation cache directory (for subprocesses' environment)."""
+  return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 def _ci() -> bool:
