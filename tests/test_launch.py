@@ -145,3 +145,23 @@ def test_flag_lines_parse_back_to_the_same_config_for_every_preset():
       assert configs.from_flags() == cfg, name
   finally:
     launch.FLAGS.unparse_flags()
+
+
+def test_a_loss_on_the_command_line_runs_without_the_presets_rpo_term():
+  """The default preset adds RPO's NLL (rpo_alpha) to its sigmoid loss; --loss_type=X runs X
+  alone (a reference-free loss too, which RPO would not apply to), unless --rpo_alpha is given;
+  the flag lines of either config parse back to it."""
+  import launch
+  assert configs.DEFAULT.loss.rpo_alpha > 0
+  try:
+    for argv, want in ((["--loss_type=simpo"], 0.0), (["--loss_type=ipo"], 0.0),
+                       (["--loss_type=ipo", "--rpo_alpha=0.5"], 0.5), ([], configs.DEFAULT.loss.rpo_alpha)):
+      launch.FLAGS.unparse_flags()
+      launch.FLAGS(["launch.py", *argv])
+      cfg = configs.from_flags()
+      assert cfg.loss.rpo_alpha == want, argv
+      launch.FLAGS.unparse_flags()
+      launch.FLAGS(["launch.py", *configs.flag_lines(cfg)])
+      assert configs.from_flags() == cfg, argv
+  finally:
+    launch.FLAGS.unparse_flags()

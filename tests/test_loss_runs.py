@@ -28,8 +28,9 @@ REFERENCE_FREE = tuple(n for n, l in losses.LOSSES.items() if not l.reference)
 @pytest.mark.parametrize("losses", [("sigmoid",), WITH_REF, REFERENCE_FREE],
                          ids=["sigmoid", "all-with-reference", "all-reference-free"])
 def test_every_loss_type_runs(losses, tmp_path):
+  # Each loss alone, without the default preset's RPO term (the modifiers' run is below).
   cfg = configs.DEFAULT.replace(**TINY_FLAGS, stage="dpo", steps=2, loss_type=losses,
-                                output_dir=str(tmp_path))
+                                rpo_alpha=0.0, output_dir=str(tmp_path))
   assert cfg.loss.reference_free == (losses == REFERENCE_FREE)
   summary = loop.run(cfg)
   assert summary["skipped_steps"] == 0
