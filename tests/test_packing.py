@@ -4,13 +4,15 @@ path)."""
 
 import dataclasses
 import itertools
+import json
+import re
 
 import jax
 import numpy as np
 import pytest
 
 import configs
-from dpo import data, logprobs, packing, task, train
+from dpo import data, logprobs, loop, packing, task, train
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -260,3 +262,39 @@ def test_loader_packs_only_this_process_block():
       assert set(g["pair_index"] // P) <= set(range(b * R // 2, (b + 1) * R // 2))
       assert g["pair_valid"].sum() == 4
       np.testing.assert_array_equal(g["score_weight"].sum(), pairs["loss_mask"][rows[4 * b:4 * b + 4]].sum())
+
+
+def test_packing_run_logs_the_fill_rate_and_the_unpacked_losses(tmp_path, caplog):
+  """A --packing run (two devices, dropout off) logs the same losses as without packing, the
+  fill rate at start and as a metric; --packing without prefix sharing is refused."""
+  with pytest.raises(ValueError, match="--packing packs shared-prefix rows; it needs --prefix_sharing"):
+    configs.DEFAULT.replace(packing=True, prefix_sharing=False)
+  rng = np.random.default_rng(0)
+  words = lambda n: " ".join(rng.choice(["good", "bad", "fine", "a", "plot"], n))
+  train_data = tmp_path / "pairs.jsonl"  # lengths from a few bytes to 60, so rows pack
+  train_data.write_text("".join(json.dumps({"prompt": words(rng.integers(1, 12)),
+                                            "chosen": words(rng.integers(1, 12)),
+                                            "rejected": words(rng.integers(1, 12))}) + "\n"
+                                for _ in range(40)))
+  records = {}
+  for packed in (False, True):
+    out = tmp_path / f"packing_{packed}"
+    cfg = configs.DEFAULT.replace(
+        stage="dpo", steps=3, log_every=1, eval_every=0, checkpoint_every=0, output_dir=str(out),
+        train_data=str(train_data), eval_split=0.2, task_eval_prompts=2, eval_max_new_tokens=4,
+        max_prompt_length=24, max_target_length=40, lora_dropout=0.0, global_batch_size=8,
+        d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+        packing=packed)
+    with caplog.at_level("INFO"):
+      loop.run(cfg, mesh=sharding.make_mesh("data:2", jax.devices()[:2]))
+    records[packed] = [json.loads(l) for l in open(out / "metrics.jsonl")
+                       if json.loads(l)["stage"] == "dpo"]
+  assert "packing: 8 pairs a step into rows of" in caplog.text
+  packed_fill, one_a_row = re.search(r"fill rate (\d+)% of the slots \((\d+)% at one pair a row",
+                                     caplog.text).groups()
+  assert int(packed_fill) > int(one_a_row)
+  assert all(0.5 < r["fill_rate"] <= 1 for r in records[True])
+  assert "fill_rate" not in records[False][0]
+  for a, b in zip(records[False], records[True]):
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)
