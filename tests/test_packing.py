@@ -192,7 +192,8 @@ def test_packed_rows_hold_each_pairs_shared_row_once(packed_setup):
     scored &= out["score_weight"][r] != 0
     n = int((shared["score_weight"][b] != 0).sum())
     assert scored.sum() == n
-    np.testing.assert_array_equal(out["score_from"][r, scored], shared["score_from"][b, :n] + slots[0])
+    np.testing.assert_array_equal(out["score_from"][r, scored],
+                                  shared["score_from"][b, :n] + slots[0])
     for k in ("score_target", "score_side", "score_rank", "score_weight"):
       np.testing.assert_array_equal(out[k][r, scored], shared[k][b, :n], err_msg=k)
 
@@ -261,27 +262,21 @@ def test_loader_packs_only_this_process_block():
       # Each block's pairs sit in its own rows, and those rows hold nothing else.
       assert set(g["pair_index"] // P) <= set(range(b * R // 2, (b + 1) * R // 2))
       assert g["pair_valid"].sum() == 4
-      np.testing.assert_array_equal(g["score_weight"].sum(), pairs["loss_mask"][rows[4 * b:4 * b + 4]].sum())
+      np.testing.assert_array_equal(g["score_weight"].sum(),
+                                    pairs["loss_mask"][rows[4 * b:4 * b + 4]].sum())
 
 
-def test_packing_run_logs_the_fill_rate_and_the_unpacked_losses(tmp_path, caplog):
+def test_packing_run_logs_the_fill_rate_and_the_unpacked_losses(tmp_path, caplog, varied_pairs):
   """A --packing run (two devices, dropout off) logs the same losses as without packing, the
   fill rate at start and as a metric; --packing without prefix sharing is refused."""
-  with pytest.raises(ValueError, match="--packing packs shared-prefix rows; it needs --prefix_sharing"):
+  with pytest.raises(ValueError, match="--packing packs shared-prefix rows; it needs --pref"):
     configs.DEFAULT.replace(packing=True, prefix_sharing=False)
-  rng = np.random.default_rng(0)
-  words = lambda n: " ".join(rng.choice(["good", "bad", "fine", "a", "plot"], n))
-  train_data = tmp_path / "pairs.jsonl"  # lengths from a few bytes to 60, so rows pack
-  train_data.write_text("".join(json.dumps({"prompt": words(rng.integers(1, 12)),
-                                            "chosen": words(rng.integers(1, 12)),
-                                            "rejected": words(rng.integers(1, 12))}) + "\n"
-                                for _ in range(40)))
   records = {}
   for packed in (False, True):
     out = tmp_path / f"packing_{packed}"
     cfg = configs.DEFAULT.replace(
         stage="dpo", steps=3, log_every=1, eval_every=0, checkpoint_every=0, output_dir=str(out),
-        train_data=str(train_data), eval_split=0.2, task_eval_prompts=2, eval_max_new_tokens=4,
+        train_data=str(varied_pairs), eval_split=0.2, task_eval_prompts=2, eval_max_new_tokens=4,
         max_prompt_length=24, max_target_length=40, lora_dropout=0.0, global_batch_size=8,
         d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
         packing=packed)
