@@ -22,8 +22,8 @@ unshared layout's by construction (tests/test_packing.py pins it to 1e-5).
 Packing (`Packer`, --packing) places several pairs' shared rows one after another in rows of L
 slots (L the longest shared row), so short pairs stop paying for the longest one's padding:
 
-    shared_segment_ids [1 1 1 1 1 1 | 2 2 2 2 | 3 3 3 3 3 3 3 | 0 0]   the pair's slot in the row + 1
-    shared_positions   [0 1 2 3 2 3 | 0 1 2 1 | 0 1 2 3 4 3 4 | 0 0]   restart with every pair
+    shared_segment_ids [1 1 1 1 1 1 | 2 2 2 2 | 3 3 3 3 3 3 3 | 0 0]   pair's slot in the row + 1
+    shared_positions   [0 1 2 3 2 3 | 0 1 2 1 | 0 1 2 3 4 3 4 | 0 0]   restart with each pair
 
 Tokens, positions and branches are each pair's shared row; the segment id (the pair's slot in the
 row) keeps pairs apart in `transformer.attention_mask`. The scoring plan gains `score_pair` (the

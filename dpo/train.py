@@ -218,9 +218,10 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
   batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
   ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
   runs; optionally shared-prefix or packed rows with their scoring plan (dpo/packing.py), which
-  the forwards then run on (packed: R rows, the "fill_rate" metric). Reference-free losses run no reference forward either. The token KL metric (spec.kl)
-  needs the reference logits ([B, 2, T, V], or [B, K, V] at the scored slots of shared-prefix
-  rows); without it they are never kept. With gradient_accumulation_steps = K the loss, metrics
+  the forwards then run on (packed: R rows, the "fill_rate" metric). Reference-free losses run
+  no reference forward either. The token KL metric (spec.kl) needs the reference logits
+  ([B, 2, T, V], or [R, K, V] at the scored slots of shared-prefix or packed rows); without it
+  they are never kept. With gradient_accumulation_steps = K the loss, metrics
   and gradient are those of `microbatch_loss` averaged over K microbatches of B / K pairs
   (`accumulate`).
   """

@@ -5,11 +5,12 @@
     python -m dpo.tools.bench --workload=hh-rlhf --variants=lora --layouts=unshared,shared,packed
 
 Every variant (LoRA or full fine-tuning x the unshared pair rows, shared-prefix rows or packed
-rows) runs in its own process, so each peak RSS is that variant's alone; with `--plain_dir` present (default
-../shared/bench) and the bench-small workload, its plain JAX step (`plain_jax_dpo.py`) runs as
-one more process per variant, and every row prints our pairs/s over its pairs/s. `--rounds`
-repeats the whole set of processes, interleaved (ours, plain, ours, plain, ...), and reports
-each variant's median round, so a noisy neighbour slows both sides alike.
+rows) runs in its own process, so each peak RSS is that variant's alone; with `--plain_dir`
+present (default ../shared/bench) and the bench-small workload, its plain JAX step
+(`plain_jax_dpo.py`) runs as one more process per variant, and every row prints our pairs/s
+over its pairs/s. `--rounds` repeats the whole set of processes, interleaved (ours, plain, ours,
+plain, ...), and reports each variant's median round, so a noisy neighbour slows both sides
+alike.
 
 Every config flag applies (--config defaults to bench-small here). The step is the one a run
 jits (`train.jit_step`: sharded over --mesh, state donated), built from the run's initial trees
@@ -255,8 +256,9 @@ def main(argv):
         cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
         results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
   print(f"workload {FLAGS.workload}, {cfg.optim.global_batch_size} pairs per step")
-  print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'fill':>5} {'step s':>7} {'pairs/s':>8} {'tokens/s':>8} "
-        f"{'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} {'RSS MiB':>8} "
+  print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'fill':>5} {'step s':>7} {'pairs/s':>8} "
+        f"{'tokens/s':>8} {'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} "
+        f"{'RSS MiB':>8} "
         f"{'loss@1':>9} {'x plain':>7} {'x unshared':>10}")
   fmt = lambda x, f: "-" if x is None else f.format(x)
   for v in variants:
