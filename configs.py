@@ -82,6 +82,10 @@ class ModelConfig:
   prefix_sharing: bool = _f(True, "DPO: one row per pair, prompt | chosen | rejected, so the prompt "
                                   "is computed once per model (dpo/packing.py); off where the pair "
                                   "rows do not share a prompt (logged).")
+  packing: bool = _f(False, "DPO with prefix sharing: several pairs' shared rows one after another "
+                           "in each row of the longest one's length, no attention across pairs, "
+                           "each step's pairs and loss unchanged (dpo/packing.py); helps when "
+                           "pair lengths vary.")
   logits_chunk: int = _f(0, "With prefix sharing: log-softmax over vocabulary chunks of this size "
                             "(a divisor of vocab_size), so [tokens, vocab] logits never exist; 0 = "
                             "the whole vocabulary at once.")
@@ -129,6 +133,8 @@ class ModelConfig:
         raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
     if self.sliding_window < 0 or self.sliding_pattern < 1:
       raise ValueError("sliding_window must be >= 0 and sliding_pattern >= 1")
+    if self.packing and not self.prefix_sharing:
+      raise ValueError("--packing packs shared-prefix rows; it needs --prefix_sharing")
     if self.logits_chunk < 0 or (self.logits_chunk and self.vocab_size % self.logits_chunk):
       raise ValueError(f"logits_chunk={self.logits_chunk} must be 0 or a divisor of "
                        f"vocab_size={self.vocab_size}")

@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import zlib
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -280,12 +280,14 @@ class Loader:
   The order is a pure function of (seed, epoch), so the loader's whole state is (epoch, index)
   and a resumed run sees exactly the batches an uninterrupted one would. The global batch is
   rows [index, index + global_batch) of the epoch's permutation (a partial final batch is
-  dropped); process i takes the i-th contiguous block of it.
+  dropped); process i takes the i-th contiguous block of it. `pack(global batch rows, block)`
+  adds arrays built from the whole global batch (packed rows, dpo/packing.py) to each batch.
   """
 
   def __init__(self, arrays: dict[str, np.ndarray], global_batch: int, seed: int,
-               process_index: int = 0, process_count: int = 1, what: str = "dataset"):
-    self.arrays = arrays
+               process_index: int = 0, process_count: int = 1, what: str = "dataset",
+               pack: Callable[[np.ndarray, int], dict[str, np.ndarray]] | None = None):
+    self.arrays, self.pack = arrays, pack
     self.n = len(next(iter(arrays.values())))
     if global_batch % process_count:
       raise ValueError(f"global batch {global_batch} not divisible by {process_count} processes")
@@ -306,9 +308,17 @@ class Loader:
   def __next__(self) -> dict[str, np.ndarray]:
     if self.index + self.global_batch > self.n:
       self.epoch, self.index = self.epoch + 1, 0
-    rows = self._perm(self.epoch)[self.index + self.offset:self.index + self.offset + self.local]
+    rows = self._perm(self.epoch)[self.index:self.index + self.global_batch]
     self.index += self.global_batch
-    return {k: v[rows] for k, v in self.arrays.items()}
+    batch = {k: v[rows[self.offset:self.offset + self.local]] for k, v in self.arrays.items()}
+    if self.pack is not None:
+      batch.update(self.pack(rows, self.offset // self.local))
+    return batch
+
+  def batch_rows(self, epoch: int) -> np.ndarray:
+    """[batches, global_batch]: the rows of every global batch of `epoch`, all processes'."""
+    whole = self.n // self.global_batch * self.global_batch
+    return self._perm(epoch)[:whole].reshape(-1, self.global_batch)
 
   def state(self) -> dict:
     return {"epoch": self.epoch, "index": self.index}

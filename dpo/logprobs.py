@@ -6,9 +6,9 @@ one path from a batch to per-token log-probs; `sequence_logps` sums it per seque
 pair axis. Prompt and padding positions are masked out.
 
 A batch that carries shared-prefix rows (dpo/packing.py: `shared_*` and `score_*` arrays) takes
-`shared_pair_stats` instead: one forward per pair over prompt | chosen | rejected, the LM head
-only at the scored slots (`head_logps`, optionally over vocabulary chunks), the same
-`PairStats`.
+`shared_pair_stats` instead: one forward per pair over prompt | chosen | rejected (or per row of
+several such pairs, packed), the LM head only at the scored slots (`head_logps`, optionally over
+vocabulary chunks), the same `PairStats`.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _kl(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
 
 def pair_kl(p_logits: jax.Array, q_logits: jax.Array, batch) -> jax.Array:
   """Summed exact token KL(p || q) over each pair's scored tokens, from `PairStats.logits`: the
-  [B, 2, T, V] logits of the unshared layout (-> [B, 2]) or, for shared-prefix rows, the
-  [B, K, V] logits at the scored slots (-> [B]). Either sums to the batch total."""
+  [B, 2, T, V] logits of the unshared layout (-> [B, 2]) or, for shared-prefix (or packed)
+  rows, the [R, K, V] logits at the scored slots (-> [R]). Either sums to the batch total."""
   if "score_weight" in batch:
     return (_kl(p_logits, q_logits) * batch["score_weight"]).sum(-1)
   return token_kl(p_logits, q_logits, batch["loss_mask"])
@@ -188,23 +188,37 @@ def head_logps(cfg: ModelConfig, params, h_BKD: jax.Array, target_BK: jax.Array,
 
 def shared_pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bool = False,
                       with_logits: bool = False, **forward_kw) -> PairStats:
-  """`pair_stats` of shared-prefix rows (dpo/packing.py): one [B, S] forward per pair, hidden
-  states gathered at the K scoring slots before the LM head, sums per side.
+  """`pair_stats` of shared-prefix rows (dpo/packing.py): one [R, S] forward over the rows,
+  hidden states gathered at the K scoring slots before the LM head, sums per pair and side.
 
-  One dropout key serves the whole row, so with LoRA dropout the prompt's dropout mask is shared
-  by both completions (the unshared layout draws one per side). `PairStats.logits`
-  (`with_logits`) is [B, K, V], the logits at the scoring slots (see `pair_kl`).
+  A shared-prefix row holds one pair (R = B). Packed rows hold up to P pairs each
+  (`pair_valid` [R, P]): the sums land in [R, P, 2] by `score_pair` and each pair's are
+  gathered back to its batch position by `pair_index` [B], so the result is the [B, 2] of the
+  unpacked layout whatever the packing.
+
+  One dropout key serves the whole forward, so with LoRA dropout the prompt's dropout mask is
+  shared by both completions (the unshared layout draws one per side), and the masks depend on
+  the layout. `PairStats.logits` (`with_logits`) is [R, K, V], the logits at the scoring slots
+  (see `pair_kl`).
   """
-  h_BSD = transformer.forward(cfg, params, batch["shared_tokens"], batch["shared_positions"],
+  h_RSD = transformer.forward(cfg, params, batch["shared_tokens"], batch["shared_positions"],
                               batch["shared_segment_ids"], branch_BT=batch["shared_branch"],
                               return_hidden=True, dropout_key=dropout_key, **forward_kw)
-  h_BKD = jnp.take_along_axis(h_BSD, batch["score_from"][..., None], axis=1)
-  lp_BK, logw_BK, logits = head_logps(cfg, params, h_BKD, batch["score_target"], wpo, with_logits)
-  side_BK2 = ((batch["score_side"][..., None] == jnp.arange(2)).astype(jnp.float32)
-              * batch["score_weight"][..., None])
-  per_side = lambda x_BK: jnp.einsum("bk,bkj->bj", x_BK, side_BK2)
-  tokens_B2 = side_BK2.sum(1)
-  shared_B1 = tokens_B2.min(axis=1, keepdims=True)
-  shared_B2 = per_side(lp_BK * (batch["score_rank"] <= shared_B1))
-  logw = None if logw_BK is None else per_side(logw_BK) / jnp.maximum(tokens_B2, 1.0)
-  return PairStats(per_side(lp_BK), tokens_B2, shared_B2, logw, logits)
+  h_RKD = jnp.take_along_axis(h_RSD, batch["score_from"][..., None], axis=1)
+  lp_RK, logw_RK, logits = head_logps(cfg, params, h_RKD, batch["score_target"], wpo, with_logits)
+  packed = "pair_index" in batch
+  P = batch["pair_valid"].shape[1] if packed else 1
+  pair_RK = batch["score_pair"] if packed else jnp.zeros_like(batch["score_side"])
+  # Column 2 * pair + side of each scored token, weighted: [R, K, 2P].
+  col_RKC = ((2 * pair_RK + batch["score_side"])[..., None] == jnp.arange(2 * P)).astype(
+      jnp.float32) * batch["score_weight"][..., None]
+  per_pair = lambda x_RK: jnp.einsum("rk,rkc->rc", x_RK, col_RKC).reshape(-1, P, 2)
+  tokens_RP2 = col_RKC.sum(1).reshape(-1, P, 2)
+  shared_RK = jnp.take_along_axis(tokens_RP2.min(-1), pair_RK, axis=1)  # min(|y_w|, |y_l|)
+  stats = [per_pair(lp_RK), tokens_RP2, per_pair(lp_RK * (batch["score_rank"] <= shared_RK)),
+           None if logw_RK is None else per_pair(logw_RK) / jnp.maximum(tokens_RP2, 1.0)]
+  if packed:
+    to_pairs = lambda x_RP2: x_RP2.reshape(-1, 2)[batch["pair_index"]]  # [B, 2]
+  else:
+    to_pairs = lambda x_RP2: x_RP2[:, 0]
+  return PairStats(*(None if x is None else to_pairs(x) for x in stats), logits)

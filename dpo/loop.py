@@ -204,6 +204,9 @@ def log_memory_estimate(cfg, mesh) -> dict[str, int]:
   return est
 
 
+# Packing chooses its row-count buckets on at most this many of the first epoch's batches.
+_FIT_BATCHES = 1000
+
 _STEPS = {"sft": (train.sft_step, train.StepConfig.sft), "dpo": (train.dpo_step, train.StepConfig.dpo)}
 
 
@@ -217,10 +220,11 @@ class Program:
   extra_hooks: Mapping[str, Sequence[Hook]]
 
   def stage(self, name: str, fresh, frozen, arrays, hooks: list, info: dict,
-            initial: str) -> Stage:
+            initial: str, packed: dict | None = None) -> Stage:
     """Stage `name` (sft or dpo) over `arrays` from the model with digest `initial`, resuming
     from <output_dir>/checkpoints/<name>; the stage's fingerprint is what a checkpoint must
-    match to be resumed, `info` is recorded beside it."""
+    match to be resumed, `info` is recorded beside it. `packed` (every pair's shared-prefix
+    rows) packs each batch's rows (--packing)."""
     c, o = self.cfg, self.cfg.optim
     step_fn, spec = _STEPS[name][0], _STEPS[name][1](c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
@@ -231,6 +235,12 @@ class Program:
 
     loader = data_lib.Loader(arrays, o.global_batch_size,
                              c.run.seed + (1 if name == "sft" else 2), pid, nproc)
+    if packed is not None:
+      k = o.gradient_accumulation_steps
+      packer = packing.Packer(packed, o.global_batch_size, nproc, k,
+                              sharding.batch_shards(self.mesh) * k)
+      logging.info("%s", packer.fit(loader.batch_rows(0)[:_FIT_BATCHES]))
+      loader.pack = packer.pack
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
                                c.checkpoint.keep_checkpoints,
                                {"fingerprint": identity.fingerprint(c, name, arrays, initial)}, info)
@@ -327,10 +337,16 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
     ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
                                                         cache_dir, c.optim.global_batch_size)
     pairs = {**pairs, **ref_arrays}
+  packed = None
   if c.model.prefix_sharing:
     shared, note = packing.shared_prefix(pairs)
     logging.info("%s", note)
-    pairs = pairs if shared is None else {**pairs, **shared}
+    if c.model.packing:
+      if shared is None:
+        raise ValueError(f"--packing packs shared-prefix rows, and {note}")
+      packed = shared  # each batch's rows are packed from these (Program.stage)
+    elif shared is not None:
+      pairs = {**pairs, **shared}
   # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
   # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
   # (TR-DPO moves the training reference).
@@ -350,7 +366,7 @@ def _dpo(p: Program, params, reference_path: str) -> dict:
   t_dpo = time.perf_counter()
   state = p.stage("dpo", fresh, frozen, pairs, stage_hooks,
                   {"reference": reference_path, "lora": c.lora.enabled},
-                  identity.model_digest(reference_path)).run()
+                  identity.model_digest(reference_path), packed).run()
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy, lora = split(state.params)
   _export(c, params, policy, lora, int(state.step), reference_path, p.data)

@@ -18,9 +18,26 @@ states reach the LM head (`logprobs.shared_pair_stats`).
 
 Positions, tokens and weights are copied from the pair rows, so the log-probs equal the
 unshared layout's by construction (tests/test_packing.py pins it to 1e-5).
+
+Packing (`Packer`, --packing) places several pairs' shared rows one after another in rows of L
+slots (L the longest shared row), so short pairs stop paying for the longest one's padding:
+
+    shared_segment_ids [1 1 1 1 1 1 | 2 2 2 2 | 3 3 3 3 3 3 3 | 0 0]   pair's slot in the row + 1
+    shared_positions   [0 1 2 3 2 3 | 0 1 2 1 | 0 1 2 3 4 3 4 | 0 0]   restart with each pair
+
+Tokens, positions and branches are each pair's shared row; the segment id (the pair's slot in the
+row) keeps pairs apart in `transformer.attention_mask`. The scoring plan gains `score_pair` (the
+slot of each scored token's pair), `logprobs.shared_pair_stats` sums it into a [R, P, 2] layout
+(`pair_valid` marks the slots that hold a pair) and gathers each pair's sums back to its
+position in the batch (`pair_index`), so the loss sees the [B, 2] statistics of the unpacked
+layout, in the same order. Each global batch is packed on the host, first-fit decreasing, within
+each process's block of pairs and each microbatch (rows i, i + K, ... hold microbatch i's
+pairs), into R rows, R the smallest of a few buckets that fits: at most four shapes compile.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -90,3 +107,151 @@ def shared_prefix(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray] 
   summary = (f"prefix sharing: {n} pairs in rows of {S} slots (was 2 x {tok.shape[-1]}; "
              f"{n * S / unshared:.0%} of the unshared slots), {K} scored slots per row")
   return out, summary
+
+
+def first_fit_decreasing(lengths, scored, slots: int, scored_slots: int) -> list[list[int]]:
+  """Bins of item indices: items by decreasing length (ties in index order), each into the
+  first bin with room for its length (`slots` a bin) and its scored tokens (`scored_slots`)."""
+  bins: list[list[int]] = []
+  room: list[tuple[int, int]] = []
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    for b, (free, free_scored) in enumerate(room):
+      if lengths[i] <= free and scored[i] <= free_scored:
+        bins[b].append(i)
+        room[b] = (free - lengths[i], free_scored - scored[i])
+        break
+    else:
+      bins.append([i])
+      room.append((slots - lengths[i], scored_slots - scored[i]))
+  return bins
+
+
+def choose_buckets(needs, largest: int, n: int = 3) -> tuple[int, ...]:
+  """At most `n` row counts, then `largest` (which always fits), that minimise the rows of
+  batches needing `needs` rows when each takes the smallest bucket that fits (a batch needing
+  more than every chosen one takes `largest`). Dynamic programming over the distinct needs."""
+  vals, counts = np.unique(np.asarray(needs, np.int64), return_counts=True)
+  keep = vals < largest
+  vals, counts = [int(v) for v in vals[keep]], counts[keep]
+  cum = np.concatenate([[0], np.cumsum(counts)]).astype(int)  # batches needing <= vals[j - 1]
+  # best[t, j]: (rows of the batches needing <= vals[j], buckets) with t buckets, the top vals[j]
+  best: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+  for j, v in enumerate(vals):
+    best[1, j] = (v * cum[j + 1], (v,))
+    for t in range(2, n + 1):
+      options = [(best[t - 1, i][0] + v * (cum[j + 1] - cum[i + 1]), best[t - 1, i][1] + (v,))
+                 for i in range(j) if (t - 1, i) in best]
+      if options:
+        best[t, j] = min(options)
+  total = lambda key: best[key][0] + largest * (cum[-1] - cum[key[1] + 1])
+  chosen = best[min(best, key=total)][1] if best else ()
+  return (*chosen, largest)
+
+
+@dataclasses.dataclass
+class Packer:
+  """Packs the shared rows of each global batch's pairs into R rows of `slots` slots.
+
+  `shared` holds `shared_prefix`'s arrays of every pair. The batch's `blocks` process blocks (see
+  `sharding.process_batch_block`) and, inside each, its `microbatches` microbatches (batch
+  positions i, i + K, ...) each pack their own pairs into their own rows (rows i, i + K, ... of
+  the block's), so every process builds only its own rows and every microbatch of rows holds
+  exactly the pairs of the same microbatch of the pair arrays. R is a multiple of `multiple`
+  (the mesh's batch shards x microbatches) taken from `buckets` (`fit` chooses them).
+  """
+  shared: dict
+  global_batch: int
+  blocks: int = 1
+  microbatches: int = 1
+  multiple: int = 1
+  buckets: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    seg = self.shared["shared_segment_ids"]
+    self.length = (seg != 0).sum(1)                      # [N] slots of each pair's shared row
+    self.scored = (self.shared["score_weight"] != 0).sum(1)  # [N] its scored tokens
+    self.slots = seg.shape[1]
+    group = self.global_batch // (self.blocks * self.microbatches)
+    fit_shortest = int((np.cumsum(np.sort(self.length)) <= self.slots).sum())
+    self.pairs_per_row = max(1, min(group, fit_shortest))  # P: no row can hold more
+    # The LM head runs on `scored_slots` hidden states a row: room for 1.5x the data's share of
+    # scored slots (on HH-RLHF 60% of the slots, 1% more rows than room for every slot).
+    share = self.scored.sum() / max(int(self.length.sum()), 1)
+    per_pair = self.shared["score_from"].shape[1]
+    self.scored_slots = min(self.slots, self.pairs_per_row * per_pair,
+                            max(per_pair, _round_up(int(np.ceil(1.5 * share * self.slots)), 8)))
+    self.buckets = self.buckets or (self.global_batch,)
+
+  def _bins(self, batch: np.ndarray) -> dict[tuple[int, int], list[np.ndarray]]:
+    """{(block, microbatch): its rows, each the batch positions of its pairs in slot order}."""
+    per_block, k = len(batch) // self.blocks, self.microbatches
+    out = {}
+    for p in range(self.blocks):
+      for i in range(k):
+        pos = np.arange(p * per_block + i, (p + 1) * per_block, k)
+        bins = first_fit_decreasing(self.length[batch[pos]], self.scored[batch[pos]], self.slots,
+                                    self.scored_slots)
+        out[p, i] = [pos[b] for b in bins]
+    return out
+
+  def _need(self, bins) -> int:
+    """The fewest rows (a multiple of `multiple`) that hold every group's rows."""
+    most = max(map(len, bins.values()))
+    return _round_up(most * self.blocks * self.microbatches, self.multiple)
+
+  def fit(self, batches: np.ndarray) -> str:
+    """Chooses the buckets for `batches` ([batches, global_batch] pair indices: the loader's
+    first epoch); returns the one-line summary with the fill rate they reach."""
+    needs = [self._need(self._bins(b)) for b in batches]
+    self.buckets = choose_buckets(needs, self.global_batch)
+    used = sum(min(b for b in self.buckets if b >= n) for n in needs)
+    tokens = int(sum(self.length[b].sum() for b in batches))
+    one_a_row = tokens / (len(batches) * self.global_batch * self.slots)
+    return (f"packing: {self.global_batch} pairs a step into rows of {self.slots} slots (at "
+            f"most {self.pairs_per_row} pairs and {self.scored_slots} scored slots a row), "
+            f"{{{', '.join(map(str, self.buckets))}}} rows; over the first {len(batches)} "
+            f"batches {used / len(batches):.1f} rows a step, fill rate "
+            f"{tokens / (used * self.slots):.0%} of the slots ({one_a_row:.0%} at one pair a row)")
+
+  def plan(self, batch: np.ndarray) -> tuple[int, list[tuple[int, np.ndarray]]]:
+    """(R, [(global row, the batch positions of its pairs in slot order)]) for the global batch
+    `batch` (pair indices); R is the smallest bucket that holds it."""
+    bins = self._bins(batch)
+    need = self._need(bins)
+    R = min(b for b in self.buckets if b >= need)
+    per_block = R // self.blocks
+    return R, [(p * per_block + j * self.microbatches + i, b)
+               for (p, i), group in bins.items() for j, b in enumerate(group)]
+
+  def pack(self, batch: np.ndarray, block: int = 0) -> dict[str, np.ndarray]:
+    """Process block `block`'s rows of the global batch `batch` (pair indices): the
+    shared-row and scoring-plan arrays ([R / blocks, slots], [R / blocks, scored_slots]),
+    `score_pair`, `pair_valid` [R / blocks, P] and, for the block's pairs, `pair_index` [B /
+    blocks] (row within its microbatch x P + slot: where its sums land)."""
+    R, placed = self.plan(batch)
+    n, P = R // self.blocks, self.pairs_per_row
+    out = {k: np.zeros((n, self.slots), np.int32) for k in SHARED_KEYS}
+    out.update({k: np.zeros((n, self.scored_slots), self.shared[k].dtype) for k in SCORE_KEYS})
+    out["score_pair"] = np.zeros((n, self.scored_slots), np.int32)
+    out["pair_valid"] = np.zeros((n, P), np.float32)
+    index = np.zeros(len(batch), np.int32)
+    for row, positions in placed:
+      r, o, q = row - block * n, 0, 0
+      for j, b in enumerate(positions):
+        index[b] = row // self.microbatches * P + j
+        if not 0 <= r < n:
+          continue  # another process's row
+        i = batch[b]
+        length, scored = self.length[i], self.scored[i]
+        for k in SHARED_KEYS:
+          out[k][r, o:o + length] = self.shared[k][i, :length]
+        out["shared_segment_ids"][r, o:o + length] = j + 1
+        for k in SCORE_KEYS:
+          out[k][r, q:q + scored] = self.shared[k][i, :scored]
+        out["score_from"][r, q:q + scored] += o
+        out["score_pair"][r, q:q + scored] = j
+        out["pair_valid"][r, j] = 1.0
+        o, q = o + length, q + scored
+    local = len(batch) // self.blocks
+    out["pair_index"] = index[block * local:(block + 1) * local]
+    return out

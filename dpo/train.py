@@ -217,9 +217,11 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
 
   batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
   ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
-  runs. Reference-free losses run no reference forward either. The token KL metric (spec.kl)
-  needs the reference logits ([B, 2, T, V], or [B, K, V] at the scored slots of shared-prefix
-  rows); without it they are never kept. With gradient_accumulation_steps = K the loss, metrics
+  runs; optionally shared-prefix or packed rows with their scoring plan (dpo/packing.py), which
+  the forwards then run on (packed: R rows, the "fill_rate" metric). Reference-free losses run
+  no reference forward either. The token KL metric (spec.kl) needs the reference logits
+  ([B, 2, T, V], or [R, K, V] at the scored slots of shared-prefix or packed rows); without it
+  they are never kept. With gradient_accumulation_steps = K the loss, metrics
   and gradient are those of `microbatch_loss` averaged over K microbatches of B / K pairs
   (`accumulate`).
   """
@@ -232,6 +234,8 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
         spec, frozen, trainable, micro, key if lora_on else None)
 
   (loss, metrics), grads = accumulate(grad_fn, state.params, batch, k)
+  if "pair_index" in batch:  # packed rows (dpo/packing.py): the share of slots holding a token
+    metrics["fill_rate"] = (batch["shared_segment_ids"] != 0).mean()
   return _apply(state, *spec.optimizer(), loss, grads, metrics)
 
 
@@ -335,11 +339,15 @@ def device_batch(mesh: Mesh, local: dict, global_batch: int | None = None) -> di
   """Global arrays from this process's rows of the batch.
 
   `local` holds the rows this process's devices own (see `sharding.process_batch_block`);
-  `global_batch` is the number of rows over all processes. When `global_batch` equals the local
-  row count, every process passes the same full batch (as evaluation does).
+  `global_batch` is the number of pairs (rows of `tokens`) over all processes; every array is
+  one process block of its global array (packed rows have their own row count). When
+  `global_batch` equals the local row count, every process passes the same full batch (as
+  evaluation does).
   """
+  blocks = 1 if global_batch is None else global_batch // len(local["tokens"])
+
   def one(v):
-    shape = None if global_batch is None else (global_batch, *v.shape[1:])
+    shape = None if global_batch is None else (blocks * len(v), *v.shape[1:])
     return jax.make_array_from_process_local_data(batch_sharding(mesh), v, shape)
   return {k: one(v) for k, v in local.items()}
 

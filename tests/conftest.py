@@ -38,6 +38,20 @@ def compile_cache():
   return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
+@pytest.fixture
+def varied_pairs(tmp_path):
+  """A JSONL file of 80 preference pairs whose prompts and responses run from 1 to 11 words, so
+  their shared-prefix rows differ in length and several fit in one row (--packing)."""
+  import json
+  import numpy as np
+  rng = np.random.default_rng(0)
+  words = lambda: " ".join(rng.choice(["good", "bad", "fine", "a", "plot"], rng.integers(1, 12)))
+  path = tmp_path / "varied_pairs.jsonl"
+  path.write_text("".join(json.dumps({"prompt": words(), "chosen": words(), "rejected": words()})
+                          + "\n" for _ in range(80)))
+  return path
+
+
 def _ci() -> bool:
   return os.environ.get("CI", "").lower() in ("true", "1")
 

@@ -8,6 +8,7 @@ the last checkpoint to the uninterrupted run's records and policy, bit for bit.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -120,6 +121,28 @@ def test_two_processes_match_one_process_on_four_devices(uninterrupted):
   # Process 1 logged no progress lines (only process 0 logs).
   assert "dpo     1/4" in open(logs[0]).read()
   assert "dpo     1/4" not in open(logs[1]).read()
+
+
+def test_two_processes_pack_their_own_blocks_to_the_unpacked_losses(tmp_path, varied_pairs):
+  """--packing on pairs of varied lengths: each process packs only its block of the batch, and
+  the losses equal one process's unpacked run (dropout off: the layouts draw other masks)."""
+  args = ["--steps=4", "--checkpoint_every=0", f"--train_data={varied_pairs}", "--eval_split=0.1",
+          "--max_target_length=40", "--lora_dropout=0", "--eval_max_new_tokens=4"]
+  port = _free_port()
+  multi, single = tmp_path / "two", tmp_path / "one"
+  logs = [tmp_path / "p0.log", tmp_path / "p1.log", tmp_path / "single.log"]
+  _wait([_launch([*args, "--packing", f"--output_dir={multi}", *_distributed(port, i)], 2,
+                 logs[i]) for i in range(2)] +
+        [_launch([*args, f"--output_dir={single}"], 4, logs[2])], logs)
+  two = [r for r in _records(multi) if r["stage"] == "dpo"]
+  one = [r for r in _records(single) if r["stage"] == "dpo"]
+  log = open(logs[0]).read()
+  assert "packing: 8 pairs a step" in log
+  assert float(re.search(r"batches ([\d.]+) rows a step", log).group(1)) < 8  # pairs share rows
+  assert all(r["fill_rate"] > 0 for r in two)
+  for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+    np.testing.assert_allclose([r[key] for r in two], [r[key] for r in one], rtol=1e-5,
+                               atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])

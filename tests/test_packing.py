@@ -1,14 +1,18 @@
-"""Shared-prefix rows: the layout, and log-probs, KL and whole DPO steps equal to the unshared
-layout's (the pair rows of data.tokenize_pairs, scored by the vmapped per-side path)."""
+"""Shared-prefix rows and packed rows: the layouts, and log-probs, KL and whole DPO steps equal
+to the unshared layout's (the pair rows of data.tokenize_pairs, scored by the vmapped per-side
+path)."""
 
 import dataclasses
+import itertools
+import json
+import re
 
 import jax
 import numpy as np
 import pytest
 
 import configs
-from dpo import data, logprobs, packing, task, train
+from dpo import data, logprobs, loop, packing, task, train
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -99,31 +103,39 @@ def test_pair_kl_equal_unshared(setup):
   np.testing.assert_allclose(float(kl({**pairs, **shared})), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("full_ft", [False, True])
-def test_dpo_steps_equal_unshared(setup, full_ft):
-  """Three DPO steps (sigmoid + WPO, with the token KL) give the same metrics and parameters."""
-  mesh, pairs, shared, _, base, _ = setup
-  cfg = CFG.replace(wpo=True, log_kl=True, **({"lora_rank": 0, "learning_rate": 1e-3}
-                                                if full_ft else {}))
+def _three_steps(cfg, mesh, base, arrays):
+  """(params, metrics) after three DPO steps on `arrays` from fresh trainable weights."""
   spec = train.StepConfig.dpo(cfg)
-  runs = []
-  for arrays in (pairs, {**pairs, **shared}):
-    trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.key(1), mesh)
-    state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
-    frozen = train.initial_frozen(base)
-    step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
-    batch = train.device_batch(mesh, arrays)
-    for _ in range(3):
-      state, m = step(state, frozen, batch)
-    runs.append((jax.tree.map(np.asarray, state.params), jax.tree.map(float, m)))
-  (p1, m1), (p2, m2) = runs
+  trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.key(1), mesh)
+  state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
+  frozen = train.initial_frozen(base)
+  step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
+  batch = train.device_batch(mesh, arrays)
+  for _ in range(3):
+    state, m = step(state, frozen, batch)
+  return jax.tree.map(np.asarray, state.params), jax.tree.map(float, m)
+
+
+def _assert_same_steps(cfg, want, got):
+  (p1, m1), (p2, m2) = want, got
   assert m1["kl"] > 0 and m1["loss"] < 0.69
+  assert m1.keys() == m2.keys()
   for k in m1:
     np.testing.assert_allclose(m2[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
   # Adam's first updates are nearly lr * sign(g): a 1e-7 difference in a near-zero gradient
   # moves a weight by up to lr, so parameters are compared to a small fraction of lr.
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=0.05 * cfg.optim.learning_rate)
+
+
+@pytest.mark.parametrize("full_ft", [False, True])
+def test_dpo_steps_equal_unshared(setup, full_ft):
+  """Three DPO steps (sigmoid + WPO, with the token KL) give the same metrics and parameters."""
+  mesh, pairs, shared, _, base, _ = setup
+  cfg = CFG.replace(wpo=True, log_kl=True, **({"lora_rank": 0, "learning_rate": 1e-3}
+                                                if full_ft else {}))
+  _assert_same_steps(cfg, _three_steps(cfg, mesh, base, pairs),
+                     _three_steps(cfg, mesh, base, {**pairs, **shared}))
 
 
 def test_not_applicable_is_reported():
@@ -136,3 +148,148 @@ def test_not_applicable_is_reported():
   other["segment_ids"][1, 0, 2] = 2
   out, why = packing.shared_prefix(other)
   assert out is None and "one segment" in why
+
+
+# --- packing: several pairs' shared rows a row ----------------------------------------------------
+
+PACK_RECORDS = RECORDS + task.preference_records(2, 1)  # 8 pairs of very different lengths
+
+
+@pytest.fixture(scope="module")
+def packed_setup(setup):
+  mesh, _, _, _, base, lora = setup
+  pairs = data.tokenize_pairs(PACK_RECORDS, ByteTokenizer(), 40, 48)
+  shared, _ = packing.shared_prefix(pairs)
+  return pairs, shared, base, lora
+
+
+def _pack(shared, rows, blocks=1, microbatches=1, multiple=1):
+  """The global batch `rows` packed as `blocks` processes would, their blocks concatenated."""
+  packer = packing.Packer(shared, len(rows), blocks, microbatches, multiple)
+  summary = packer.fit(rows[None])
+  parts = [packer.pack(rows, b) for b in range(blocks)]
+  return packer, summary, {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def test_packed_rows_hold_each_pairs_shared_row_once(packed_setup):
+  pairs, shared, _, _ = packed_setup
+  rows = np.arange(len(PACK_RECORDS))
+  packer, summary, out = _pack(shared, rows)
+  R, L = out["shared_tokens"].shape
+  P = out["pair_valid"].shape[1]
+  assert R < len(rows) and P > 1 and L == shared["shared_tokens"].shape[1]
+  assert out["pair_valid"].sum() == len(rows)
+  length = (shared["shared_segment_ids"] != 0).sum(1)
+  fill = length.sum() / (R * L)
+  assert f"fill rate {fill:.0%}" in summary and f"{{{R}, {len(rows)}}} rows" in summary
+  for b in rows:
+    r, j = divmod(int(out["pair_index"][b]), P)
+    slots = np.flatnonzero(out["shared_segment_ids"][r] == j + 1)
+    assert len(slots) == length[b] and np.all(np.diff(slots) == 1)  # contiguous, once
+    for k in ("shared_tokens", "shared_positions", "shared_branch"):
+      np.testing.assert_array_equal(out[k][r, slots], shared[k][b, :length[b]], err_msg=k)
+    scored = out["score_pair"][r] == j
+    scored &= out["score_weight"][r] != 0
+    n = int((shared["score_weight"][b] != 0).sum())
+    assert scored.sum() == n
+    np.testing.assert_array_equal(out["score_from"][r, scored],
+                                  shared["score_from"][b, :n] + slots[0])
+    for k in ("score_target", "score_side", "score_rank", "score_weight"):
+      np.testing.assert_array_equal(out[k][r, scored], shared[k][b, :n], err_msg=k)
+
+
+def test_buckets_minimise_rows_like_brute_force():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    needs = rng.integers(1, 9, rng.integers(1, 30)) * 2
+    got = packing.choose_buckets(needs, 16)
+    rows = lambda buckets: sum(min(b for b in buckets if b >= n) for n in needs)
+    best = min(rows((*c, 16)) for r in range(4) for c in itertools.combinations(range(2, 17, 2), r))
+    assert got[-1] == 16 and len(got) <= 4 and rows(got) == best
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_packed_pair_stats_equal_unshared(packed_setup, adapter):
+  pairs, shared, base, lora = packed_setup
+  kw = {"lora": lora, "lora_scale": CFG.lora.scale} if adapter else {}
+  _, _, out = _pack(shared, np.arange(len(PACK_RECORDS)))
+  want = _stats(base, pairs, **kw)
+  got = _stats(base, {**pairs, **out}, **kw)
+  for name in ("logps", "tokens", "shared_logps", "wpo_logw"):
+    np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                               rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("full_ft,devices,blocks,microbatches", [
+    (False, 1, 1, 1), (False, 2, 2, 2), (True, 1, 1, 1)])
+def test_packed_dpo_steps_equal_unshared(packed_setup, full_ft, devices, blocks, microbatches):
+  """Three DPO steps (sigmoid + WPO, the token KL, dropout off) on packed rows give the metrics
+  and parameters of the unpacked pair rows; with two process blocks on two devices and two
+  microbatches each block and microbatch packs its own pairs."""
+  pairs, shared, _, _ = packed_setup
+  mesh = sharding.make_mesh(f"data:{devices}", jax.devices()[:devices])
+  base = transformer.init(CFG.model, jax.random.key(0), mesh)
+  cfg = CFG.replace(wpo=True, log_kl=True, global_batch_size=len(PACK_RECORDS),
+                    gradient_accumulation_steps=microbatches,
+                    **({"lora_rank": 0, "learning_rate": 1e-3} if full_ft else {}))
+  rows = np.arange(len(PACK_RECORDS))
+  _, _, out = _pack(shared, rows, blocks, microbatches, devices * microbatches)
+  assert out["pair_valid"].shape[1] > 1
+  want = _three_steps(cfg, mesh, base, pairs)
+  got = _three_steps(cfg, mesh, base, {**pairs, **out})
+  fill = (out["shared_segment_ids"] != 0).mean()
+  assert got[1].pop("fill_rate") == pytest.approx(fill) and fill > 0.5
+  _assert_same_steps(cfg, want, got)
+
+
+def test_loader_packs_only_this_process_block():
+  pairs = data.tokenize_pairs(PACK_RECORDS * 2, ByteTokenizer(), 40, 48)
+  shared, _ = packing.shared_prefix(pairs)
+  seen = []  # the global batches' rows, as the loader hands them to `pack`
+  whole = data.Loader(pairs, 8, seed=0, pack=lambda rows, block: seen.append(rows) or {})
+  packer = packing.Packer(shared, 8, blocks=2, multiple=2)
+  packer.fit(whole.batch_rows(0))
+  loaders = [data.Loader(pairs, 8, 0, b, 2, pack=packer.pack) for b in range(2)]
+  for _ in range(3):  # into the second epoch
+    want = next(whole)
+    rows = seen[-1]
+    got = [next(l) for l in loaders]
+    for k in pairs:
+      np.testing.assert_array_equal(np.concatenate([g[k] for g in got]), want[k])
+    R = sum(len(g["shared_tokens"]) for g in got)
+    P = got[0]["pair_valid"].shape[1]
+    for b, g in enumerate(got):
+      # Each block's pairs sit in its own rows, and those rows hold nothing else.
+      assert set(g["pair_index"] // P) <= set(range(b * R // 2, (b + 1) * R // 2))
+      assert g["pair_valid"].sum() == 4
+      np.testing.assert_array_equal(g["score_weight"].sum(),
+                                    pairs["loss_mask"][rows[4 * b:4 * b + 4]].sum())
+
+
+def test_packing_run_logs_the_fill_rate_and_the_unpacked_losses(tmp_path, caplog, varied_pairs):
+  """A --packing run (two devices, dropout off) logs the same losses as without packing, the
+  fill rate at start and as a metric; --packing without prefix sharing is refused."""
+  with pytest.raises(ValueError, match="--packing packs shared-prefix rows; it needs --pref"):
+    configs.DEFAULT.replace(packing=True, prefix_sharing=False)
+  records = {}
+  for packed in (False, True):
+    out = tmp_path / f"packing_{packed}"
+    cfg = configs.DEFAULT.replace(
+        stage="dpo", steps=3, log_every=1, eval_every=0, checkpoint_every=0, output_dir=str(out),
+        train_data=str(varied_pairs), eval_split=0.2, task_eval_prompts=2, eval_max_new_tokens=4,
+        max_prompt_length=24, max_target_length=40, lora_dropout=0.0, global_batch_size=8,
+        d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+        packing=packed)
+    with caplog.at_level("INFO"):
+      loop.run(cfg, mesh=sharding.make_mesh("data:2", jax.devices()[:2]))
+    records[packed] = [json.loads(l) for l in open(out / "metrics.jsonl")
+                       if json.loads(l)["stage"] == "dpo"]
+  assert "packing: 8 pairs a step into rows of" in caplog.text
+  packed_fill, one_a_row = re.search(r"fill rate (\d+)% of the slots \((\d+)% at one pair a row",
+                                     caplog.text).groups()
+  assert int(packed_fill) > int(one_a_row)
+  assert all(0.5 < r["fill_rate"] <= 1 for r in records[True])
+  assert "fill_rate" not in records[False][0]
+  for a, b in zip(records[False], records[True]):
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)

@@ -139,14 +139,15 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
   assert lines[0].startswith("devices: 1 x cpu; float32 128^3 matmul peak")
   assert "plain JAX step: not run" in lines[0]  # a tiny model is not the plain step's workload
   assert lines[1] == "workload bench-small, 4 pairs per step"
-  assert lines[2].split() == ["variant", "layout", "slots", "step", "s", "pairs/s", "tokens/s", "exec", "GF",
-                              "exec", "util", "model", "util", "temp", "MiB", "RSS", "MiB",
-                              "loss@1", "x", "plain", "x", "unshared"]
+  assert lines[2].split() == ["variant", "layout", "slots", "fill", "step", "s", "pairs/s",
+                              "tokens/s", "exec", "GF", "exec", "util", "model", "util", "temp",
+                              "MiB", "RSS", "MiB", "loss@1", "x", "plain", "x", "unshared"]
   rows = [l.replace("full FT", "full").split() for l in lines[3:7]]
   assert [r[:2] for r in rows] == [["LoRA", "unshared"], ["LoRA", "shared"], ["full", "unshared"],
                                    ["full", "shared"]]
   for r in rows:
-    assert float(r[3]) > 0 and r[7].endswith("%") and float(r[10]) > 0  # step s, util, RSS
+    assert float(r[4]) > 0 and r[8].endswith("%") and float(r[11]) > 0  # step s, util, RSS
+    assert r[3] == "100%"  # synthetic pairs fill every slot of either layout
     # The policy starts equal to the reference (LoRA B = 0, or a copy): sigmoid loss = log 2.
     assert float(r[-3]) == pytest.approx(math.log(2), abs=1e-6)
     assert r[-2] == "-" and r[-1].endswith("x")
@@ -154,7 +155,7 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
   # Shared rows run fewer slots and FLOPs than the unshared pair rows: 4 rows of 8 + 8 + 8
   # slots instead of 8 rows of 16.
   assert [int(r[2]) for r in rows] == [128, 96, 128, 96]
-  assert float(rows[1][6]) < float(rows[0][6]) and float(rows[3][6]) < float(rows[2][6])
+  assert float(rows[1][7]) < float(rows[0][7]) and float(rows[3][7]) < float(rows[2][7])
 
 
 def test_bench_precompute_ref_times_both_variants_to_the_same_loss(tool_output):

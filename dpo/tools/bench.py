@@ -2,19 +2,22 @@
 
     python -m dpo.tools.bench                # bench-small: LoRA and full FT, unshared and shared
     python -m dpo.tools.bench --variants=lora --layouts=shared --rounds_of_processes=3
-    python -m dpo.tools.bench --workload=hh-rlhf --global_batch_size=8
+    python -m dpo.tools.bench --workload=hh-rlhf --variants=lora --layouts=unshared,shared,packed
 
-Every variant (LoRA or full fine-tuning x the unshared pair rows or shared-prefix rows) runs in
-its own process, so each peak RSS is that variant's alone; with `--plain_dir` present (default
-../shared/bench) and the bench-small workload, its plain JAX step (`plain_jax_dpo.py`) runs as
-one more process per variant, and every row prints our pairs/s over its pairs/s. `--rounds`
-repeats the whole set of processes, interleaved (ours, plain, ours, plain, ...), and reports
-each variant's median round, so a noisy neighbour slows both sides alike.
+Every variant (LoRA or full fine-tuning x the unshared pair rows, shared-prefix rows or packed
+rows) runs in its own process, so each peak RSS is that variant's alone; with `--plain_dir`
+present (default ../shared/bench) and the bench-small workload, its plain JAX step
+(`plain_jax_dpo.py`) runs as one more process per variant, and every row prints our pairs/s
+over its pairs/s. `--rounds` repeats the whole set of processes, interleaved (ours, plain, ours,
+plain, ...), and reports each variant's median round, so a noisy neighbour slows both sides
+alike.
 
 Every config flag applies (--config defaults to bench-small here). The step is the one a run
 jits (`train.jit_step`: sharded over --mesh, state donated), built from the run's initial trees
 (`train.initial_trainable` / `initial_frozen`, the base quantized with --base_quant); shared
-rows come from `packing.shared_prefix`, as in a run.
+rows come from `packing.shared_prefix` and packed rows from `packing.Packer`, as in a run (the
+one batch packed into the fewest rows that hold it). The hh-rlhf workload takes 16 pairs a step
+unless --global_batch_size says otherwise, so packing has pairs to pack.
 
 Two utilisations, both over the float32 --matmul_size^3 matmul peak measured in the parent:
   * model: the nominal FLOPs of shared/BENCHMARKS.md, the same for every layout and system,
@@ -24,9 +27,9 @@ Two utilisations, both over the float32 --matmul_size^3 matmul peak measured in 
     forward and backward (LoRA: activation gradients and the factors' gradients only), the
     attention over every slot pair of a row (masked ones too), the LM head where it runs.
 `temp MiB` is the compiler's temporary-buffer figure for the step (`memory_analysis`).
-`slots` counts the positions the model runs per step (rows x row length); tokens/s counts the
-real (non-padding) tokens of the pair rows; `x unshared` is a row's pairs/s over the unshared
-layout's.
+`slots` counts the positions the model runs per step (rows x row length) and `fill` the share of
+them that hold a token; tokens/s counts the real (non-padding) tokens of the pair rows;
+`x unshared` is a row's pairs/s over the unshared layout's.
 """
 
 from __future__ import annotations
@@ -145,14 +148,20 @@ def time_config(cfg) -> dict:
   make = hh_batch if FLAGS.workload == "hh-rlhf" else synthetic_batch
   arrays = make(cfg, pairs, np.random.default_rng(0))
   T = arrays["tokens"].shape[-1]
-  tokens = int(arrays["segment_ids"].sum())  # real tokens of the pair rows
+  tokens = filled = int(arrays["segment_ids"].sum())  # real tokens of the pair rows
   rows, slots, head_rows = 2 * pairs, T, 2 * pairs * T
   if cfg.model.prefix_sharing:
     shared, note = packing.shared_prefix(arrays)
     if shared is None:
       raise ValueError(note)
+    filled = int((shared["shared_segment_ids"] != 0).sum())
+    if cfg.model.packing:
+      k = cfg.optim.gradient_accumulation_steps
+      packer = packing.Packer(shared, pairs, 1, k, sharding.batch_shards(mesh) * k)
+      packer.fit(np.arange(pairs)[None])
+      shared = packer.pack(np.arange(pairs))
     arrays = {**arrays, **shared}
-    rows, slots, head_rows = pairs, shared["shared_tokens"].shape[1], shared["score_from"].size
+    (rows, slots), head_rows = shared["shared_tokens"].shape, shared["score_from"].size
   batch = train.device_batch(mesh, arrays)
   mem = step.lower(state, frozen, batch).compile().memory_analysis()
   rounds = []
@@ -174,7 +183,7 @@ def time_config(cfg) -> dict:
   return {"lora": cfg.lora.enabled, "shared": cfg.model.prefix_sharing, "step_time": step_time,
           "pairs_per_s": pairs / step_time, "tokens_per_s": tokens / step_time,
           "model_flops": model_flops(cfg, pairs, T), "pair_slots": 2 * pairs * T,
-          "slots": rows * slots,
+          "slots": rows * slots, "fill": filled / (rows * slots),
           "executed_flops": executed_flops(cfg, rows, slots, head_rows),
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None), "first_loss": first_loss,
           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -185,7 +194,7 @@ def _plain_applies(cfg) -> bool:
   ref = configs.get_config("bench-small")
   same = lambda a, b, names: all(getattr(a, n) == getattr(b, n) for n in names)
   model = [f.name for f in dataclasses.fields(ref.model)
-           if f.name not in ("prefix_sharing", "logits_chunk")]
+           if f.name not in ("prefix_sharing", "packing", "logits_chunk")]
   return (FLAGS.workload == "bench-small" and same(cfg.model, ref.model, model)
           and same(cfg.data, ref.data, ("max_prompt_length", "max_target_length"))
           and same(cfg.optim, ref.optim, ("global_batch_size", "learning_rate"))
@@ -213,6 +222,11 @@ def _tool_argv() -> list[str]:
 
 def main(argv):
   del argv
+  unknown = set(FLAGS.layouts) - {"unshared", "shared", "packed"}
+  if unknown:
+    raise app.UsageError(f"--layouts: unknown {sorted(unknown)}; give unshared, shared, packed")
+  if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
+    FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
   cfg = configs.from_flags()
   if FLAGS.worker_json:
     with open(FLAGS.worker_json, "w") as f:
@@ -233,7 +247,8 @@ def main(argv):
     for v in variants:
       jobs = [(layout, [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(),
                         f"--lora_rank={cfg.lora.lora_rank if v == 'lora' else 0}",
-                        f"--prefix_sharing={layout == 'shared'}"]) for layout in FLAGS.layouts]
+                        f"--prefix_sharing={layout != 'unshared'}",
+                        f"--packing={layout == 'packed'}"]) for layout in FLAGS.layouts]
       if plain:
         jobs.append(("plain JAX", [sys.executable, plain_script, "--variant", v]))
       for layout, cmd in jobs:
@@ -241,8 +256,9 @@ def main(argv):
         cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
         results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
   print(f"workload {FLAGS.workload}, {cfg.optim.global_batch_size} pairs per step")
-  print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'step s':>7} {'pairs/s':>8} {'tokens/s':>8} "
-        f"{'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} {'RSS MiB':>8} "
+  print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'fill':>5} {'step s':>7} {'pairs/s':>8} "
+        f"{'tokens/s':>8} {'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} "
+        f"{'RSS MiB':>8} "
         f"{'loss@1':>9} {'x plain':>7} {'x unshared':>10}")
   fmt = lambda x, f: "-" if x is None else f.format(x)
   for v in variants:
@@ -262,7 +278,8 @@ def main(argv):
       step_time = cfg.optim.global_batch_size / rate[layout]
       exec_util = None if row["executed_flops"] is None else row["executed_flops"] / step_time / peak
       print(f"{'LoRA' if v == 'lora' else 'full FT':<8} {layout:<10} "
-            f"{fmt(row.get('slots'), '{:6d}'):>6} {step_time:7.3f} "
+            f"{fmt(row.get('slots'), '{:6d}'):>6} {fmt(row.get('fill'), '{:5.0%}'):>5} "
+            f"{step_time:7.3f} "
             f"{rate[layout]:8.3f} {row['tokens_per_s']:8.0f} "
             f"{fmt(row['executed_flops'] and row['executed_flops'] / 1e9, '{:8.3f}'):>8} "
             f"{fmt(exec_util and 100 * exec_util, '{:8.1f}%'):>9} "
@@ -278,8 +295,9 @@ if __name__ == "__main__":
   FLAGS.set_default("config", "bench-small")
   flags.DEFINE_list("variants", ["lora", "full"], "lora (the config's LoRA) and/or full (every "
                     "weight trains, frozen reference copy).")
-  flags.DEFINE_list("layouts", ["unshared", "shared"], "unshared ([B, 2, T] pair rows) and/or "
-                    "shared (prompt | chosen | rejected rows, --prefix_sharing).")
+  flags.DEFINE_list("layouts", ["unshared", "shared"], "unshared ([B, 2, T] pair rows), shared "
+                    "(prompt | chosen | rejected rows, --prefix_sharing) and/or packed (several "
+                    "shared rows a row, --packing).")
   flags.DEFINE_string("plain_dir", "../shared/bench", "Folder of the plain JAX step "
                       "(plain_jax_dpo.py); skipped when absent or not the bench-small workload.")
   flags.DEFINE_integer("rounds_of_processes", 1, "Times the whole set of variant processes runs, "
