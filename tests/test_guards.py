@@ -178,7 +178,7 @@ def sft_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra,estimate", [
-    ({}, "kl"), ({"precompute_ref": True}, "logratio"),
+    ({}, "kl"), ({"precompute_ref": True, "rpo_alpha": 0.0}, "logratio"),
     ({"loss_type": ("simpo",), "rpo_alpha": 0.0, "init_from": "sft"}, "nll_drift")],
     ids=["kl", "logratio", "nll_drift"])
 def test_default_guard_catches_a_spike_and_not_a_normal_run(tmp_path, extra, estimate, caplog,
