@@ -84,8 +84,8 @@ class ModelConfig:
                                   "rows do not share a prompt (logged).")
   packing: bool = _f(False, "DPO with prefix sharing: several pairs' shared rows one after another "
                            "in each row of the longest one's length, no attention across pairs, "
-                           "each step's pairs and loss unchanged (dpo/packing.py); helps when "
-                           "pair lengths vary.")
+                           "each step's pairs unchanged and, with LoRA dropout off, its loss "
+                           "(dpo/packing.py); helps when pair lengths vary.")
   logits_chunk: int = _f(0, "With prefix sharing: log-softmax over vocabulary chunks of this size "
                             "(a divisor of vocab_size), so [tokens, vocab] logits never exist; 0 = "
                             "the whole vocabulary at once.")
@@ -497,7 +497,8 @@ def from_flags() -> Config:
           raise ValueError(f"--{name}={','.join(value)}: each item must be {elem.__name__}") from None
       overrides[name] = value
   preset = get_config(values.config)
-  if "loss_type" in overrides and "rpo_alpha" not in overrides and preset.loss.rpo_alpha:
+  if (overrides.get("loss_type", preset.loss.loss_type) != preset.loss.loss_type
+      and "rpo_alpha" not in overrides and preset.loss.rpo_alpha):
     # The preset's RPO term is part of its own loss recipe, not of a loss chosen on the command
     # line: --loss_type=ipo runs IPO as its paper defines it, and a reference-free loss runs.
     from absl import logging
@@ -603,8 +604,9 @@ def help_text(cfg: Config, full: bool) -> str:
 #   0.8x the reference's: the reward's lexicon is half negative, so a policy that drops negative
 #   adjectives has about half the distinct bigrams (rpo 2 at lr 2.5e-4: win 0.84, distinct-2
 #   0.80x; rpo 1 at 3e-4: win 0.93, 0.59x).
-# - 512 evaluation prompts, not 128: the standard error of a win rate near 0.8 falls from 0.035
-#   to 0.018, so seeds differ by the recipe rather than by the draw of prompts.
+# - 512 evaluation samples (the 15 held-out prompts cycled), not 128: the standard error of a
+#   win rate near 0.8 falls from 0.035 to 0.018, so seeds differ by the recipe rather than by the
+#   sampling noise.
 DEFAULT = Config().replace(
     max_prompt_length=40, max_target_length=56, steps=200, sft_steps=2400, learning_rate=2.5e-4,
     rpo_alpha=2.0, sft_learning_rate=3e-3, global_batch_size=16, lora_targets=LORA_TARGETS,

@@ -155,7 +155,9 @@ def test_a_loss_on_the_command_line_runs_without_the_presets_rpo_term():
   assert configs.DEFAULT.loss.rpo_alpha > 0
   try:
     for argv, want in ((["--loss_type=simpo"], 0.0), (["--loss_type=ipo"], 0.0),
-                       (["--loss_type=ipo", "--rpo_alpha=0.5"], 0.5), ([], configs.DEFAULT.loss.rpo_alpha)):
+                       (["--loss_type=ipo", "--rpo_alpha=0.5"], 0.5), ([], configs.DEFAULT.loss.rpo_alpha),
+                       (["--loss_type=" + ",".join(configs.DEFAULT.loss.loss_type)],
+                        configs.DEFAULT.loss.rpo_alpha)):
       launch.FLAGS.unparse_flags()
       launch.FLAGS(["launch.py", *argv])
       cfg = configs.from_flags()
