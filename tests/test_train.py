@@ -13,9 +13,10 @@ from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
 
+# The DPO step alone (the default preset's RPO term off): its first loss is ln 2.
 CFG = configs.DEFAULT.replace(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                               mlp_dim=64, global_batch_size=8, learning_rate=1e-2,
-                              lora_dropout=0.0, steps=5)
+                              lora_dropout=0.0, steps=5, rpo_alpha=0.0)
 
 
 @pytest.fixture(scope="module")
