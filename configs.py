@@ -497,16 +497,21 @@ def from_flags() -> Config:
           raise ValueError(f"--{name}={','.join(value)}: each item must be {elem.__name__}") from None
       overrides[name] = value
   preset = get_config(values.config)
-  if (overrides.get("loss_type", preset.loss.loss_type) != preset.loss.loss_type
-      and "rpo_alpha" not in overrides and preset.loss.rpo_alpha):
-    # The preset's RPO term is part of its own loss recipe, not of a loss chosen on the command
-    # line: --loss_type=ipo runs IPO as its paper defines it, and a reference-free loss runs.
+  if _drops_preset_rpo(preset, overrides.get("loss_type", preset.loss.loss_type)) and (
+      "rpo_alpha" not in overrides):
     from absl import logging
     logging.info("--loss_type=%s: without the preset's RPO term (--rpo_alpha=%g goes with its "
                  "loss %s); give --rpo_alpha to add it", ",".join(overrides["loss_type"]),
                  preset.loss.rpo_alpha, ",".join(preset.loss.loss_type))
     overrides["rpo_alpha"] = 0.0
   return preset.replace(**overrides)
+
+
+def _drops_preset_rpo(preset: Config, loss_type: tuple[str, ...]) -> bool:
+  """Whether `loss_type` runs without the preset's RPO term unless --rpo_alpha is given: the
+  term is part of the preset's own loss recipe, so --loss_type=ipo runs IPO as its paper
+  defines it, and a reference-free loss (which RPO does not apply to) runs."""
+  return bool(preset.loss.rpo_alpha) and loss_type != preset.loss.loss_type
 
 
 def flat(cfg: Config) -> dict[str, Any]:
@@ -516,9 +521,10 @@ def flat(cfg: Config) -> dict[str, Any]:
 
 def overrides(cfg: Config) -> dict[str, Any]:
   """The fields whose value differs from the preset the config names (cfg.run.config)."""
-  preset = flat(get_config(cfg.run.config))
-  out = {k: v for k, v in flat(cfg).items() if v != preset[k]}
-  if "loss_type" in out and preset["rpo_alpha"]:  # from_flags drops the preset's RPO term then
+  preset = get_config(cfg.run.config)
+  base = flat(preset)
+  out = {k: v for k, v in flat(cfg).items() if v != base[k]}
+  if _drops_preset_rpo(preset, cfg.loss.loss_type):  # from_flags would drop it; keep it explicit
     out.setdefault("rpo_alpha", cfg.loss.rpo_alpha)
   return out
 
