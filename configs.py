@@ -89,6 +89,10 @@ class ModelConfig:
   logits_chunk: int = _f(0, "With prefix sharing: log-softmax over vocabulary chunks of this size "
                             "(a divisor of vocab_size), so [tokens, vocab] logits never exist; 0 = "
                             "the whole vocabulary at once.")
+  attention_block: int = _f(0, "Attention over query blocks of this many slots, each against "
+                               "the keys up to its own last slot only, so fully masked blocks "
+                               "above the causal diagonal are never computed (training and "
+                               "scoring; decoding with a cache is unchanged); 0 = one block.")
   # Architecture switches (one model definition; Hugging Face families differ only here).
   arch: str = _f("llama", f"Hugging Face model_type written on export, from {ARCHS}.")
   mlp_act: str = _f("silu", "Gated-MLP activation: silu (SwiGLU), gelu_tanh or gelu (GeGLU).")
@@ -135,6 +139,8 @@ class ModelConfig:
       raise ValueError("sliding_window must be >= 0 and sliding_pattern >= 1")
     if self.packing and not self.prefix_sharing:
       raise ValueError("--packing packs shared-prefix rows; it needs --prefix_sharing")
+    if self.attention_block < 0:
+      raise ValueError(f"attention_block={self.attention_block} must be >= 0")
     if self.logits_chunk < 0 or (self.logits_chunk and self.vocab_size % self.logits_chunk):
       raise ValueError(f"logits_chunk={self.logits_chunk} must be 0 or a divisor of "
                        f"vocab_size={self.vocab_size}")

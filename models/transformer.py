@@ -210,6 +210,15 @@ def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None) -> jax.Array:
   return y
 
 
+def _attend(cfg: ModelConfig, q_BTKGk, k_BSKk, v_BSKk, mask_BTS) -> jax.Array:
+  """Masked softmax attention of T queries over S keys (scores and softmax in float32)."""
+  scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGk, k_BSKk).astype(jnp.float32)
+  scores = soft_cap(scores / math.sqrt(cfg.query_scale or cfg.head_dim), cfg.attn_softcap)
+  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKk.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKk)
+
+
 def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_BT, mask_BTS,
            cache=None, freq_k=None):
   """One pre-norm block. `lora_p` maps target name -> {"a", "b"} for this layer (or is empty).
@@ -247,11 +256,14 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
     k_BTKk, v_BTKk, cache = cache(k_BTKk, v_BTKk)
   G = cfg.n_heads // cfg.n_kv_heads
   q_BTKGk = q_BTHk.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGk, k_BTKk).astype(jnp.float32)
-  scores = soft_cap(scores / math.sqrt(cfg.query_scale or cfg.head_dim), cfg.attn_softcap)
-  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BTKk.dtype)
-  attn_BTKGk = jnp.einsum("bkgts,bskd->btkgd", probs, v_BTKk)
+  # Without a cache, query and key slots are the same 0..T-1, so a block of queries ending at
+  # slot e can only see keys before e (causal by slot): the blocks above the diagonal are skipped.
+  block = cfg.attention_block if cache is None and cfg.attention_block < T else 0
+  attn_BTKGk = jnp.concatenate([
+      _attend(cfg, q_BTKGk[:, s:s + block], k_BTKk[:, :s + block], v_BTKk[:, :s + block],
+              mask_BTS[:, s:s + block, :s + block])
+      for s in range(0, T, block)], axis=1) if block else _attend(cfg, q_BTKGk, k_BTKk, v_BTKk,
+                                                                  mask_BTS)
   out_BTD = proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
   x_BTD = x_BTD + (norm("post_attn_norm", out_BTD) if cfg.post_norms else out_BTD)
 

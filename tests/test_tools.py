@@ -94,7 +94,7 @@ def _tool_commands(out: str) -> dict[str, tuple[int, list[str]]]:
   return {
       "bench": (1, ["--config=bench-small", *TINY_MODEL, "--vocab_size=512",
                     "--max_prompt_length=8", "--max_target_length=8", "--timed_steps=2",
-                    "--warmup_steps=1", "--rounds=1", "--matmul_size=128"]),
+                    "--warmup_steps=1", "--rounds=1", "--matmul_size=128", "--query_block=8"]),
       "bench_precompute_ref": (2, [*TINY_MODEL, *TINY_TASK, "--timed_steps=3",
                                    "--learning_rate=0.05", "--warmup_ratio=0"]),
       "compare_losses": (1, [*TINY_MODEL, *TINY_TASK, "--steps=2", "--sft_steps=2",
@@ -142,9 +142,9 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
   assert lines[2].split() == ["variant", "layout", "slots", "fill", "step", "s", "pairs/s",
                               "tokens/s", "exec", "GF", "exec", "util", "model", "util", "temp",
                               "MiB", "RSS", "MiB", "loss@1", "x", "plain", "x", "unshared"]
-  rows = [l.replace("full FT", "full").split() for l in lines[3:7]]
-  assert [r[:2] for r in rows] == [["LoRA", "unshared"], ["LoRA", "shared"], ["full", "unshared"],
-                                   ["full", "shared"]]
+  rows = [l.replace("full FT", "full").split() for l in lines[3:9]]
+  assert [r[:2] for r in rows] == [[v, l] for v in ("LoRA", "full")
+                                   for l in ("unshared", "shared", "blocks")]
   for r in rows:
     assert float(r[4]) > 0 and r[8].endswith("%") and float(r[11]) > 0  # step s, util, RSS
     assert r[3] == "100%"  # synthetic pairs fill every slot of either layout
@@ -153,9 +153,10 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
     assert r[-2] == "-" and r[-1].endswith("x")
   assert float(rows[0][-1][:-1]) == 1.0
   # Shared rows run fewer slots and FLOPs than the unshared pair rows: 4 rows of 8 + 8 + 8
-  # slots instead of 8 rows of 16.
-  assert [int(r[2]) for r in rows] == [128, 96, 128, 96]
-  assert float(rows[1][7]) < float(rows[0][7]) and float(rows[3][7]) < float(rows[2][7])
+  # slots instead of 8 rows of 16; query blocks of 8 skip the keys above the diagonal.
+  assert [int(r[2]) for r in rows] == [128, 96, 96, 128, 96, 96]
+  for v in (0, 3):
+    assert float(rows[v][7]) > float(rows[v + 1][7]) > float(rows[v + 2][7])
 
 
 def test_bench_precompute_ref_times_both_variants_to_the_same_loss(tool_output):

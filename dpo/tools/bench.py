@@ -1,11 +1,11 @@
 """Benchmark the jitted DPO step beside the plain JAX step: pairs/s, utilisation, memory.
 
-    python -m dpo.tools.bench                # bench-small: LoRA and full FT, unshared and shared
+    python -m dpo.tools.bench                # bench-small: LoRA and full FT, unshared, shared, blocks
     python -m dpo.tools.bench --variants=lora --layouts=shared --rounds_of_processes=3
     python -m dpo.tools.bench --workload=hh-rlhf --variants=lora --layouts=unshared,shared,packed
 
-Every variant (LoRA or full fine-tuning x the unshared pair rows, shared-prefix rows or packed
-rows) runs in its own process, so each peak RSS is that variant's alone; with `--plain_dir`
+Every variant (LoRA or full fine-tuning x the unshared pair rows, shared-prefix rows, shared
+rows with blockwise attention, or packed rows) runs in its own process, so each peak RSS is that variant's alone; with `--plain_dir`
 present (default ../shared/bench) and the bench-small workload, its plain JAX step
 (`plain_jax_dpo.py`) runs as one more process per variant, and every row prints our pairs/s
 over its pairs/s. `--rounds` repeats the whole set of processes, interleaved (ours, plain, ours,
@@ -25,7 +25,8 @@ Two utilisations, both over the float32 --matmul_size^3 matmul peak measured in 
     (N the layer matrices plus the LM head, T the pair tokens, sequences = 2 * pairs);
   * executed: the matmul FLOPs the step runs (`executed_flops`): reference forward, policy
     forward and backward (LoRA: activation gradients and the factors' gradients only), the
-    attention over every slot pair of a row (masked ones too), the LM head where it runs.
+    attention over every slot pair of a row (masked ones too; with query blocks, only the keys
+    up to each block's last slot), the LM head where it runs.
 `temp MiB` is the compiler's temporary-buffer figure for the step (`memory_analysis`).
 `slots` counts the positions the model runs per step (rows x row length) and `fill` the share of
 them that hold a token; tokens/s counts the real (non-padding) tokens of the pair rows;
@@ -88,10 +89,13 @@ def executed_flops(cfg, rows: int, slots: int, head_rows: int, reference: bool =
   hidden states. Forward: dense 2 * P per slot, attention 4 * slots^2 * H * head_dim per row and
   layer. Backward: twice the forward with full fine-tuning; with LoRA the activation gradients
   (once the dense forward, twice the attention) plus the factors' forward, input and weight
-  gradients. The reference adds one forward; --remat the layers' forward once more."""
+  gradients. The reference adds one forward; --remat the layers' forward once more. With
+  --attention_block each query block scores only the keys up to its last slot."""
   m, lc = cfg.model, cfg.lora
   dense = 2 * m.n_layers * _layer_matrix_params(m) * rows * slots
-  attn = 4 * m.n_layers * rows * slots ** 2 * m.n_heads * m.head_dim
+  b = m.attention_block if 0 < m.attention_block < slots else slots
+  scored = sum(min(b, slots - s) * min(s + b, slots) for s in range(0, slots, b))
+  attn = 4 * m.n_layers * rows * scored * m.n_heads * m.head_dim
   head = 2 * m.d_model * m.vocab_size * head_rows
   fwd = dense + attn + head
   remat = (dense + attn) if m.remat else 0  # the layers' forward again, in the backward pass
@@ -194,7 +198,7 @@ def _plain_applies(cfg) -> bool:
   ref = configs.get_config("bench-small")
   same = lambda a, b, names: all(getattr(a, n) == getattr(b, n) for n in names)
   model = [f.name for f in dataclasses.fields(ref.model)
-           if f.name not in ("prefix_sharing", "packing", "logits_chunk")]
+           if f.name not in ("prefix_sharing", "packing", "logits_chunk", "attention_block")]
   return (FLAGS.workload == "bench-small" and same(cfg.model, ref.model, model)
           and same(cfg.data, ref.data, ("max_prompt_length", "max_target_length"))
           and same(cfg.optim, ref.optim, ("global_batch_size", "learning_rate"))
@@ -215,16 +219,28 @@ def _run(cmd: list[str], out: str, what: str) -> dict:
 
 def _tool_argv() -> list[str]:
   """This command's config flags, to pass on to the worker processes."""
-  own = ("--variants", "--layouts", "--plain_dir", "--worker_json", "--matmul_size",
-         "--rounds_of_processes")
+  own = ("--variants", "--layouts", "--query_block", "--plain_dir", "--worker_json",
+         "--matmul_size", "--rounds_of_processes")
   return [a for a in sys.argv[1:] if not a.startswith(own)]
+
+
+LAYOUTS = ("unshared", "shared", "blocks", "packed")
+
+
+def _layout_flags(cfg, layout: str) -> list[str]:
+  """The config flags of one layout: unshared pair rows; shared-prefix rows; shared rows with
+  attention in query blocks of --query_block slots; packed shared rows. Every layout but blocks
+  keeps the config's --attention_block."""
+  block = FLAGS.query_block if layout == "blocks" else cfg.model.attention_block
+  return [f"--prefix_sharing={layout != 'unshared'}", f"--packing={layout == 'packed'}",
+          f"--attention_block={block}"]
 
 
 def main(argv):
   del argv
-  unknown = set(FLAGS.layouts) - {"unshared", "shared", "packed"}
+  unknown = set(FLAGS.layouts) - set(LAYOUTS)
   if unknown:
-    raise app.UsageError(f"--layouts: unknown {sorted(unknown)}; give unshared, shared, packed")
+    raise app.UsageError(f"--layouts: unknown {sorted(unknown)}; give {', '.join(LAYOUTS)}")
   if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
     FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
   cfg = configs.from_flags()
@@ -247,8 +263,7 @@ def main(argv):
     for v in variants:
       jobs = [(layout, [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(),
                         f"--lora_rank={cfg.lora.lora_rank if v == 'lora' else 0}",
-                        f"--prefix_sharing={layout != 'unshared'}",
-                        f"--packing={layout == 'packed'}"]) for layout in FLAGS.layouts]
+                        *_layout_flags(cfg, layout)]) for layout in FLAGS.layouts]
       if plain:
         jobs.append(("plain JAX", [sys.executable, plain_script, "--variant", v]))
       for layout, cmd in jobs:
@@ -295,9 +310,13 @@ if __name__ == "__main__":
   FLAGS.set_default("config", "bench-small")
   flags.DEFINE_list("variants", ["lora", "full"], "lora (the config's LoRA) and/or full (every "
                     "weight trains, frozen reference copy).")
-  flags.DEFINE_list("layouts", ["unshared", "shared"], "unshared ([B, 2, T] pair rows), shared "
-                    "(prompt | chosen | rejected rows, --prefix_sharing) and/or packed (several "
-                    "shared rows a row, --packing).")
+  flags.DEFINE_list("layouts", ["unshared", "shared", "blocks"], "unshared ([B, 2, T] pair "
+                    "rows), shared (prompt | chosen | rejected rows, --prefix_sharing), blocks "
+                    "(shared rows, attention in query blocks that skip the keys above the "
+                    "diagonal, --query_block) and/or packed (several shared rows a row, "
+                    "--packing).")
+  flags.DEFINE_integer("query_block", 64, "--attention_block of the blocks layout.",
+                       lower_bound=1)
   flags.DEFINE_string("plain_dir", "../shared/bench", "Folder of the plain JAX step "
                       "(plain_jax_dpo.py); skipped when absent or not the bench-small workload.")
   flags.DEFINE_integer("rounds_of_processes", 1, "Times the whole set of variant processes runs, "
