@@ -33,6 +33,8 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from dpo import packing
+
 
 class DataError(ValueError):
   """Bad input data; the message names the file, record (file:LINE or file[INDEX]) and field."""
@@ -224,10 +226,6 @@ def encode_completion(tok, completion: str, max_len: int, stats: TruncationStats
   return ids
 
 
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
 def _pack_rows(rows: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict:
   n = len(rows)
   tokens = np.full((n, seq_len), pad_id, np.int32)
@@ -255,7 +253,7 @@ def tokenize_pairs(records: Sequence[PreferenceRecord], tok, max_prompt_length: 
     chosen.append((p, encode_completion(tok, r.chosen, max_target_length, stats, add_eos)))
     rejected.append((p, encode_completion(tok, r.rejected, max_target_length, stats, add_eos)))
   stats.report(what)
-  seq_len = _round_up(max(len(p) + len(c) for p, c in chosen + rejected), 8)
+  seq_len = packing.round_up(max(len(p) + len(c) for p, c in chosen + rejected), 8)
   c, r = _pack_rows(chosen, seq_len, tok.pad_id), _pack_rows(rejected, seq_len, tok.pad_id)
   return {k: np.stack([c[k], r[k]], axis=1) for k in c}
 
@@ -269,7 +267,8 @@ def tokenize_sft(records: Sequence[SFTRecord], tok, max_prompt_length: int,
            encode_completion(tok, r.completion, max_target_length, stats, add_eos))
           for r in records]
   stats.report(what)
-  return _pack_rows(rows, _round_up(max(len(p) + len(c) for p, c in rows), 8), tok.pad_id)
+  seq_len = packing.round_up(max(len(p) + len(c) for p, c in rows), 8)
+  return _pack_rows(rows, seq_len, tok.pad_id)
 
 
 # --- batching -------------------------------------------------------------------------------------

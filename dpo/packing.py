@@ -46,7 +46,8 @@ SCORE_KEYS = ("score_from", "score_target", "score_side", "score_rank", "score_w
 _PAIR_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
+  """The least multiple of m that is >= n."""
   return -(-n // m) * m
 
 
@@ -78,8 +79,8 @@ def shared_prefix(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray] 
   n = tok.shape[0]
   length = (seg != 0).sum(-1)
   scored = (mask != 0).sum(-1)
-  S = _round_up(int((length.sum(-1) - prompt).max()), 8)
-  K = _round_up(int(scored.sum(-1).max()), 8)
+  S = round_up(int((length.sum(-1) - prompt).max()), 8)
+  K = round_up(int(scored.sum(-1).max()), 8)
   out = {k: np.zeros((n, S), np.int32) for k in SHARED_KEYS}
   out.update({k: np.zeros((n, K), np.int32) for k in SCORE_KEYS[:3]})
   out.update({k: np.zeros((n, K), np.float32) for k in SCORE_KEYS[3:]})
@@ -179,7 +180,7 @@ class Packer:
     share = self.scored.sum() / max(int(self.length.sum()), 1)
     per_pair = self.shared["score_from"].shape[1]
     self.scored_slots = min(self.slots, self.pairs_per_row * per_pair,
-                            max(per_pair, _round_up(int(np.ceil(1.5 * share * self.slots)), 8)))
+                            max(per_pair, round_up(int(np.ceil(1.5 * share * self.slots)), 8)))
     self.buckets = self.buckets or (self.global_batch,)
 
   def _bins(self, batch: np.ndarray) -> dict[tuple[int, int], list[np.ndarray]]:
@@ -197,7 +198,7 @@ class Packer:
   def _need(self, bins) -> int:
     """The fewest rows (a multiple of `multiple`) that hold every group's rows."""
     most = max(map(len, bins.values()))
-    return _round_up(most * self.blocks * self.microbatches, self.multiple)
+    return round_up(most * self.blocks * self.microbatches, self.multiple)
 
   def fit(self, batches: np.ndarray) -> str:
     """Chooses the buckets for `batches` ([batches, global_batch] pair indices: the loader's

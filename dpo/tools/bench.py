@@ -130,7 +130,7 @@ def hh_batch(cfg, pairs: int, rng) -> dict:
                                  max_target_length=cfg.data.max_target_length).train
   rows = np.sort(rng.choice(len(arrays["tokens"]), pairs, replace=False))
   batch = {k: v[rows] for k, v in arrays.items()}
-  T = packing._round_up(int(batch["segment_ids"].sum(-1).max()), 8)
+  T = packing.round_up(int(batch["segment_ids"].sum(-1).max()), 8)
   batch = {k: v[..., :T] for k, v in batch.items()}
   batch["tokens"] = batch["tokens"] % cfg.model.vocab_size
   return batch
