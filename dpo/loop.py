@@ -101,6 +101,11 @@ class Data:
           raise data_lib.DataError(
               f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
               f"held-out split, fewer than one batch of --global_batch_size={batch}")
+      # Refused before any stage runs, not when the DPO stage starts after SFT.
+      why = packing.prompt_lengths(self.pairs)[1] if cfg.model.packing else None
+      if stage in ("dpo", "all") and why is not None:
+        raise data_lib.DataError(f"--packing packs shared-prefix rows, and prefix sharing does "
+                                 f"not apply to {d.train_data or 'the pairs'}: {why}")
     # Sampling prompts: the embedded task's held-out prompts, or those of the first held-out
     # pairs of real data (as the chat template rendered them). The ground-truth reward and the
     # well-formedness check exist only for the embedded task; without them win rate, true

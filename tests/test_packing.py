@@ -5,6 +5,7 @@ path)."""
 import dataclasses
 import itertools
 import json
+import os
 import re
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import configs
+from conftest import SHARED_DATA
 from dpo import data, logprobs, loop, packing, task, train
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
@@ -294,6 +296,25 @@ def test_packing_run_logs_the_fill_rate_and_the_unpacked_losses(tmp_path, caplog
   for a, b in zip(records[False], records[True]):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)
+
+
+def test_packing_without_a_shared_prompt_is_refused_before_sft(tmp_path, varied_pairs):
+  """A pair with no shared prompt token (an empty prompt, --bos_token=none) cannot be packed:
+  the run stops at start, naming the file, before the SFT stage trains or saves anything."""
+  gpt2 = os.path.join(SHARED_DATA, "tokenizers", "gpt2", "tokenizer.json")
+  if not os.path.exists(gpt2):
+    pytest.skip("../shared/data is absent")
+  bad = tmp_path / "no_prompt.jsonl"
+  bad.write_text(varied_pairs.read_text() + json.dumps({"prompt": "", "chosen": " a",
+                                                        "rejected": " b"}) + "\n")
+  cfg = configs.DEFAULT.replace(
+      stage="all", sft_steps=5, steps=3, train_data=str(bad), tokenizer=gpt2, bos_token="none",
+      vocab_size=50304,
+      packing=True, global_batch_size=8, output_dir=str(tmp_path / "out"))
+  with pytest.raises(data.DataError, match=r"--packing packs shared-prefix rows, and prefix "
+                     r"sharing does not apply to .*no_prompt.jsonl: pair \d+ has no shared"):
+    loop.run(cfg, mesh=sharding.make_mesh("data:1", jax.devices()[:1]))
+  assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("layout,window", [("unshared", 0), ("shared", 0), ("packed", 0),
