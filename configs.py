@@ -89,6 +89,10 @@ class ModelConfig:
   logits_chunk: int = _f(0, "With prefix sharing: log-softmax over vocabulary chunks of this size "
                             "(a divisor of vocab_size), so [tokens, vocab] logits never exist; 0 = "
                             "the whole vocabulary at once.")
+  scan_unroll: int = _f(1, "Layers per iteration of the layer scan (jax.lax.scan's unroll); "
+                          ">= n_layers runs the layers as straight-line code, without the "
+                          "scan's stacked per-layer buffers, at a compile time that grows with "
+                          "depth.")
   attention_block: int = _f(0, "Attention over query blocks of this many slots, each against "
                                "the keys up to its own last slot only, so fully masked blocks "
                                "above the causal diagonal are never computed (training and "
@@ -139,6 +143,8 @@ class ModelConfig:
       raise ValueError("sliding_window must be >= 0 and sliding_pattern >= 1")
     if self.packing and not self.prefix_sharing:
       raise ValueError("--packing packs shared-prefix rows; it needs --prefix_sharing")
+    if self.scan_unroll < 1:
+      raise ValueError(f"scan_unroll={self.scan_unroll} must be >= 1")
     if self.attention_block < 0:
       raise ValueError(f"attention_block={self.attention_block} must be >= 0")
     if self.logits_chunk < 0 or (self.logits_chunk and self.vocab_size % self.logits_chunk):

@@ -381,7 +381,7 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
   xs = (params["layers"], lora_layers if lora_layers is not None else {},
         jnp.arange(cfg.n_layers), jnp.asarray(local_L), layer_cache)
-  x_BTD, new_kv = jax.lax.scan(body, x_BTD, xs)
+  x_BTD, new_kv = jax.lax.scan(body, x_BTD, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))
   h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
   out = h_BTD if return_hidden else unembed(cfg, params, h_BTD)
   if cache is None:

@@ -165,18 +165,20 @@ def test_branches_after_a_shared_prefix_are_independent(params):
     np.testing.assert_allclose(np.asarray(shared[:, sl]), np.asarray(want[:, 4:]), atol=1e-5)
 
 
-def test_bfloat16_and_remat(mesh1, params):
+def test_bfloat16_remat_and_unrolled_layers(mesh1, params):
   tokens, positions, segments = _inputs()
   ref = transformer.forward(CFG, params, tokens, positions, segments)
   bf = ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"})
   out = transformer.forward(bf, params, tokens, positions, segments)
   assert out.dtype == jnp.float32
   assert np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
-  rm = ModelConfig(**{**CFG.__dict__, "remat": True})
   loss = lambda c: lambda p: transformer.forward(c, p, tokens, positions, segments).mean()
-  g1, g2 = jax.grad(loss(CFG))(params), jax.grad(loss(rm))(params)
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  g1 = jax.grad(loss(CFG))(params)
+  # Rematerialised layers, and the layers unrolled out of the scan, give the same gradients.
+  for switch in ({"remat": True}, {"scan_unroll": CFG.n_layers}):
+    g2 = jax.grad(loss(ModelConfig(**{**CFG.__dict__, **switch})))(params)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=str(switch))
 
 
 def test_bad_config_rejected():

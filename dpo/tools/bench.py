@@ -198,7 +198,8 @@ def _plain_applies(cfg) -> bool:
   ref = configs.get_config("bench-small")
   same = lambda a, b, names: all(getattr(a, n) == getattr(b, n) for n in names)
   model = [f.name for f in dataclasses.fields(ref.model)
-           if f.name not in ("prefix_sharing", "packing", "logits_chunk", "attention_block")]
+           if f.name not in ("prefix_sharing", "packing", "logits_chunk", "attention_block",
+                             "scan_unroll")]
   return (FLAGS.workload == "bench-small" and same(cfg.model, ref.model, model)
           and same(cfg.data, ref.data, ("max_prompt_length", "max_target_length"))
           and same(cfg.optim, ref.optim, ("global_batch_size", "learning_rate"))
