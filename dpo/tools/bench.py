@@ -1,14 +1,14 @@
 """Benchmark the jitted DPO step beside the plain JAX step: pairs/s, utilisation, memory.
 
-    python -m dpo.tools.bench                # bench-small: LoRA and full FT, unshared, shared, blocks
+    python -m dpo.tools.bench                # bench-small: LoRA, full FT; unshared, shared, blocks
     python -m dpo.tools.bench --variants=lora --layouts=shared --rounds_of_processes=3
     python -m dpo.tools.bench --workload=hh-rlhf --variants=lora --layouts=unshared,shared,packed
 
 Every variant (LoRA or full fine-tuning x the unshared pair rows, shared-prefix rows, shared
-rows with blockwise attention, or packed rows) runs in its own process, so each peak RSS is that variant's alone; with `--plain_dir`
-present (default ../shared/bench) and the bench-small workload, its plain JAX step
-(`plain_jax_dpo.py`) runs as one more process per variant, and every row prints our pairs/s
-over its pairs/s. `--rounds` repeats the whole set of processes, interleaved (ours, plain, ours,
+rows with blockwise attention, or packed rows) runs in its own process, so each peak RSS is that
+variant's alone; with `--plain_dir` present (default ../shared/bench) and the bench-small
+workload, its plain JAX step (`plain_jax_dpo.py`) runs as one more process per variant, and
+every row prints our pairs/s over its pairs/s. `--rounds` repeats the whole set of processes, interleaved (ours, plain, ours,
 plain, ...), and reports each variant's median round, so a noisy neighbour slows both sides
 alike.
 
