@@ -84,7 +84,7 @@ class ModelConfig:
                                   "rows do not share a prompt (logged).")
   packing: bool = _f(False, "DPO with prefix sharing: several pairs' shared rows one after another "
                            "in each row of the longest one's length, no attention across pairs, "
-                           "each step's pairs unchanged and, with LoRA dropout off, its loss "
+                           "each step's pairs, LoRA dropout masks and loss unchanged "
                            "(dpo/packing.py); helps when pair lengths vary.")
   logits_chunk: int = _f(0, "With prefix sharing: log-softmax over vocabulary chunks of this size "
                             "(a divisor of vocab_size), so [tokens, vocab] logits never exist; 0 = "

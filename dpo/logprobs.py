@@ -197,13 +197,17 @@ def shared_pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bo
   unpacked layout whatever the packing.
 
   One dropout key serves the whole forward, so with LoRA dropout the prompt's dropout mask is
-  shared by both completions (the unshared layout draws one per side), and the masks depend on
-  the layout. `PairStats.logits` (`with_logits`) is [R, K, V], the logits at the scoring slots
+  shared by both completions (the unshared layout draws one per side); packed rows take each
+  pair's masks from its unpacked shared row (`dropout_source`), so packing does not change them. `PairStats.logits` (`with_logits`) is [R, K, V], the logits at the scoring slots
   (see `pair_kl`).
   """
+  source = None
+  if "dropout_source" in batch:  # packed rows: each pair's masks are its unpacked row's
+    source = transformer.DropoutSource(batch["dropout_source"], batch["pair_index"].shape[0])
   h_RSD = transformer.forward(cfg, params, batch["shared_tokens"], batch["shared_positions"],
                               batch["shared_segment_ids"], branch_BT=batch["shared_branch"],
-                              return_hidden=True, dropout_key=dropout_key, **forward_kw)
+                              return_hidden=True, dropout_key=dropout_key,
+                              dropout_source=source, **forward_kw)
   h_RKD = jnp.take_along_axis(h_RSD, batch["score_from"][..., None], axis=1)
   lp_RK, logw_RK, logits = head_logps(cfg, params, h_RKD, batch["score_target"], wpo, with_logits)
   packed = "pair_index" in batch

@@ -227,14 +227,17 @@ class Packer:
   def pack(self, batch: np.ndarray, block: int = 0) -> dict[str, np.ndarray]:
     """Process block `block`'s rows of the global batch `batch` (pair indices): the
     shared-row and scoring-plan arrays ([R / blocks, slots], [R / blocks, scored_slots]),
-    `score_pair`, `pair_valid` [R / blocks, P] and, for the block's pairs, `pair_index` [B /
-    blocks] (row within its microbatch x P + slot: where its sums land)."""
+    `score_pair`, `pair_valid` [R / blocks, P], `dropout_source` [R / blocks, slots] (each slot's
+    place in its microbatch's unpacked shared rows, row x slots + slot) and, for the block's
+    pairs, `pair_index` [B / blocks] (row within its microbatch x P + slot: where its sums
+    land)."""
     R, placed = self.plan(batch)
     n, P = R // self.blocks, self.pairs_per_row
     out = {k: np.zeros((n, self.slots), np.int32) for k in SHARED_KEYS}
     out.update({k: np.zeros((n, self.scored_slots), self.shared[k].dtype) for k in SCORE_KEYS})
     out["score_pair"] = np.zeros((n, self.scored_slots), np.int32)
     out["pair_valid"] = np.zeros((n, P), np.float32)
+    out["dropout_source"] = np.zeros((n, self.slots), np.int32)
     index = np.zeros(len(batch), np.int32)
     for row, positions in placed:
       r, o, q = row - block * n, 0, 0
@@ -247,6 +250,10 @@ class Packer:
         for k in SHARED_KEYS:
           out[k][r, o:o + length] = self.shared[k][i, :length]
         out["shared_segment_ids"][r, o:o + length] = j + 1
+        # Its slots' LoRA dropout masks: those of its own shared row, row b // K of its
+        # microbatch's unpacked rows (models/transformer.py DropoutSource).
+        out["dropout_source"][r, o:o + length] = (b // self.microbatches * self.slots
+                                                  + np.arange(length))
         for k in SCORE_KEYS:
           out[k][r, q:q + scored] = self.shared[k][i, :scored]
         out["score_from"][r, q:q + scored] += o

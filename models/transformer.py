@@ -183,12 +183,23 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
 
 
 class Lora(NamedTuple):
-  """What a projection needs to add its LoRA delta: factors, scale, dropout key and rate."""
+  """What a projection needs to add its LoRA delta: factors, scale, dropout key and rate, and
+  where each slot's dropout mask comes from (`DropoutSource`, or None: drawn for x itself)."""
   a: jax.Array
   b: jax.Array
   scale: float
   key: jax.Array | None
   rate: float
+  source: DropoutSource | None = None
+
+
+class DropoutSource(NamedTuple):
+  """Dropout masks drawn over a [rows, T] grid of slots and gathered: slot (b, t) takes the
+  mask of grid slot index_BT[b, t] (flattened, row * T + slot). Packed rows (dpo/packing.py)
+  take their pairs' masks from the grid of the unpacked shared-prefix rows, so the masks do not
+  depend on how pairs were packed (nor, through that, on the mesh)."""
+  index_BT: jax.Array
+  rows: int
 
 
 def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None) -> jax.Array:
@@ -203,7 +214,12 @@ def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None) -> jax.Array:
   if lora is not None:
     xd = x
     if lora.key is not None and lora.rate > 0.0:
-      keep = jax.random.bernoulli(lora.key, 1.0 - lora.rate, x.shape)
+      if lora.source is None:
+        keep = jax.random.bernoulli(lora.key, 1.0 - lora.rate, x.shape)
+      else:
+        T, index_BT = x.shape[1], lora.source.index_BT
+        keep = jax.random.bernoulli(lora.key, 1.0 - lora.rate, (lora.source.rows, *x.shape[1:]))
+        keep = keep[index_BT // T, index_BT % T]
       xd = jnp.where(keep, x / (1.0 - lora.rate), 0).astype(x.dtype)
     h = jnp.tensordot(xd, lora.a.astype(x.dtype), axes=n_in)
     y = y + lora.scale * jnp.tensordot(h, lora.b.astype(x.dtype), axes=1)
@@ -220,7 +236,7 @@ def _attend(cfg: ModelConfig, q_BTKGk, k_BSKk, v_BSKk, mask_BTS) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_BT, mask_BTS,
-           cache=None, freq_k=None):
+           cache=None, freq_k=None, dropout_source=None):
   """One pre-norm block. `lora_p` maps target name -> {"a", "b"} for this layer (or is empty).
 
   `mask_BTS` and `freq_k` (RoPE inverse frequencies) are this layer's: sliding-window layers
@@ -234,7 +250,7 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
       # Each adapted matrix draws its dropout from its own stream: its index among the layer's
       # matrices in param_specs order.
       k = None if key is None else jax.random.fold_in(key, _matrices(cfg).index(name))
-      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate))
+      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate, dropout_source))
     bias = p.get(name + "_bias")
     return y if bias is None else y + bias.astype(y.dtype)
 
@@ -324,13 +340,15 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
             lora_scale: float = 1.0, dropout_key: jax.Array | None = None,
             dropout_rate: float = 0.0, return_hidden: bool = False,
             cache: KVCache | None = None, cache_index: jax.Array | int = 0,
-            branch_BT: jax.Array | None = None):
+            branch_BT: jax.Array | None = None,
+            dropout_source: DropoutSource | None = None):
   """Logits [B, T, V] in float32 (or final hidden states [B, T, D] with return_hidden).
 
   tokens, positions and segment ids are all [B, T] int32. Segment 0 marks padding. `branch_BT`
   (int32, shared-prefix rows; see `attention_mask`) keeps sibling completions apart. `lora` is a
   LoRA pytree from models/lora.py or None (the frozen base: the reference policy). Dropout on
-  the LoRA input path applies only when `dropout_key` is given.
+  the LoRA input path applies only when `dropout_key` is given; `dropout_source` takes each
+  slot's mask from another layout's grid (packed rows, see `DropoutSource`).
 
   With a `cache` (decoding), the T tokens occupy cache slots [cache_index, cache_index + T),
   attend to every earlier non-padding slot of the same segment, and the result is
@@ -374,7 +392,7 @@ def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, l
       freq = jnp.where(local, freq_local, freq_global)
     hook = None if c is None else _cache_writer(*c, cache_index)
     x, c = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask, hook,
-                  freq_k=freq)
+                  freq_k=freq, dropout_source=dropout_source)
     return sharding.constrain(x, _ACT_RESID), c
 
   if cfg.remat:

@@ -245,6 +245,29 @@ def test_packed_dpo_steps_equal_unshared(packed_setup, full_ft, devices, blocks,
   _assert_same_steps(cfg, want, got)
 
 
+@pytest.mark.parametrize("devices,blocks,microbatches", [(1, 1, 1), (2, 2, 2)])
+def test_packed_dropout_masks_are_the_unpacked_rows(packed_setup, devices, blocks, microbatches):
+  """With LoRA dropout on, three DPO steps on packed rows equal three on the unpacked
+  shared-prefix rows: each packed slot takes the dropout mask of its pair's own row, so packing
+  (and the mesh, which sets it) does not change the masks."""
+  pairs, shared, _, _ = packed_setup
+  mesh = sharding.make_mesh(f"data:{devices}", jax.devices()[:devices])
+  base = transformer.init(CFG.model, jax.random.key(0), mesh)
+  cfg = CFG.replace(lora_dropout=0.3, global_batch_size=len(PACK_RECORDS),
+                    gradient_accumulation_steps=microbatches)
+  rows = np.arange(len(PACK_RECORDS))
+  _, _, out = _pack(shared, rows, blocks, microbatches, devices * microbatches)
+  assert out["pair_valid"].shape[1] > 1
+  want = _three_steps(cfg, mesh, base, {**pairs, **shared})
+  got = _three_steps(cfg, mesh, base, {**pairs, **out})
+  got[1].pop("fill_rate")
+  _assert_same_steps(cfg, want, got)
+  # The masks matter: the same packed rows without their sources give other steps.
+  del out["dropout_source"]
+  other = _three_steps(cfg, mesh, base, {**pairs, **out})[1]
+  assert abs(other["loss"] - want[1]["loss"]) > 1e-4
+
+
 def test_loader_packs_only_this_process_block():
   pairs = data.tokenize_pairs(PACK_RECORDS * 2, ByteTokenizer(), 40, 48)
   shared, _ = packing.shared_prefix(pairs)
