@@ -198,8 +198,9 @@ def shared_pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bo
 
   One dropout key serves the whole forward, so with LoRA dropout the prompt's dropout mask is
   shared by both completions (the unshared layout draws one per side); packed rows take each
-  pair's masks from its unpacked shared row (`dropout_source`), so packing does not change them. `PairStats.logits` (`with_logits`) is [R, K, V], the logits at the scoring slots
-  (see `pair_kl`).
+  pair's masks from its unpacked shared row (`dropout_source`), so packing does not change them.
+  `PairStats.logits` (`with_logits`) is [R, K, V], the logits at the scoring slots (see
+  `pair_kl`).
   """
   source = None
   if "dropout_source" in batch:  # packed rows: each pair's masks are its unpacked row's
