@@ -102,8 +102,9 @@ class Data:
               f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
               f"held-out split, fewer than one batch of --global_batch_size={batch}")
       # Refused before any stage runs, not when the DPO stage starts after SFT.
-      why = packing.prompt_lengths(self.pairs)[1] if cfg.model.packing else None
-      if stage in ("dpo", "all") and why is not None:
+      packs = cfg.model.packing and stage in ("dpo", "all")
+      why = packing.prompt_lengths(self.pairs)[1] if packs else None
+      if why is not None:
         raise data_lib.DataError(f"--packing packs shared-prefix rows, and prefix sharing does "
                                  f"not apply to {d.train_data or 'the pairs'}: {why}")
     # Sampling prompts: the embedded task's held-out prompts, or those of the first held-out
