@@ -181,6 +181,27 @@ def test_bfloat16_remat_and_unrolled_layers(mesh1, params):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=str(switch))
 
 
+
+@pytest.mark.parametrize("lead,n_in,out", [((5,), 1, (3,)), ((2, 3, 5), 1, (4,)),
+                                           ((2, 3), 2, (7,)), ((4,), 1, (2, 3))])
+def test_matmul_gradients_are_autodiffs(lead, n_in, out):
+  """transformer.matmul's written-out backward gives JAX's own gradients of tensordot, for
+  any lead (token) and input/output dims, under jit and vmap."""
+  rng = np.random.default_rng(0)
+  ins = (4, 6)[:n_in]
+  x = jnp.asarray(rng.normal(size=(*lead, *ins)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(*ins, *out)), jnp.float32)
+  c = jnp.asarray(rng.normal(size=(*lead, *out)), jnp.float32)
+  ours = lambda x, w: jnp.sum(jnp.sin(transformer.matmul(x, w, n_in)) * c)
+  theirs = lambda x, w: jnp.sum(jnp.sin(jnp.tensordot(x, w, axes=n_in)) * c)
+  np.testing.assert_allclose(ours(x, w), theirs(x, w), rtol=1e-6)
+  for a, b in zip(jax.jit(jax.grad(ours, (0, 1)))(x, w), jax.grad(theirs, (0, 1))(x, w)):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  per_row = lambda f: jax.vmap(jax.grad(f, 1), in_axes=(0, None))(x[None], w)
+  np.testing.assert_allclose(np.asarray(per_row(ours)), np.asarray(per_row(theirs)),
+                             rtol=1e-5, atol=1e-5)
+
 def test_bad_config_rejected():
   with pytest.raises(ValueError, match="n_kv_heads"):
     ModelConfig(n_heads=4, n_kv_heads=3)
