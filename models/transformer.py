@@ -203,16 +203,19 @@ class DropoutSource(NamedTuple):
   rows: int
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
-  """x[*lead, *in] @ w[*in, *out], with the backward pass written out.
-
-  The gradients are the textbook ones: dx = dy . w^T over the output dims, and dw = x^T . dy
-  over the lead (token) dims, formed directly in w's [*in, *out] layout. With JAX's own
-  transpose rule in its place, XLA:CPU lays the bench-small step out with more transposed
-  copies: a full fine-tune step took 6-14% longer and a LoRA step on unshared rows 7%
-  (jax.profiler, one sitting). The values are the same sums (tests/test_transformer.py).
+def matmul(x: jax.Array, w: jax.Array, n_in: int, explicit: bool = False) -> jax.Array:
+  """x[*lead, *in] @ w[*in, *out]; with `explicit` (--matmul_backward=explicit) its backward is
+  written out: dx = dy . w^T over the output dims and dw = x^T . dy over the lead (token) dims,
+  formed directly in w's [*in, *out] layout. JAX's own transpose rule forms the same sums with
+  another operand order, which XLA:CPU lays out with more transposed copies: on bench-small a
+  full fine-tune step took 6-14% longer with it and a LoRA step on unshared rows 7%
+  (jax.profiler, one sitting). Same values up to float rounding (tests/test_transformer.py).
   """
+  return _explicit_matmul(x, w, n_in) if explicit else jnp.tensordot(x, w, axes=n_in)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _explicit_matmul(x, w, n_in):
   return jnp.tensordot(x, w, axes=n_in)
 
 
@@ -227,10 +230,10 @@ def _matmul_bwd(n_in, res, dy):
   return dx, jnp.tensordot(x, dy, axes=(lead, lead))
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_explicit_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None) -> jax.Array:
+def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None, explicit: bool = False) -> jax.Array:
   """x[..., *in] @ w[*in, *out] (+ scale * dropout(x) @ A[*in, R] @ B[R, *out]).
 
   The one place weights are applied: a quantized `w` (models/quant.py) is dequantized here, on
@@ -238,7 +241,7 @@ def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None) -> jax.Array:
   """
   if quant.is_quantized(w):
     w = quant.dequantize(w)
-  y = matmul(x, w.astype(x.dtype), n_in)
+  y = matmul(x, w.astype(x.dtype), n_in, explicit)
   if lora is not None:
     xd = x
     if lora.key is not None and lora.rate > 0.0:
@@ -270,15 +273,18 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
   `mask_BTS` and `freq_k` (RoPE inverse frequencies) are this layer's: sliding-window layers
   get a banded mask and possibly their own RoPE base.
   """
+  explicit = cfg.matmul_backward == "explicit"
+
   def proj(name, inp, n_in):
     lp = lora_p.get(name) if lora_p else None
     if lp is None:
-      y = dense(inp, p[name], n_in)
+      y = dense(inp, p[name], n_in, explicit=explicit)
     else:
       # Each adapted matrix draws its dropout from its own stream: its index among the layer's
       # matrices in param_specs order.
       k = None if key is None else jax.random.fold_in(key, _matrices(cfg).index(name))
-      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate, dropout_source))
+      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate, dropout_source),
+                explicit)
     bias = p.get(name + "_bias")
     return y if bias is None else y + bias.astype(y.dtype)
 
@@ -440,7 +446,7 @@ def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:
   if cfg.tie_embeddings:
     logits = jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(h_BTD.dtype))
   else:
-    logits = dense(h_BTD, params["lm_head"], 1)
+    logits = dense(h_BTD, params["lm_head"], 1, explicit=cfg.matmul_backward == "explicit")
   return sharding.constrain(soft_cap(logits.astype(jnp.float32), cfg.final_softcap), _ACT_LOGITS)
 
 

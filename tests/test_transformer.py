@@ -165,7 +165,7 @@ def test_branches_after_a_shared_prefix_are_independent(params):
     np.testing.assert_allclose(np.asarray(shared[:, sl]), np.asarray(want[:, 4:]), atol=1e-5)
 
 
-def test_bfloat16_remat_and_unrolled_layers(mesh1, params):
+def test_bfloat16_remat_unrolled_layers_and_explicit_backward(mesh1, params):
   tokens, positions, segments = _inputs()
   ref = transformer.forward(CFG, params, tokens, positions, segments)
   bf = ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"})
@@ -174,8 +174,10 @@ def test_bfloat16_remat_and_unrolled_layers(mesh1, params):
   assert np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
   loss = lambda c: lambda p: transformer.forward(c, p, tokens, positions, segments).mean()
   g1 = jax.grad(loss(CFG))(params)
-  # Rematerialised layers, and the layers unrolled out of the scan, give the same gradients.
-  for switch in ({"remat": True}, {"scan_unroll": CFG.n_layers}):
+  # Rematerialised layers, the layers unrolled out of the scan, and the explicit matmul
+  # backward give the same gradients.
+  for switch in ({"remat": True}, {"scan_unroll": CFG.n_layers},
+                 {"matmul_backward": "explicit"}):
     g2 = jax.grad(loss(ModelConfig(**{**CFG.__dict__, **switch})))(params)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=str(switch))
@@ -185,14 +187,14 @@ def test_bfloat16_remat_and_unrolled_layers(mesh1, params):
 @pytest.mark.parametrize("lead,n_in,out", [((5,), 1, (3,)), ((2, 3, 5), 1, (4,)),
                                            ((2, 3), 2, (7,)), ((4,), 1, (2, 3))])
 def test_matmul_gradients_are_autodiffs(lead, n_in, out):
-  """transformer.matmul's written-out backward gives JAX's own gradients of tensordot, for
+  """transformer.matmul's explicit backward gives JAX's own gradients of tensordot, for
   any lead (token) and input/output dims, under jit and vmap."""
   rng = np.random.default_rng(0)
   ins = (4, 6)[:n_in]
   x = jnp.asarray(rng.normal(size=(*lead, *ins)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(*ins, *out)), jnp.float32)
   c = jnp.asarray(rng.normal(size=(*lead, *out)), jnp.float32)
-  ours = lambda x, w: jnp.sum(jnp.sin(transformer.matmul(x, w, n_in)) * c)
+  ours = lambda x, w: jnp.sum(jnp.sin(transformer.matmul(x, w, n_in, explicit=True)) * c)
   theirs = lambda x, w: jnp.sum(jnp.sin(jnp.tensordot(x, w, axes=n_in)) * c)
   np.testing.assert_allclose(ours(x, w), theirs(x, w), rtol=1e-6)
   for a, b in zip(jax.jit(jax.grad(ours, (0, 1)))(x, w), jax.grad(theirs, (0, 1))(x, w)):
