@@ -51,3 +51,11 @@ def test_launch_prints_one_line_and_exits_2():
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 2
   assert r.stderr.strip() == "error: --beta must be > 0, got nan", r.stderr
+
+
+def test_remat_needs_the_layer_scan():
+  """Unrolled layers would keep the activations remat frees, so the pair is refused by name;
+  bench-small (which unrolls) takes --remat with --scan_unroll=1."""
+  with pytest.raises(ValueError, match=r"--remat .* needs --scan_unroll=1 \(got 8\)"):
+    configs.get_config("bench-small").replace(remat=True)
+  assert configs.get_config("bench-small").replace(remat=True, scan_unroll=1).model.remat

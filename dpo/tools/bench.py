@@ -36,6 +36,7 @@ them that hold a token; tokens/s counts the real (non-padding) tokens of the pai
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -242,6 +243,9 @@ def main(argv):
   unknown = set(FLAGS.layouts) - set(LAYOUTS)
   if unknown:
     raise app.UsageError(f"--layouts: unknown {sorted(unknown)}; give {', '.join(LAYOUTS)}")
+  if FLAGS.workload == "hh-rlhf" and importlib.util.find_spec("tokenizers") is None:
+    raise app.UsageError("--workload=hh-rlhf tokenises with GPT-2's tokenizer, which needs the "
+                         "`tokenizers` package: pip install -e '.[hf]'")
   if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
     FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
   cfg = configs.from_flags()
