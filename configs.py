@@ -94,7 +94,8 @@ class ModelConfig:
                           ">= n_layers runs the layers as straight-line code, without the "
                           "scan's stacked per-layer buffers, at a compile time that grows with "
                           "depth.")
-  matmul_backward: str = _f("autodiff", "Backward of every weight matmul: autodiff (JAX's "
+  matmul_backward: str = _f("autodiff", "Backward of the model's weight matmuls (projections, "
+                                         "LM head; not the LoRA factors): autodiff (JAX's "
                                          "transpose rule) or explicit (the weight gradient "
                                          "x^T.dy formed in the weight's layout; same sums, "
                                          "6-14% faster steps on XLA:CPU; models/transformer.py "
@@ -152,7 +153,7 @@ class ModelConfig:
       raise ValueError("--packing packs shared-prefix rows; it needs --prefix_sharing")
     if self.scan_unroll < 1:
       raise ValueError(f"scan_unroll={self.scan_unroll} must be >= 1")
-    if self.remat and self.scan_unroll > 1:
+    if self.remat and min(self.scan_unroll, self.n_layers) > 1:
       # Unrolled layers let XLA schedule each layer's recomputation early and keep what remat
       # frees: bench-small's LoRA step needs 129 MiB of temporary memory with remat in the
       # scan, 214 MiB at scan_unroll=2, 710 MiB unrolled (770 MiB without remat).

@@ -227,7 +227,7 @@ def _matmul_bwd(n_in, res, dy):
   x, w = res
   lead = list(range(x.ndim - n_in))
   dx = jnp.tensordot(dy, w, axes=(list(range(len(lead), dy.ndim)), list(range(n_in, w.ndim))))
-  return dx, jnp.tensordot(x, dy, axes=(lead, lead))
+  return dx.astype(x.dtype), jnp.tensordot(x, dy, axes=(lead, lead)).astype(w.dtype)
 
 
 _explicit_matmul.defvjp(_matmul_fwd, _matmul_bwd)

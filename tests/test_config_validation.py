@@ -59,3 +59,4 @@ def test_remat_needs_the_layer_scan():
   with pytest.raises(ValueError, match=r"--remat .* needs --scan_unroll=1 \(got 8\)"):
     configs.get_config("bench-small").replace(remat=True)
   assert configs.get_config("bench-small").replace(remat=True, scan_unroll=1).model.remat
+  assert configs.get_config("bench-small").replace(remat=True, n_layers=1).model.remat  # no unroll

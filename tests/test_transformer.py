@@ -177,7 +177,9 @@ def test_bfloat16_remat_unrolled_layers_and_explicit_backward(mesh1, params):
   # Rematerialised layers, the layers unrolled out of the scan, and the explicit matmul
   # backward give the same gradients.
   for switch in ({"remat": True}, {"scan_unroll": CFG.n_layers},
-                 {"matmul_backward": "explicit"}):
+                 {"matmul_backward": "explicit"},
+                 {"matmul_backward": "explicit", "scan_unroll": CFG.n_layers},
+                 {"matmul_backward": "explicit", "remat": True}):
     g2 = jax.grad(loss(ModelConfig(**{**CFG.__dict__, **switch})))(params)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=str(switch))
@@ -196,13 +198,16 @@ def test_matmul_gradients_are_autodiffs(lead, n_in, out):
   c = jnp.asarray(rng.normal(size=(*lead, *out)), jnp.float32)
   ours = lambda x, w: jnp.sum(jnp.sin(transformer.matmul(x, w, n_in, explicit=True)) * c)
   theirs = lambda x, w: jnp.sum(jnp.sin(jnp.tensordot(x, w, axes=n_in)) * c)
-  np.testing.assert_allclose(ours(x, w), theirs(x, w), rtol=1e-6)
   for a, b in zip(jax.jit(jax.grad(ours, (0, 1)))(x, w), jax.grad(theirs, (0, 1))(x, w)):
-    assert a.shape == b.shape
+    assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-  per_row = lambda f: jax.vmap(jax.grad(f, 1), in_axes=(0, None))(x[None], w)
-  np.testing.assert_allclose(np.asarray(per_row(ours)), np.asarray(per_row(theirs)),
-                             rtol=1e-5, atol=1e-5)
+  # Under vmap over rows (three of them, the weight shared): per-row gradients, and the
+  # gradient of the summed rows (the unshared layout's vmap over chosen/rejected).
+  xs = jnp.stack([x, 2 * x, -x])
+  per_row = lambda f: jax.vmap(jax.grad(f, 1), in_axes=(0, None))(xs, w)
+  summed = lambda f: jax.grad(lambda w: jax.vmap(f, in_axes=(0, None))(xs, w).sum())(w)
+  for g in (per_row, summed):
+    np.testing.assert_allclose(np.asarray(g(ours)), np.asarray(g(theirs)), rtol=1e-5, atol=1e-5)
 
 def test_bad_config_rejected():
   with pytest.raises(ValueError, match="n_kv_heads"):
