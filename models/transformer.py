@@ -233,11 +233,13 @@ def _matmul_bwd(n_in, res, dy):
 _explicit_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None, explicit: bool = False) -> jax.Array:
+def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None,
+          explicit: bool = False) -> jax.Array:
   """x[..., *in] @ w[*in, *out] (+ scale * dropout(x) @ A[*in, R] @ B[R, *out]).
 
   The one place weights are applied: a quantized `w` (models/quant.py) is dequantized here, on
-  the fly, so the float weight exists only transiently inside the step.
+  the fly, so the float weight exists only transiently inside the step. `explicit` gives the
+  `w` matmul `matmul`'s written-out backward (--matmul_backward); the LoRA factors keep JAX's.
   """
   if quant.is_quantized(w):
     w = quant.dequantize(w)
