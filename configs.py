@@ -166,6 +166,11 @@ class ModelConfig:
       raise ValueError(f"logits_chunk={self.logits_chunk} must be 0 or a divisor of "
                        f"vocab_size={self.vocab_size}")
 
+  @property
+  def explicit_backward(self) -> bool:
+    """Whether the weight matmuls use models/transformer.matmul's written-out backward."""
+    return self.matmul_backward == "explicit"
+
   def layer_is_local(self) -> tuple[bool, ...]:
     """Per layer: True where attention is restricted to the sliding window."""
     if not self.sliding_window:

@@ -165,7 +165,7 @@ def head_logps(cfg: ModelConfig, params, h_BKD: jax.Array, target_BK: jax.Array,
     m, s, s2, picked = carry
     w_DC, first = xs
     logits = transformer.soft_cap(
-        transformer.matmul(h_BKD, w_DC, 1, cfg.matmul_backward == "explicit").astype(jnp.float32),
+        transformer.matmul(h_BKD, w_DC, 1, cfg.explicit_backward).astype(jnp.float32),
         cfg.final_softcap)
     m_new = jnp.maximum(m, logits.max(-1))
     s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(-1)

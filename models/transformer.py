@@ -275,18 +275,16 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
   `mask_BTS` and `freq_k` (RoPE inverse frequencies) are this layer's: sliding-window layers
   get a banded mask and possibly their own RoPE base.
   """
-  explicit = cfg.matmul_backward == "explicit"
-
   def proj(name, inp, n_in):
     lp = lora_p.get(name) if lora_p else None
     if lp is None:
-      y = dense(inp, p[name], n_in, explicit=explicit)
+      y = dense(inp, p[name], n_in, explicit=cfg.explicit_backward)
     else:
       # Each adapted matrix draws its dropout from its own stream: its index among the layer's
       # matrices in param_specs order.
       k = None if key is None else jax.random.fold_in(key, _matrices(cfg).index(name))
       y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate, dropout_source),
-                explicit)
+                cfg.explicit_backward)
     bias = p.get(name + "_bias")
     return y if bias is None else y + bias.astype(y.dtype)
 
@@ -448,7 +446,7 @@ def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:
   if cfg.tie_embeddings:
     logits = jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(h_BTD.dtype))
   else:
-    logits = dense(h_BTD, params["lm_head"], 1, explicit=cfg.matmul_backward == "explicit")
+    logits = dense(h_BTD, params["lm_head"], 1, explicit=cfg.explicit_backward)
   return sharding.constrain(soft_cap(logits.astype(jnp.float32), cfg.final_softcap), _ACT_LOGITS)
 
 
