@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import configs
+import numerics
 from conftest import SHARED_DATA
 from dpo import data, logprobs, loop, packing, task, train
 from dpo.tokenizer import ByteTokenizer
@@ -75,7 +76,7 @@ def test_shared_pair_stats_equal_unshared(setup, adapter):
                                rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_chunked_head_equals_whole_vocabulary_with_gradients(setup):
+def test_chunked_head_equals_whole_vocabulary_with_gradients(setup, monkeypatch):
   _, pairs, shared, _, base, lora = setup
   batch = {**pairs, **shared}
   chunked = dataclasses.replace(CFG.model, logits_chunk=CFG.model.vocab_size // 8)
@@ -84,17 +85,25 @@ def test_chunked_head_equals_whole_vocabulary_with_gradients(setup):
     def f(lp, bp):
       s = logprobs.pair_stats(cfg, bp, batch, wpo=True, lora=lp, lora_scale=CFG.lora.scale)
       return s.logps.sum() + s.wpo_logw.sum(), s
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(lora, base)
+    (_, s), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(lora, base)
+    return {"logps": s.logps, "wpo_logw": s.wpo_logw}, g
 
-  (v1, s1), g1 = total(CFG.model)
+  # The longest sums are the weight gradients' over the scored slots, through every layer's
+  # contractions forward and back.
+  tol = numerics.reorder_tol(int(shared["shared_segment_ids"].astype(bool).sum()),
+                             numerics.backprop_depth(CFG.model.n_layers))
+  s1, g1 = total(CFG.model)
   # The explicit matmul backward (--matmul_backward) gives the same values and gradients.
   for cfg in (chunked, dataclasses.replace(chunked, matmul_backward="explicit")):
-    (v2, s2), g2 = total(cfg)
-    np.testing.assert_allclose(np.asarray(s2.logps), np.asarray(s1.logps), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(s2.wpo_logw), np.asarray(s1.wpo_logw), rtol=1e-5,
-                               atol=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    s2, g2 = total(cfg)
+    numerics.assert_close({"stats": (s2, s1, tol), "gradients": (g2, g1, tol)})
+  # Negative control: a head scan that drops the last vocabulary chunk (from the normaliser)
+  # misses the same bound by orders of magnitude.
+  head_chunks = logprobs._head_chunks
+  monkeypatch.setattr(logprobs, "_head_chunks", lambda *a: head_chunks(*a)[:-1])
+  s3, g3 = total(chunked)
+  numerics.assert_mistake_caught({"stats": (s3, s1, tol), "gradients": (g3, g1, tol)},
+                                 "a dropped vocabulary chunk")
 
 
 def test_pair_kl_equal_unshared(setup):
@@ -109,29 +118,53 @@ def test_pair_kl_equal_unshared(setup):
 
 
 def _three_steps(cfg, mesh, base, arrays):
-  """(params, metrics) after three DPO steps on `arrays` from fresh trainable weights."""
+  """(numerics.Steps, last metrics) of three DPO steps on `arrays` from fresh trainable weights."""
   spec = train.StepConfig.dpo(cfg)
   trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.key(1), mesh)
+  start = jax.tree.map(np.asarray, trainable)
   state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
   frozen = train.initial_frozen(base)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
   batch = train.device_batch(mesh, arrays)
   for _ in range(3):
     state, m = step(state, frozen, batch)
-  return jax.tree.map(np.asarray, state.params), jax.tree.map(float, m)
+  return numerics.Steps.of(start, state), jax.tree.map(float, m)
 
 
-def _assert_same_steps(cfg, want, got):
-  (p1, m1), (p2, m2) = want, got
+def _tau(cfg, pairs):
+  """The gradients' reordering bound (tests/numerics.py): the longest sums are the weight
+  gradients' over the tokens of the unshared rows (padding adds exact zeros), through all the
+  layers and back."""
+  return numerics.reorder_tol(int(np.count_nonzero(pairs["segment_ids"])),
+                              numerics.backprop_depth(cfg.model.n_layers))
+
+
+def _assert_same_steps(cfg, pairs, want, got, wrong=None):
+  """Same metrics and the same AdamW moments and displacements (within tests/numerics.py's
+  bounds); `wrong`, steps on a deliberately broken layout, misses those bounds by orders of
+  magnitude."""
+  (s1, m1), (s2, m2) = want, got
   # The steps learned: the DPO part of the loss (less the preset's RPO term) fell below ln 2.
   assert m1["kl"] > 0 and m1["loss"] - cfg.loss.rpo_alpha * m1.get("rpo/nll", 0.0) < 0.69
   assert m1.keys() == m2.keys()
   for k in m1:
     np.testing.assert_allclose(m2[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
-  # Adam's first updates are nearly lr * sign(g): a 1e-7 difference in a near-zero gradient
-  # moves a weight by up to lr, so parameters are compared to a small fraction of lr.
-  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=0.05 * cfg.optim.learning_rate)
+  tau = _tau(cfg, pairs)
+  numerics.assert_close(numerics.step_checks(s2, s1, tau))
+  if wrong is not None:
+    numerics.assert_mistake_caught(numerics.step_checks(wrong[0], s1, tau),
+                                   "rejected positions continuing after the chosen branch")
+
+
+def _rejected_positions_continue(shared):
+  """Shared-prefix rows with the classic prefix-sharing mistake: the rejected branch's
+  positions continue after the chosen branch instead of restarting after the prompt."""
+  out = dict(shared)
+  slot = np.broadcast_to(np.arange(shared["shared_positions"].shape[-1]),
+                         shared["shared_positions"].shape)
+  out["shared_positions"] = np.where(shared["shared_branch"] == 2, slot,
+                                     shared["shared_positions"]).astype(np.int32)
+  return out
 
 
 @pytest.mark.parametrize("full_ft", [False, True])
@@ -140,8 +173,10 @@ def test_dpo_steps_equal_unshared(setup, full_ft):
   mesh, pairs, shared, _, base, _ = setup
   cfg = CFG.replace(wpo=True, log_kl=True, **({"lora_rank": 0, "learning_rate": 1e-3}
                                                 if full_ft else {}))
-  _assert_same_steps(cfg, _three_steps(cfg, mesh, base, pairs),
-                     _three_steps(cfg, mesh, base, {**pairs, **shared}))
+  wrong = {**pairs, **_rejected_positions_continue(shared)}
+  _assert_same_steps(cfg, pairs, _three_steps(cfg, mesh, base, pairs),
+                     _three_steps(cfg, mesh, base, {**pairs, **shared}),
+                     _three_steps(cfg, mesh, base, wrong))
 
 
 def test_not_applicable_is_reported():
@@ -239,13 +274,15 @@ def test_packed_dpo_steps_equal_unshared(packed_setup, full_ft, devices, blocks,
                     gradient_accumulation_steps=microbatches,
                     **({"lora_rank": 0, "learning_rate": 1e-3} if full_ft else {}))
   rows = np.arange(len(PACK_RECORDS))
-  _, _, out = _pack(shared, rows, blocks, microbatches, devices * microbatches)
+  pack = lambda rows_of: _pack(rows_of, rows, blocks, microbatches, devices * microbatches)[2]
+  out = pack(shared)
   assert out["pair_valid"].shape[1] > 1
   want = _three_steps(cfg, mesh, base, pairs)
   got = _three_steps(cfg, mesh, base, {**pairs, **out})
   fill = (out["shared_segment_ids"] != 0).mean()
   assert got[1].pop("fill_rate") == pytest.approx(fill) and fill > 0.5
-  _assert_same_steps(cfg, want, got)
+  wrong = _three_steps(cfg, mesh, base, {**pairs, **pack(_rejected_positions_continue(shared))})
+  _assert_same_steps(cfg, pairs, want, got, wrong)
 
 
 @pytest.mark.parametrize("devices,blocks,microbatches", [(1, 1, 1), (2, 2, 2)])
@@ -264,11 +301,13 @@ def test_packed_dropout_masks_are_the_unpacked_rows(packed_setup, devices, block
   want = _three_steps(cfg, mesh, base, {**pairs, **shared})
   got = _three_steps(cfg, mesh, base, {**pairs, **out})
   got[1].pop("fill_rate")
-  _assert_same_steps(cfg, want, got)
-  # The masks matter: the same packed rows without their sources give other steps.
+  _assert_same_steps(cfg, pairs, want, got)
+  # The masks matter: the same packed rows without their sources (each packed row drawing its
+  # own masks) miss the same bounds by orders of magnitude.
   del out["dropout_source"]
-  other = _three_steps(cfg, mesh, base, {**pairs, **out})[1]
-  assert abs(other["loss"] - want[1]["loss"]) > 1e-4
+  other = _three_steps(cfg, mesh, base, {**pairs, **out})
+  numerics.assert_mistake_caught(numerics.step_checks(other[0], want[0], _tau(cfg, pairs)),
+                                 "packed rows drawing their own dropout masks")
 
 
 def test_loader_packs_only_this_process_block():
@@ -356,21 +395,28 @@ def test_blockwise_attention_equals_one_block(packed_setup, layout, window):
   blocked = dataclasses.replace(dense, attention_block=20)
   assert slots % 20 and slots > 40  # several blocks and a short last one
 
-  def total(cfg):
+  def total(cfg, batch):  # ({log-probs, WPO weights}, LoRA gradients)
     def f(lp):
       s = logprobs.pair_stats(cfg, base, batch, wpo=True, lora=lp, lora_scale=CFG.lora.scale)
-      return s.logps.sum() + s.wpo_logw.sum(), s
-    return jax.jit(jax.value_and_grad(f, has_aux=True))(lora)
+      return s.logps.sum() + s.wpo_logw.sum(), {"logps": s.logps, "shared_logps": s.shared_logps,
+                                                "wpo_logw": s.wpo_logw}
+    (_, stats), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(lora)
+    return {"stats": stats, "gradients": grads}
 
-  (_, s1), g1 = total(dense)
-  (_, s2), g2 = total(blocked)
-  for name in ("logps", "shared_logps", "wpo_logw"):
-    np.testing.assert_allclose(np.asarray(getattr(s2, name)), np.asarray(getattr(s1, name)),
-                               rtol=1e-5, atol=1e-5, err_msg=name)
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-    # Summation order differs (softmax over fewer keys): tolerance relative to the gradient's scale.
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4,
-                               atol=1e-5 * max(1.0, float(np.abs(a).max())))
+  # Summation order differs (softmax over fewer keys): the bound of tests/numerics.py.
+  tol = _tau(CFG, pairs)
+  want = total(dense, batch)
+  checks = lambda got: {k: (got[k], want[k], tol) for k in want}
+  numerics.assert_close(checks(total(blocked, batch)))
+  # Negative control: the same blocks on rows with a position mistake (the rejected branch
+  # continuing after the chosen one; in unshared rows, where an offset of a whole row does not
+  # change rotary attention, the scored tokens one slot late).
+  if layout == "unshared":
+    wrong = {**pairs, "loss_mask": np.roll(pairs["loss_mask"], 1, axis=-1)}
+  else:
+    wrong = {**batch, **_rejected_positions_continue(
+        {k: batch[k] for k in ("shared_positions", "shared_branch")})}
+  numerics.assert_mistake_caught(checks(total(blocked, wrong)), "a position mistake")
 
 
 def test_blockwise_attention_dpo_steps_equal_one_block(setup):
@@ -378,6 +424,9 @@ def test_blockwise_attention_dpo_steps_equal_one_block(setup):
   attention on the same rows."""
   mesh, pairs, shared, _, base, _ = setup
   cfg = CFG.replace(wpo=True, log_kl=True)
+  blocked = cfg.replace(attention_block=16)
   batch = {**pairs, **shared}
-  _assert_same_steps(cfg, _three_steps(cfg, mesh, base, batch),
-                     _three_steps(cfg.replace(attention_block=16), mesh, base, batch))
+  wrong = {**pairs, **_rejected_positions_continue(shared)}
+  _assert_same_steps(cfg, pairs, _three_steps(cfg, mesh, base, batch),
+                     _three_steps(blocked, mesh, base, batch),
+                     _three_steps(blocked, mesh, base, wrong))

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import configs
+import numerics
 from dpo import train
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -159,11 +160,12 @@ def _batch(rng, B=8, T=24):
 
 
 def _run_dpo(cfg, mesh, batches):
-  """Two DPO steps from the same seeds on `mesh`; returns metrics, final params, opt state."""
+  """Two DPO steps from the same seeds on `mesh`: (each step's metrics, numerics.Steps)."""
   key = jax.random.key(0)
   params = transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh)
   spec = train.StepConfig.dpo(cfg)
   trainable = train.initial_trainable(cfg.model, cfg.lora, params, jax.random.fold_in(key, 1), mesh)
+  start = jax.device_get(trainable)
   frozen = train.initial_frozen(params)
   state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
@@ -171,7 +173,7 @@ def _run_dpo(cfg, mesh, batches):
   for b in batches:
     state, m = step(state, frozen, train.device_batch(mesh, b, len(b["tokens"])))
     metrics.append(jax.device_get(m))
-  return metrics, jax.device_get(state.params), jax.device_get(state.opt_state)
+  return metrics, numerics.Steps.of(start, state)
 
 
 @pytest.fixture(scope="module")
@@ -193,17 +195,26 @@ def reference_lora(batches):
   return _run_dpo(_cfg(4), mesh, batches)
 
 
-def _assert_same(got, want, param_atol=2e-6, state_rtol=1e-4):
-  m_got, p_got, o_got = got
-  m_want, p_want, o_want = want
+def _tau(batches):
+  """The gradients' reordering bound (tests/numerics.py): the longest sums are the weight
+  gradients' over a batch's tokens (padding adds exact zeros), through both layers and back."""
+  tokens = max(int(np.count_nonzero(b["segment_ids"])) for b in batches)
+  return numerics.reorder_tol(tokens, numerics.backprop_depth(MODEL.n_layers))
+
+
+def _assert_same(got, want, batches):
+  (m_got, s_got), (m_want, s_want) = got, want
   for a, b in zip(m_got, m_want):
     assert a.keys() == b.keys()
     for k in a:
       np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=2e-6, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=state_rtol, atol=param_atol),
-               p_got, p_want)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=state_rtol, atol=1e-7),
-               o_got, o_want)
+  numerics.assert_close(numerics.step_checks(s_got, s_want, _tau(batches)))
+
+
+def _one_device_misreads(batches):
+  """The batches as a mesh whose last batch block reads the first block's rows (a process or
+  device that loads the wrong shard) would see them: the last row a copy of the first."""
+  return [{k: np.concatenate([v[:-1], v[:1]]) for k, v in b.items()} for b in batches]
 
 
 @pytest.mark.parametrize("spec", ["data:8", "fsdp:8", "tensor:8", "data:2,fsdp:2,tensor:2"])
@@ -213,14 +224,19 @@ def test_dpo_step_sharded_matches_one_device_lora(spec, batches, reference_lora)
   assert not sharding.replicated_axes(transformer.param_specs(MODEL), mesh)
   got = _run_dpo(_cfg(4), mesh, batches)
   assert got[0][1]["loss"] != got[0][0]["loss"]  # the first step changed the adapters
-  _assert_same(got, reference_lora)
+  _assert_same(got, reference_lora, batches)
+  # Negative control: the same mesh where one batch block holds another's rows misses the same
+  # bounds by orders of magnitude.
+  wrong = _run_dpo(_cfg(4), mesh, _one_device_misreads(batches))
+  numerics.assert_mistake_caught(numerics.step_checks(wrong[1], reference_lora[1], _tau(batches)),
+                                 "a batch block reading another's rows")
 
 
 def test_dpo_step_sharded_matches_one_device_full_finetune(batches):
   one = _run_dpo(_cfg(0), sharding.make_mesh("data:1", devices=jax.devices()[:1]), batches)
-  eight = _run_dpo(_cfg(0), sharding.make_mesh("data:2,fsdp:2,tensor:2"), batches)
-  # Adam divides by sqrt(v): for the few embedding entries whose gradient is ~1e-8, float32
-  # summation-order noise in g moves the update by up to ~1% of the learning rate (1e-2). Real
-  # sharding errors move whole rows by O(lr). Step 2's gradients (hence Adam moments) inherit
-  # that, at ~3e-4 relative. Loss and metrics of both steps are still compared at 2e-5.
-  _assert_same(eight, one, param_atol=3e-4, state_rtol=2e-3)
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  eight = _run_dpo(_cfg(0), mesh, batches)
+  _assert_same(eight, one, batches)
+  wrong = _run_dpo(_cfg(0), mesh, _one_device_misreads(batches))
+  numerics.assert_mistake_caught(numerics.step_checks(wrong[1], one[1], _tau(batches)),
+                                 "a batch block reading another's rows")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import configs
+import numerics
 from dpo import data, task, train
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
@@ -107,20 +108,39 @@ def test_sft_step_lowers_loss(setup):
   assert losses[-1] < losses[0] - 0.5
 
 
+def _tau(rows):
+  """The gradients' reordering bound (tests/numerics.py): the longest sums are the weight
+  gradients' over the rows' tokens (padding adds exact zeros), through both layers and back."""
+  return numerics.reorder_tol(int(np.count_nonzero(rows["segment_ids"])),
+                              numerics.backprop_depth(CFG.model.n_layers))
+
+
+def _misread(rows):
+  """The rows as a device or microbatch that reads another's rows would see them: the last
+  row a copy of the first (a negative control for the equalities below)."""
+  return {k: np.concatenate([v[:-1], v[:1]]) for k, v in rows.items()}
+
+
 def test_step_on_eight_devices_matches_one(setup):
   _, pairs, _ = setup
+  rows = {k: v[:8] for k, v in pairs.items()}
   results = []
-  for spec, devices in (("data:1", jax.devices()[:1]), ("data:2,fsdp:2,tensor:2", jax.devices()[:8])):
+  for spec, devices, arrays in (("data:1", jax.devices()[:1], rows),
+                                ("data:2,fsdp:2,tensor:2", jax.devices()[:8], rows),
+                                ("data:2,fsdp:2,tensor:2", jax.devices()[:8], _misread(rows))):
     mesh = sharding.make_mesh(spec, devices)
     base = transformer.init(CFG.model, jax.random.key(0), mesh)
     state, step = _dpo(CFG, mesh, base)
-    batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+    start = jax.device_get(state.params)
+    batch = train.device_batch(mesh, arrays)
     for _ in range(2):
       state, m = step(state, base, batch)
-    results.append((float(m["loss"]), jax.tree.map(np.asarray, state.params)))
-  assert abs(results[0][0] - results[1][0]) < 1e-5
-  for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    results.append((float(m["loss"]), numerics.Steps.of(start, state)))
+  (loss1, one), (loss8, eight), (_, wrong) = results
+  assert abs(loss1 - loss8) < 1e-5
+  numerics.assert_close(numerics.step_checks(eight, one, _tau(rows)))
+  numerics.assert_mistake_caught(numerics.step_checks(wrong, one, _tau(rows)),
+                                 "a device reading another's rows")
 
 
 def test_unrelated_fields_do_not_recompile_the_step(setup):
@@ -179,9 +199,10 @@ def _one_step(cfg, mesh, base, batch, step_fn=train.dpo_step, stage="dpo"):
   state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
   step = train.jit_step(step_fn, spec, mesh, state, frozen)
   temp = step.lower(state, frozen, batch).compile().memory_analysis().temp_size_in_bytes
+  start = jax.device_get(state.params)
   for _ in range(2):  # the second step's loss and metrics follow a non-zero first update
     state, m = step(state, frozen, batch)
-  return jax.device_get(m), jax.tree.map(np.asarray, state.params), temp
+  return jax.device_get(m), numerics.Steps.of(start, state), temp
 
 
 @pytest.mark.parametrize("lora_rank", [16, 0])
@@ -191,16 +212,20 @@ def test_gradient_accumulation_equals_the_full_batch_step(setup, lora_rank):
   _, pairs, _ = setup
   mesh = sharding.make_mesh("data:2", jax.devices()[:2])
   base = transformer.init(CFG.model, jax.random.key(0), mesh)
-  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  rows = {k: v[:8] for k, v in pairs.items()}
+  batch = train.device_batch(mesh, rows)
   cfg = CFG.replace(lora_rank=lora_rank, learning_rate=1e-3)
   assert cfg.step_kl
   m1, p1, t1 = _one_step(cfg, mesh, base, batch)
-  m4, p4, t4 = _one_step(cfg.replace(gradient_accumulation_steps=4), mesh, base, batch)
+  accumulated = cfg.replace(gradient_accumulation_steps=4)
+  m4, p4, t4 = _one_step(accumulated, mesh, base, batch)
   assert set(m1) == set(m4) and "kl" in m1
   for k in m1:
     np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
-  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+  numerics.assert_close(numerics.step_checks(p4, p1, _tau(rows)))
+  wrong = _one_step(accumulated, mesh, base, train.device_batch(mesh, _misread(rows)))[1]
+  numerics.assert_mistake_caught(numerics.step_checks(wrong, p1, _tau(rows)),
+                                 "a microbatch reading another's rows")
   assert t4 < t1
 
 
@@ -209,15 +234,18 @@ def test_gradient_accumulation_sft_is_the_token_mean_of_the_batch(setup):
   base = transformer.init(CFG.model, jax.random.key(0), mesh)
   sft = data.tokenize_sft(task.sft_records(8, 0), ByteTokenizer(), 40, 56)
   assert len(set(sft["loss_mask"].sum(1))) > 1  # unequal lengths: a mean of means would differ
-  batch = train.device_batch(mesh, sft)
   cfg = CFG.replace(sft_learning_rate=1e-3)
-  m1, p1, _ = _one_step(cfg, mesh, base, batch, train.sft_step, "sft")
-  m4, p4, _ = _one_step(cfg.replace(gradient_accumulation_steps=4), mesh, base, batch,
-                        train.sft_step, "sft")
+  run = lambda cfg, rows: _one_step(cfg, mesh, base, train.device_batch(mesh, rows),
+                                    train.sft_step, "sft")
+  m1, p1, _ = run(cfg, sft)
+  accumulated = cfg.replace(gradient_accumulation_steps=4)
+  m4, p4, _ = run(accumulated, sft)
   for k in m1:
     np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
-  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+  numerics.assert_close(numerics.step_checks(p4, p1, _tau(sft)))
+  numerics.assert_mistake_caught(numerics.step_checks(run(accumulated, _misread(sft))[1], p1,
+                                                      _tau(sft)),
+                                 "a microbatch reading another's rows")
 
 
 def test_microbatches_keep_each_devices_rows():
