@@ -374,8 +374,8 @@ class CheckpointConfig:
   export_hf: str = _f("", "After DPO, write the policy (LoRA merged) as a Hugging Face directory "
                           "here, plus the LoRA factors alone in PEFT layout under DIR/adapter.")
   resume: str = _f("auto", "auto: resume from output_dir's checkpoints when there are any (the "
-                   "rerun must be the same run: hyperparameters, data, tokenizer, initial model "
-                   "and code are fingerprinted); never: refuse an output_dir that holds "
+                   "rerun must be the same run: hyperparameters, data, tokenizer and initial model "
+                   "are fingerprinted; changed library source is logged); never: refuse an output_dir that holds "
                    "checkpoints; must: refuse to start without one.")
 
   def __post_init__(self):

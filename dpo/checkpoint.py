@@ -53,6 +53,8 @@ MANIFEST = "manifest.json"
 FORMAT = 2  # manifest format; 1 was meta.json alone, without checksums
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _ASIDE = (".tmp", ".old", ".deleted", ".damaged")  # names beside a checkpoint, never read as one
+# The identity field of the library's source files (dpo/identity.py): logged when it differs.
+SOURCE = "code"
 
 
 class CheckpointError(ValueError):
@@ -375,6 +377,22 @@ def load_params(path: str, model_cfg, mesh) -> Any:
 
 # --- a directory of step checkpoints --------------------------------------------------------------
 
+def _log_source_change(path: str, old, new: dict) -> None:
+  """One warning when the library source differs from the one that wrote `path`."""
+  if old == new:
+    return
+  if not isinstance(old, dict):  # written before the source was hashed file by file
+    logging.warning("%s was written by other library source (files not recorded); resuming it",
+                    path)
+    return
+  changed = sorted(f for f in set(old) & set(new) if old[f] != new[f])
+  parts = [f"{what} {', '.join(files)}" for what, files in (
+      ("changed", changed), ("added", sorted(set(new) - set(old))),
+      ("removed", sorted(set(old) - set(new)))) if files]
+  logging.warning("%s was written by other library source (%s); resuming it", path,
+                  "; ".join(parts))
+
+
 class Manager:
   """Step checkpoints of one stage under `directory`, newest `keep` retained.
 
@@ -429,15 +447,23 @@ class Manager:
   @staticmethod
   def check_identity_of(path: str, meta: dict, identity: dict) -> None:
     """Raises CheckpointError naming every value of `identity` (nested one level, as the
-    fingerprint is) that differs in `meta`, with the checkpoint's and this run's value."""
-    diff = []
+    fingerprint is) that differs in `meta`, with the checkpoint's and this run's value. The
+    library's source (`SOURCE`) is the exception: a change there is logged, naming the files,
+    and does not refuse."""
+    pairs = []  # (field, checkpoint's value, this run's value)
     for k, v in identity.items():
       old = meta.get(k)
       if isinstance(v, dict) and isinstance(old, dict):
-        diff += [f"{f}: {old.get(f, '(absent)')!r} -> {v.get(f, '(absent)')!r}"
-                 for f in sorted(set(v) | set(old)) if old.get(f, "(absent)") != v.get(f, "(absent)")]
-      elif old != v:
-        diff.append(f"{k}: {old!r} -> {v!r}")
+        pairs += [(f, old.get(f, "(absent)"), v.get(f, "(absent)"))
+                  for f in sorted(set(v) | set(old))]
+      else:
+        pairs.append((k, old, v))
+    diff = []
+    for field, old, new in pairs:
+      if field == SOURCE:
+        _log_source_change(path, old, new)
+      elif old != new:
+        diff.append(f"{field}: {old!r} -> {new!r}")
     if diff:
       raise CheckpointError(f"{path} was written by a different run, refusing to resume it "
                             f"(checkpoint -> this run: {'; '.join(diff)}); rerun with the "

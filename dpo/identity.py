@@ -4,8 +4,10 @@ A stage's fingerprint is a flat {name: value} of everything its result depends o
 hyperparameters that change the run (the model, LoRA, optimizer, loss, reference and guard
 sections, the seed, the data settings), content hashes of the data files, the tokenizer and the
 tokenised arrays, the initial model's content (a checkpoint's manifest digest, or a Hugging Face
-folder's files), and the code (a hash of the library's source). `checkpoint.Manager` stores it
-and refuses a checkpoint whose fingerprint differs, naming each field with its old and new value.
+folder's files), and the library's source (a hash of each file). `checkpoint.Manager` stores it
+and refuses a checkpoint whose fingerprint differs, naming each field with its old and new value;
+a source change alone is logged with the changed files named and the run resumes, so a fork that
+edits the code can continue its runs.
 Left out, because they do not change what a step computes: the stage's length (`--steps`,
 `--sft_steps`: extending is allowed and logged, shortening below a checkpoint refused by the
 runner), paths, cadences, evaluation, the mesh (a checkpoint restores onto any mesh), `--log_kl`.
@@ -41,17 +43,16 @@ _DPO_SECTIONS = ("lora", "optim", "loss", "reference", "guard")
 
 
 @functools.lru_cache(maxsize=None)
-def code_version() -> str:
-  """sha256 (16 hex digits) of the library's source: configs.py and the dpo/ and models/
-  packages (tools and tests excluded)."""
-  h = hashlib.sha256()
+def source_digests() -> dict[str, str]:
+  """{path: sha256 (16 hex digits)} of the library's source files: configs.py and the dpo/ and
+  models/ packages (tools and tests excluded)."""
   files = [os.path.join(ROOT, "configs.py"), *glob.glob(os.path.join(ROOT, "dpo", "*.py")),
            *glob.glob(os.path.join(ROOT, "models", "*.py"))]
+  out = {}
   for f in sorted(files):
-    h.update(os.path.relpath(f, ROOT).encode())
     with open(f, "rb") as fh:
-      h.update(hashlib.sha256(fh.read()).digest())
-  return h.hexdigest()[:16]
+      out[os.path.relpath(f, ROOT)] = hashlib.sha256(fh.read()).hexdigest()[:16]
+  return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,7 +124,7 @@ def fingerprint(cfg, stage: str, arrays: dict, initial: str) -> dict:
     for section in _DPO_SECTIONS:
       fp.update({k: v for k, v in dataclasses.asdict(getattr(cfg, section)).items()
                  if k not in _NEVER and not k.startswith("sft_")})
-  fp["code"] = code_version()
+  fp[checkpoint.SOURCE] = source_digests()
   return _plain(fp)
 
 

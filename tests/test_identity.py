@@ -62,7 +62,8 @@ def test_changed_hyperparameter_refuses_to_resume(tmp_path, finished, name):
   assert "was written by a different run" in message and "\n" not in message  # dpo_base or step 2
 
 
-def test_changed_code_data_file_or_initial_model_refuses(tmp_path, monkeypatch):
+def test_changed_data_file_or_initial_model_refuses_changed_source_is_logged(tmp_path, monkeypatch,
+                                                                            caplog):
   data = tmp_path / "pairs.jsonl"
   rows = [{"prompt": f"q{i} ", "chosen": "good answer", "rejected": "bad"} for i in range(16)]
   data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -73,11 +74,16 @@ def test_changed_code_data_file_or_initial_model_refuses(tmp_path, monkeypatch):
   run = lambda: loop.run(tiny_cfg(tmp_path / "run", train_data=str(data), init_from=init,
                                   steps=1))
   run()
-  with monkeypatch.context() as m:
-    m.setattr(identity, "code_version", lambda: "0123456789abcdef")
-    with pytest.raises(checkpoint.CheckpointError, match=r"code: '[0-9a-f]{16}' -> "
-                                                         r"'0123456789abcdef'"):
-      run()
+  # A fork that edits, adds and removes source files resumes its run, and says which files.
+  source = dict(identity.source_digests())
+  assert "dpo/losses.py" in source and "models/transformer.py" in source
+  forked = {**source, "dpo/losses.py": "0123456789abcdef", "dpo/new_algorithm.py": "0" * 16}
+  del forked["models/transformer.py"]
+  with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
+    m.setattr(identity, "source_digests", lambda: forked)
+    run()
+  assert ("was written by other library source (changed dpo/losses.py; added "
+          "dpo/new_algorithm.py; removed models/transformer.py); resuming it") in caplog.text
   rows[3]["chosen"] = "a different answer"
   data.write_text("".join(json.dumps(r) + "\n" for r in rows))
   with pytest.raises(checkpoint.CheckpointError, match="train_data sha256: '[0-9a-f]{64}' -> "):
