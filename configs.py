@@ -391,7 +391,9 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-  stage: str = _f("all", "sft, dpo, or all (SFT, then DPO against the SFT model).")
+  stage: str = _f("all", "The recipe: algorithms (dpo/algorithms) run in order, comma-separated, "
+                  "e.g. sft, dpo or sft,dpo; all = sft,dpo (SFT, then DPO against the SFT "
+                  "model).")
   seed: int = _f(0, "Seed for init, data order and dropout.")
   log_every: int = _f(10, "Log one line and one metrics.jsonl record every N steps.")
   output_dir: str = _f("runs/default", "Everything the run writes goes under this directory.")
@@ -403,12 +405,19 @@ class RunConfig:
                        "<output_dir>/wandb, synced later with `wandb sync`).")
 
   def __post_init__(self):
-    _check(self.stage in ("sft", "dpo", "all"), f"--stage={self.stage!r}: must be sft, dpo or all")
+    _check(all(self.stages) and len(set(self.stages)) == len(self.stages),
+           f"--stage={self.stage!r}: must be all or algorithm names, each at most once, "
+           "separated by commas")
     _rules(self, log_every=(lambda v: v >= 1, ">= 1"))
     _check(self.wandb_mode in ("online", "offline"),
            f"--wandb_mode={self.wandb_mode!r}: must be online or offline")
     _check(self.wandb_mode == "online" or self.wandb_project,
            f"--wandb_mode={self.wandb_mode} is read only with --wandb_project")
+
+  @property
+  def stages(self) -> tuple[str, ...]:
+    """The recipe's algorithm names, in order (`all` is sft, dpo)."""
+    return ("sft", "dpo") if self.stage == "all" else tuple(self.stage.split(","))
 
 
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
@@ -437,7 +446,7 @@ class Config:
 
   def __post_init__(self):
     """Checks that span sections."""
-    _check(self.run.stage == "dpo" or self.optim.sft_steps >= 1,
+    _check("sft" not in self.run.stages or self.optim.sft_steps >= 1,
            f"--sft_steps={self.optim.sft_steps}: must be >= 1 with --stage={self.run.stage} "
            f"(--stage=dpo skips SFT)")
     _check(self.model.base_quant == "none" or self.lora.enabled,

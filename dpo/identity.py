@@ -37,9 +37,6 @@ RESUME = ("auto", "never", "must")
 # Fields that do not change what a stage computes (see the module docstring).
 _NEVER = {"steps", "sft_steps", "log_kl", "ref_cache_dir", "data_cache_dir", "eval_data",
           "task_eval_pairs", "task_eval_prompts", "tokenizer", "train_data", "sft_data"}
-_SFT_OPTIM = ("sft_learning_rate", "global_batch_size", "warmup_ratio", "weight_decay",
-              "adam_b1", "adam_b2", "max_grad_norm")
-_DPO_SECTIONS = ("lora", "optim", "loss", "reference", "guard")
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,27 +102,32 @@ def _plain(value):
   return json.loads(json.dumps(value))
 
 
-def fingerprint(cfg, stage: str, arrays: dict, initial: str) -> dict:
-  """The fingerprint of stage `stage` ("sft", "dpo", or "init": a --stage=dpo run's random base)
-  trained on `arrays` from the model whose `model_digest` is `initial`."""
+def fingerprint(cfg, hyperparameters: dict | None = None, data_files: tuple[str, ...] = (),
+                arrays: dict | None = None, initial: str = "") -> dict:
+  """The fingerprint of a stage whose result depends on `hyperparameters` (its algorithm's,
+  dpo/algorithms) and the files named by the DataConfig fields `data_files`, trained on
+  `arrays` from the model whose `model_digest` is `initial`; None `hyperparameters`: a random
+  base (the model section and the seed alone)."""
   fp = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
   fp["seed"] = cfg.run.seed
-  if stage != "init":
+  if hyperparameters is not None:
     d = cfg.data
     fp.update({k: v for k, v in dataclasses.asdict(d).items() if k not in _NEVER})
-    for flag in (("sft_data",) if stage == "sft" else ()) + ("train_data", "tokenizer"):
+    for flag in data_files:
       if getattr(d, flag):
         fp[f"{flag} sha256"] = file_digest(getattr(d, flag))
     fp["data arrays sha256"] = arrays_digest(arrays)
     fp["initial model"] = initial
-  if stage == "sft":
-    fp.update({k: getattr(cfg.optim, k) for k in _SFT_OPTIM})
-  elif stage == "dpo":
-    for section in _DPO_SECTIONS:
-      fp.update({k: v for k, v in dataclasses.asdict(getattr(cfg, section)).items()
-                 if k not in _NEVER and not k.startswith("sft_")})
+    fp.update(hyperparameters)
   fp[checkpoint.SOURCE] = source_digests()
   return _plain(fp)
+
+
+def sections(cfg, names: tuple[str, ...]) -> dict:
+  """The fields of config sections `names` that change what a step computes (not the SFT
+  stage's own `sft_*` fields, nor those of `_NEVER`)."""
+  return {k: v for section in names for k, v in dataclasses.asdict(getattr(cfg, section)).items()
+          if k not in _NEVER and not k.startswith("sft_")}
 
 
 def check_policy(resume: str, checkpoints_dir: str) -> None:

@@ -1,12 +1,13 @@
-"""The training program: data -> SFT stage -> DPO stage -> evaluation -> summary.
+"""The training program: data -> the recipe's stages (`--stage`, e.g. SFT then DPO) -> summary.
 
-`run` builds each stage (its initial state, jitted step, data loader and hooks) and hands it to
-the stage runner (dpo/runner.py); the side concerns of a stage are the hooks of dpo/hooks.py.
-Everything resumable lives under <output_dir>/checkpoints/: step checkpoints in sft/ and dpo/,
-the SFT output `sft_model` (the DPO stage's initial policy and frozen reference), `dpo_base`
-(the random base of a --stage=dpo run without --init_from, written once), and the exported
-policy `policy` (LoRA merged). Rerunning the same command continues where the last complete
-checkpoint left off, across the SFT -> DPO boundary too. Only process 0 writes files.
+`run` loads the data and walks the recipe through the algorithm registry (dpo/algorithms): each
+algorithm builds its stage on `Program.stage` (dpo/program.py), the stage runner (dpo/runner.py)
+runs it with the hooks of dpo/hooks.py, and it hands its model to the next. Everything
+resumable lives under <output_dir>/checkpoints/: step checkpoints in sft/ and dpo/, the SFT
+output `sft_model` (the DPO stage's initial policy and frozen reference), `dpo_base` (the random
+base of a --stage=dpo run without --init_from, written once), and the exported policy `policy`
+(LoRA merged). Rerunning the same command continues where the last complete checkpoint left
+off, across the SFT -> DPO boundary too. Only process 0 writes files.
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ import jax
 import numpy as np
 
 import configs
-from dpo import chat, checkpoint, curves, evaluate, formats, hooks, identity, packing, prepare
-from dpo import reference, task, tracking, train
+from dpo import algorithms, chat, checkpoint, curves, formats, identity, packing, prepare, task
+from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
-from dpo.runner import Hook, MetricsWriter, Stage, TrainingStopped  # noqa: F401 (re-exported)
-from models import lora as lora_lib
-from models import quant, sharding, transformer
-
-
+from dpo.program import Program
+from dpo.runner import Hook, MetricsWriter, TrainingStopped  # noqa: F401 (re-exported)
+from models import sharding, transformer
 
 
 class Data:
@@ -92,17 +91,17 @@ class Data:
     else:  # the chosen row of each training pair is a (prompt, completion) SFT example
       self.sft = {k: v[:, 0] for k, v in self.pairs.items()}
     if check_sizes:
-      batch, stage = cfg.optim.global_batch_size, cfg.run.stage
-      for arrays, used, what in ((self.pairs, stage in ("dpo", "all"),
+      batch, stages = cfg.optim.global_batch_size, cfg.run.stages
+      for arrays, used, what in ((self.pairs, "dpo" in stages,
                                   d.train_data or "the embedded task's pairs"),
-                                 (self.sft, stage in ("sft", "all"),
+                                 (self.sft, "sft" in stages,
                                   d.sft_data or d.train_data or "the embedded task's SFT data")):
         if used and len(arrays["tokens"]) < batch:
           raise data_lib.DataError(
               f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
               f"held-out split, fewer than one batch of --global_batch_size={batch}")
       # Refused before any stage runs, not when the DPO stage starts after SFT.
-      packs = cfg.model.packing and stage in ("dpo", "all")
+      packs = cfg.model.packing and "dpo" in stages
       why = packing.prompt_lengths(self.pairs)[1] if packs else None
       if why is not None:
         raise data_lib.DataError(f"--packing packs shared-prefix rows, and prefix sharing does "
@@ -210,50 +209,6 @@ def log_memory_estimate(cfg, mesh) -> dict[str, int]:
   return est
 
 
-# Packing chooses its row-count buckets on at most this many of the first epoch's batches.
-_FIT_BATCHES = 1000
-
-_STEPS = {"sft": (train.sft_step, train.StepConfig.sft), "dpo": (train.dpo_step, train.StepConfig.dpo)}
-
-
-@dataclasses.dataclass
-class Program:
-  """What the stages of one run share."""
-  cfg: Any
-  mesh: Any
-  data: Data
-  writer: MetricsWriter
-  extra_hooks: Mapping[str, Sequence[Hook]]
-
-  def stage(self, name: str, fresh, frozen, arrays, hooks: list, info: dict,
-            initial: str, packed: dict | None = None) -> Stage:
-    """Stage `name` (sft or dpo) over `arrays` from the model with digest `initial`, resuming
-    from <output_dir>/checkpoints/<name>; the stage's fingerprint is what a checkpoint must
-    match to be resumed, `info` is recorded beside it. `packed` (every pair's shared-prefix
-    rows) packs each batch's rows (--packing)."""
-    c, o = self.cfg, self.cfg.optim
-    step_fn, spec = _STEPS[name][0], _STEPS[name][1](c)
-    pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
-
-    def dispatch(state, frozen, batch):  # jit_step is cached: one compile per stage
-      step = train.jit_step(step_fn, spec, self.mesh, state, frozen)
-      return step(state, frozen, train.device_batch(self.mesh, batch, o.global_batch_size))
-
-    loader = data_lib.Loader(arrays, o.global_batch_size,
-                             c.run.seed + (1 if name == "sft" else 2), pid, nproc)
-    if packed is not None:
-      k = o.gradient_accumulation_steps
-      packer = packing.Packer(packed, o.global_batch_size, nproc, k,
-                              sharding.batch_shards(self.mesh) * k)
-      logging.info("%s", packer.fit(loader.batch_rows(0)[:_FIT_BATCHES]))
-      loader.pack = packer.pack
-    ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
-                               c.checkpoint.keep_checkpoints,
-                               {"fingerprint": identity.fingerprint(c, name, arrays, initial)}, info)
-    return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
-                 [*hooks, *self.extra_hooks.get(name, ())])
-
-
 def _check_batch(cfg, mesh) -> None:
   shards = sharding.batch_shards(mesh)
   if cfg.optim.global_batch_size % shards:
@@ -266,135 +221,6 @@ def _check_batch(cfg, mesh) -> None:
                      "the batch (each device's rows split evenly between microbatches)")
 
 
-def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: MetricsWriter):
-  t = time.perf_counter()
-  metrics, examples = evaluator(policy, lora)
-  metrics["eval_time_s"] = round(time.perf_counter() - t, 2)
-  writer.write({"stage": "eval", "step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
-  f = lambda k: "n/a" if metrics.get(k) is None else f"{metrics[k]:.3f}"
-  logging.info("eval  %5d  win %s  reward %s vs %s  KL/seq %s  KL/tok %s  acc %s  margin %s  "
-               "ppl %s  (%.1fs)", step, f("win_rate"), f("policy_true_reward"),
-               f("reference_true_reward"), f("kl_per_sequence"), f("kl_per_token"),
-               f("reward_accuracy"), f("reward_margin"), f("perplexity"), metrics["eval_time_s"])
-  return metrics, examples
-
-
-def _sft(p: Program, params, sft_out: str):
-  """The SFT stage (all weights train); returns the SFT model, also saved to `sft_out`."""
-  c = p.cfg
-  initial = identity.model_digest(c.checkpoint.init_from)
-  want = {"fingerprint": identity.fingerprint(c, "sft", p.data.sft, initial)}
-  if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps",
-                       downstream=os.path.join(os.path.dirname(sft_out), "dpo")):
-    logging.info("sft: %s exists; stage done", sft_out)
-    return checkpoint.load_params(sft_out, c.model, p.mesh)
-  spec = train.StepConfig.sft(c)
-  opt, _ = spec.optimizer()
-  fresh = lambda: train.init_state(jax.tree.map(lambda x: x.copy(), params), opt, c.run.seed,
-                                   p.mesh)
-  stage_hooks = [hooks.LogMetrics(c.run.log_every),
-                 hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
-  state = p.stage("sft", fresh, None, p.data.sft, stage_hooks,
-                  {"init_from": c.checkpoint.init_from, "lora": False}, initial).run()
-  checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step),
-                         metrics_records=p.writer.count, **want)
-  logging.info("sft: model -> %s", sft_out)
-  return state.params
-
-
-def _dpo(p: Program, params, reference_path: str) -> dict:
-  """The DPO stage against the frozen `params`, then export and the final evaluation."""
-  c, mesh, summary = p.cfg, p.mesh, {}
-  if c.model.base_quant != "none":
-    before = transformer.nbytes(params)
-    params = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, params,
-                                   mesh)
-    after = transformer.nbytes(params)
-    logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",
-                 c.model.base_quant, before / 2**20, after / 2**20, (before - after) / 2**20,
-                 100 * (1 - after / before))
-    summary["base_bytes"] = {"float32": before, c.model.base_quant: after}
-  ref = reference.load(c, mesh) if c.reference.ref_init_from else None
-  if ref is not None and c.model.base_quant != "none":
-    ref = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, ref, mesh)
-  ref_model = params if ref is None else ref  # what the step and the evaluation compare against
-  if p.data.held is not None:
-    summary["reference_perplexity"] = evaluate.pair_metrics(
-        c, mesh, ref_model, None, ref_model, p.data.held, c.optim.global_batch_size)["perplexity"]
-  spec = train.StepConfig.dpo(c)
-  opt, _ = spec.optimizer()
-  if c.guard.log_kl and not spec.kl:
-    logging.warning("--log_kl: no reference forward runs in the step (precompute_ref or a "
-                    "reference-free loss), so the step logs no token KL; the evaluation's "
-                    "on-policy KL is still reported")
-  if c.lora.enabled:
-    logging.info("LoRA: rank %d on %s, %.3fM trainable parameters", c.lora.lora_rank,
-                 ",".join(c.lora.lora_targets), transformer.num_params(transformer.abstract(
-                     train.trainable_specs(c.model, c.lora))) / 1e6)
-  key = jax.random.fold_in(jax.random.key(c.run.seed), 1)
-  trainable = lambda: train.initial_trainable(c.model, c.lora, params, key, mesh)
-  fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
-  tr_dpo = c.reference.ref_update != "none"
-  frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None, ref,
-                                c.lora.enabled)
-  pairs = p.data.pairs
-  if c.reference.precompute_ref:
-    cache_dir = c.reference.ref_cache_dir or os.path.join(c.run.output_dir, "ref_cache")
-    ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
-                                                        cache_dir, c.optim.global_batch_size)
-    pairs = {**pairs, **ref_arrays}
-  packed = None
-  if c.model.prefix_sharing:
-    shared, note = packing.shared_prefix(pairs)
-    logging.info("%s", note)
-    if c.model.packing:
-      if shared is None:
-        raise ValueError(f"--packing packs shared-prefix rows, and {note}")
-      packed = shared  # each batch's rows are packed from these (Program.stage)
-    elif shared is not None:
-      pairs = {**pairs, **shared}
-  # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
-  # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
-  # (TR-DPO moves the training reference).
-  evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, ref_model,
-                                 p.data.held, p.data.reward_fn, p.data.well_formed_fn,
-                                 prompt_ids=p.data.eval_prompt_ids, stop_ids=p.data.stop_ids)
-  split = lambda t: (params, t) if c.lora.enabled else (t, None)
-  evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
-  log = hooks.LogMetrics(c.run.log_every)
-  mask = p.data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
-  guard = hooks.KLGuard(c.guard, c.kl_estimate, c.loss.beta, float(mask.sum() / max(
-      mask.shape[0] * mask.shape[1], 1)))
-  stage_hooks = [*([guard] if c.guard.enabled else []), log,
-                 hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
-                 hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
-                 *([hooks.UpdateReference(c.reference)] if tr_dpo else [])]
-  t_dpo = time.perf_counter()
-  state = p.stage("dpo", fresh, frozen, pairs, stage_hooks,
-                  {"reference": reference_path, "lora": c.lora.enabled},
-                  identity.model_digest(reference_path), packed).run()
-  summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
-  policy, lora = split(state.params)
-  _export(c, params, policy, lora, int(state.step), reference_path, p.data)
-  final, samples = evaluate_state(c.optim.steps, state)
-  summary.update(final)
-  summary["skipped_steps"] = int(state.skipped)
-  summary["lr_scale"] = float(state.lr_scale)
-  summary["verdicts"] = evaluate.verdicts(final, summary.get("reference_perplexity"))
-  if p.writer.enabled:
-    if samples:
-      _write_jsonl(os.path.join(c.run.output_dir, "samples.jsonl"), samples)
-    print(evaluate.report(final, samples, c.eval.eval_show, summary["verdicts"]), flush=True)
-  return summary
-
-
-def _write_jsonl(path: str, records: Sequence[dict]) -> None:
-  """All records, replacing the file whole (written aside, then renamed)."""
-  with open(path + ".tmp", "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
-  os.replace(path + ".tmp", path)
-
-
 def provenance(cfg, mesh) -> dict[str, Any]:
   """What a result was measured with: package versions, devices, mesh, the resolved config's
   hash."""
@@ -405,74 +231,6 @@ def provenance(cfg, mesh) -> dict[str, Any]:
           "device_count": jax.device_count(), "process_count": jax.process_count(),
           "mesh": dict(mesh.shape),
           "config_sha256": hashlib.sha256(config_json.encode()).hexdigest()}
-
-
-def _export(c, base, policy, lora, step: int, reference_path: str, data: Data) -> None:
-  """The policy (LoRA merged) as a dpo-jax params checkpoint, and with --export_hf a folder
-  transformers loads as it is: the merged policy with the tokenizer (and the chat template the
-  data was rendered with) and generation_config.json (stopping at every end-of-turn id). With
-  LoRA, `adapter/` holds the PEFT adapter; its base is the `--init_from=hf:` folder when the
-  DPO stage started from exactly that model, else the DPO stage's base (the SFT model, a random
-  base, or a quantized base dequantized), exported as `base/` beside it."""
-  policy_out = os.path.join(c.run.output_dir, "checkpoints", "policy")
-  quantized = c.model.base_quant != "none"
-  if not quantized:
-    merged = lora_lib.merge(base, lora, c.lora) if lora is not None else policy
-    checkpoint.save_params(policy_out, merged, c.model, stage="dpo", step=step,
-                           reference=reference_path)
-    logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
-  else:
-    logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
-                 c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
-  out_hf, init_from = c.checkpoint.export_hf, c.checkpoint.init_from
-  if not out_hf:
-    return
-  from models import hf
-  tok, template = data.tok, data.template
-  info = {"step": str(step), "stage": c.run.stage, "init_from": init_from,
-          "base_quant": c.model.base_quant}
-  if quantized:
-    info["note"] = (f"the merged weights are the {c.model.base_quant}-dequantized base plus "
-                    f"the LoRA delta (the model the policy computed), not the float base's")
-
-  def extras(directory: str) -> None:
-    if isinstance(tok, tokenizer_lib.HFTokenizer):
-      source = (template.source if isinstance(template, chat.JinjaTemplate) else
-                template.jinja)  # a hand-written template's Jinja form
-      hf.save_tokenizer(directory, tok, source)
-    hf.save_generation_config(directory, tok.bos_id, chat.end_of_turn_ids(template, tok),
-                              tok.pad_id)
-
-  hf.save(out_hf, c.model, policy, lora, c.lora, source=hf.source_config(init_from),
-          metadata={f"dpo_jax_{k}": v for k, v in info.items()})
-  extras(out_hf)
-  if not isinstance(tok, tokenizer_lib.HFTokenizer):
-    logging.warning("--export_hf: the byte tokenizer has no Hugging Face form; %s has no "
-                    "tokenizer files (ids 0-255 are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)",
-                    out_hf)
-  what = "LoRA merged" if lora is not None else "all weights"
-  if quantized:
-    what += f", over the {c.model.base_quant}-dequantized base"
-  logging.info("exported the policy (%s) to %s", what, out_hf)
-  if lora is not None:
-    if c.run.stage == "dpo" and init_from.startswith("hf:") and not quantized:
-      adapter_base = os.path.abspath(init_from[3:])
-    else:
-      adapter_base = os.path.abspath(os.path.join(out_hf, "base"))
-      hf.save(adapter_base, c.model, base, source=hf.source_config(init_from),
-              metadata={f"dpo_jax_{k}": v for k, v in {**info, "role": "adapter base"}.items()})
-      extras(adapter_base)
-      logging.info("exported the adapter's base (%s) to %s", "the SFT model" if c.run.stage ==
-                   "all" else f"{c.model.base_quant}-dequantized" if quantized else
-                   "the DPO base", adapter_base)
-    adapter_dir = os.path.join(out_hf, "adapter")
-    hf.save_peft(adapter_dir, c.model, lora, c.lora, base_model=adapter_base,
-                 metadata={f"dpo_jax_{k}": v for k, v in info.items()})
-    logging.info("exported the PEFT adapter to %s (base: %s)", adapter_dir, adapter_base)
-  if jax.process_index() == 0:
-    with open(os.path.join(out_hf, "dpo_jax_export.json"), "w") as f:
-      json.dump({**info, "adapter_base": adapter_base if lora is not None else None,
-                 "chat_template": template.name, "tokenizer": tok.name}, f, indent=2)
 
 
 def _write_flags(cfg, writer: MetricsWriter) -> None:
@@ -498,6 +256,7 @@ def run(cfg, mesh=None, init_params=None,
   out = cfg.run.output_dir
   if cfg.data.inspect_data != 0:
     return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
+  recipe = algorithms.recipe(cfg.run.stages)
   identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
@@ -520,25 +279,12 @@ def run(cfg, mesh=None, init_params=None,
   # TensorBoard / W&B get each record of metrics.jsonl as it is written (and flushed, so a
   # crash loses nothing there).
   mirror = tracking.Mirror(cfg, writer)
-  program = Program(cfg, mesh, data, writer, extra_hooks or {})
-  ckroot = os.path.join(out, "checkpoints")
+  program = Program(cfg, mesh, data, writer, extra_hooks or {}, summary)
   init_from = cfg.checkpoint.init_from
-  reference_path = (os.path.abspath(init_from) if init_from and not init_from.startswith("hf:")
-                    else init_from)
-  if cfg.run.stage in ("sft", "all"):
-    sft_out = os.path.join(ckroot, "sft_model")
-    reference_path = os.path.abspath(sft_out)
-    params = _sft(program, params, sft_out)
-  if cfg.run.stage in ("dpo", "all"):
-    if cfg.reference.ref_init_from:  # a resume must find the same reference
-      ref_from = cfg.reference.ref_init_from
-      reference_path = ref_from if ref_from.startswith("hf:") else os.path.abspath(ref_from)
-    if not reference_path:
-      reference_path = os.path.abspath(os.path.join(ckroot, "dpo_base"))
-      want = {"fingerprint": identity.fingerprint(cfg, "init", {}, "random")}
-      if not identity.reusable(reference_path, want):
-        checkpoint.save_params(reference_path, params, cfg.model, stage="init", **want)
-    summary.update(_dpo(program, params, reference_path))
+  model = algorithms.Model(params, os.path.abspath(init_from)
+                           if init_from and not init_from.startswith("hf:") else init_from)
+  for algorithm in recipe:
+    model = algorithm.run(program, model)
   mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   if writer.enabled:

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import configs
-from dpo import checkpoint, identity, loop
+from dpo import algorithms, checkpoint, identity, loop
 from models import sharding, transformer
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
@@ -151,10 +151,11 @@ def test_resume_policy(tmp_path, finished):
 
 def test_fingerprint_leaves_out_what_does_not_change_the_run():
   cfg = tiny_cfg("/tmp/x")
-  fp = identity.fingerprint(cfg, "dpo", {}, "random")
+  of = lambda cfg, a: identity.fingerprint(cfg, a.hyperparameters(cfg), a.data_files, {}, "random")
+  dpo, sft = algorithms.ALGORITHMS["dpo"], algorithms.ALGORITHMS["sft"]
+  fp = of(cfg, dpo)
   other = cfg.replace(output_dir="/tmp/y", log_every=7, checkpoint_every=5, eval_every=3,
                       mesh="data:1", log_kl=False, steps=50, keep_checkpoints=9)
-  assert identity.fingerprint(other, "dpo", {}, "random") == fp
-  assert "sft_learning_rate" not in fp and "sft_learning_rate" in identity.fingerprint(
-      cfg, "sft", {}, "random")
-  assert identity.fingerprint(cfg.replace(sft_learning_rate=1e-4), "dpo", {}, "random") == fp
+  assert of(other, dpo) == fp
+  assert "sft_learning_rate" not in fp and "sft_learning_rate" in of(cfg, sft)
+  assert of(cfg.replace(sft_learning_rate=1e-4), dpo) == fp

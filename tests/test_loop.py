@@ -4,9 +4,10 @@ import json
 import os
 
 import jax
+import pytest
 
 import configs
-from dpo import loop
+from dpo import algorithms, hooks, identity, loop, train
 from models import sharding
 
 
@@ -89,3 +90,65 @@ def test_dpo_from_hf_checkpoint_with_nf4_base_exports_for_transformers(tmp_path)
                                   np.ones_like(tokens))
   assert np.abs(np.asarray(base_only) - theirs).max() > 1e-3  # the comparison sees the LoRA
   assert os.path.exists(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+
+
+# --- the algorithm seam ---------------------------------------------------------------------------
+
+TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+            max_prompt_length=16, max_target_length=16, task_train_pairs=64,
+            task_sft_examples=64, task_eval_pairs=0, task_eval_prompts=0, global_batch_size=8,
+            log_every=1, sft_steps=3, steps=2, checkpoint_every=2)
+
+
+def _embed_only_step(spec, state, frozen, batch):
+  """The SFT step with every gradient but the embedding's zeroed: a new algorithm's pure step,
+  written beside the test that registers it."""
+  new, metrics = train.sft_step(spec, state, frozen, batch)
+  keep = lambda new, old: {**jax.tree.map(lambda o: o, old), "embed": new["embed"]}
+  return new._replace(params=keep(new.params, state.params)), metrics
+
+
+def _run_embed_only(p, model):
+  c = p.cfg
+  spec = train.StepConfig.sft(c)
+  fresh = lambda: train.init_state(jax.tree.map(lambda x: x.copy(), model.params),
+                                   spec.optimizer()[0], c.run.seed, p.mesh)
+  stage = p.stage(EMBED_ONLY, fresh, None, p.data.sft, [hooks.LogMetrics(c.run.log_every),
+                                                       hooks.SaveCheckpoints(2)],
+                  {"from": model.path}, identity.model_digest(model.path))
+  params = stage.run().params
+  p.summary["embed_only_start"] = model.path
+  p.summary["embed_only_changed"] = sorted(
+      k for k in params if not all(jax.tree.leaves(jax.tree.map(
+          lambda a, b: bool((a == b).all()), params[k], model.params[k]))))
+  return algorithms.Model(params, "")
+
+
+EMBED_ONLY = algorithms.Algorithm(
+    name="embed_only", step=_embed_only_step, step_config=train.StepConfig.sft,
+    run=_run_embed_only, hyperparameters=lambda cfg: {"lr": cfg.optim.sft_learning_rate},
+    data_files=(), data_seed=3)
+
+
+def test_an_algorithm_registered_from_a_test_runs_as_a_stage(tmp_path, monkeypatch):
+  """A module that registers an Algorithm is all a new stage needs: the recipe runs it after
+  SFT on Program.stage (its own checkpoints and metrics records) and hands it the SFT model."""
+  monkeypatch.setitem(algorithms.ALGORITHMS, EMBED_ONLY.name, EMBED_ONLY)
+  out = tmp_path / "run"
+  cfg = configs.DEFAULT.replace(**TINY, output_dir=str(out), stage="sft,embed_only")
+  summary = loop.run(cfg, mesh=sharding.make_mesh("data:1", jax.devices()[:1]))
+  assert summary["embed_only_start"] == str(out / "checkpoints" / "sft_model")
+  assert summary["embed_only_changed"] == ["embed"]
+  records = [(r["stage"], r["step"]) for r in map(json.loads, open(out / "metrics.jsonl"))]
+  assert records == [("sft", 1), ("sft", 2), ("sft", 3), ("embed_only", 1), ("embed_only", 2),
+                     ("embed_only", 3)]
+  assert "step_00000002" in os.listdir(out / "checkpoints" / "embed_only")
+  assert "dpo" not in os.listdir(out / "checkpoints")
+
+
+def test_an_unknown_stage_is_refused_before_any_work(tmp_path):
+  cfg = configs.DEFAULT.replace(**TINY, output_dir=str(tmp_path / "run"), stage="sft,grpo")
+  with pytest.raises(ValueError, match=r"--stage=sft,grpo: no algorithm named grpo "
+                                       r"\(registered: sft, dpo"):
+    loop.run(cfg)
+  assert not (tmp_path / "run").exists()

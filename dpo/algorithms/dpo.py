@@ -1,0 +1,219 @@
+"""Direct preference optimisation and its family: the policy (LoRA on a frozen base, or every
+weight) against a frozen reference, with any registered loss (dpo/losses.py), then export and
+the final evaluation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Sequence
+
+import jax
+
+from dpo import algorithms, chat, checkpoint, evaluate, hooks, identity, packing, reference
+from dpo import tokenizer as tokenizer_lib
+from dpo import train
+from dpo.runner import MetricsWriter
+from models import lora as lora_lib
+from models import quant, transformer
+
+
+def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: MetricsWriter):
+  t = time.perf_counter()
+  metrics, examples = evaluator(policy, lora)
+  metrics["eval_time_s"] = round(time.perf_counter() - t, 2)
+  writer.write({"stage": "eval", "step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+  f = lambda k: "n/a" if metrics.get(k) is None else f"{metrics[k]:.3f}"
+  logging.info("eval  %5d  win %s  reward %s vs %s  KL/seq %s  KL/tok %s  acc %s  margin %s  "
+               "ppl %s  (%.1fs)", step, f("win_rate"), f("policy_true_reward"),
+               f("reference_true_reward"), f("kl_per_sequence"), f("kl_per_token"),
+               f("reward_accuracy"), f("reward_margin"), f("perplexity"), metrics["eval_time_s"])
+  return metrics, examples
+
+
+def run(p, model: algorithms.Model) -> algorithms.Model:
+  """The DPO stage from `model` (the policy's start and, unless --ref_init_from names another,
+  the frozen reference), then export and the final evaluation (into the run's summary); hands
+  on the policy (LoRA merged) and where it is saved."""
+  c, mesh, summary = p.cfg, p.mesh, p.summary
+  params, reference_path = model.params, model.path
+  if c.reference.ref_init_from:  # a resume must find the same reference
+    ref_from = c.reference.ref_init_from
+    reference_path = ref_from if ref_from.startswith("hf:") else os.path.abspath(ref_from)
+  if not reference_path:  # a random base: saved once, so the reference has a content digest
+    reference_path = os.path.abspath(os.path.join(c.run.output_dir, "checkpoints", "dpo_base"))
+    want = {"fingerprint": identity.fingerprint(c)}
+    if not identity.reusable(reference_path, want):
+      checkpoint.save_params(reference_path, params, c.model, stage="init", **want)
+  if c.model.base_quant != "none":
+    before = transformer.nbytes(params)
+    params = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, params,
+                                   mesh)
+    after = transformer.nbytes(params)
+    logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",
+                 c.model.base_quant, before / 2**20, after / 2**20, (before - after) / 2**20,
+                 100 * (1 - after / before))
+    summary["base_bytes"] = {"float32": before, c.model.base_quant: after}
+  ref = reference.load(c, mesh) if c.reference.ref_init_from else None
+  if ref is not None and c.model.base_quant != "none":
+    ref = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, ref, mesh)
+  ref_model = params if ref is None else ref  # what the step and the evaluation compare against
+  if p.data.held is not None:
+    summary["reference_perplexity"] = evaluate.pair_metrics(
+        c, mesh, ref_model, None, ref_model, p.data.held, c.optim.global_batch_size)["perplexity"]
+  spec = train.StepConfig.dpo(c)
+  opt, _ = spec.optimizer()
+  if c.guard.log_kl and not spec.kl:
+    logging.warning("--log_kl: no reference forward runs in the step (precompute_ref or a "
+                    "reference-free loss), so the step logs no token KL; the evaluation's "
+                    "on-policy KL is still reported")
+  if c.lora.enabled:
+    logging.info("LoRA: rank %d on %s, %.3fM trainable parameters", c.lora.lora_rank,
+                 ",".join(c.lora.lora_targets), transformer.num_params(transformer.abstract(
+                     train.trainable_specs(c.model, c.lora))) / 1e6)
+  key = jax.random.fold_in(jax.random.key(c.run.seed), 1)
+  trainable = lambda: train.initial_trainable(c.model, c.lora, params, key, mesh)
+  fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
+  tr_dpo = c.reference.ref_update != "none"
+  frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None, ref,
+                                c.lora.enabled)
+  pairs = p.data.pairs
+  if c.reference.precompute_ref:
+    cache_dir = c.reference.ref_cache_dir or os.path.join(c.run.output_dir, "ref_cache")
+    ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
+                                                        cache_dir, c.optim.global_batch_size)
+    pairs = {**pairs, **ref_arrays}
+  packed = None
+  if c.model.prefix_sharing:
+    shared, note = packing.shared_prefix(pairs)
+    logging.info("%s", note)
+    if c.model.packing:
+      if shared is None:
+        raise ValueError(f"--packing packs shared-prefix rows, and {note}")
+      packed = shared  # each batch's rows are packed from these (Program.stage)
+    elif shared is not None:
+      pairs = {**pairs, **shared}
+  # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
+  # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
+  # (TR-DPO moves the training reference).
+  evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, ref_model,
+                                 p.data.held, p.data.reward_fn, p.data.well_formed_fn,
+                                 prompt_ids=p.data.eval_prompt_ids, stop_ids=p.data.stop_ids)
+  split = lambda t: (params, t) if c.lora.enabled else (t, None)
+  evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
+  log = hooks.LogMetrics(c.run.log_every)
+  mask = p.data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
+  guard = hooks.KLGuard(c.guard, c.kl_estimate, c.loss.beta, float(mask.sum() / max(
+      mask.shape[0] * mask.shape[1], 1)))
+  stage_hooks = [*([guard] if c.guard.enabled else []), log,
+                 hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
+                 hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
+                 *([hooks.UpdateReference(c.reference)] if tr_dpo else [])]
+  t_dpo = time.perf_counter()
+  state = p.stage(DPO, fresh, frozen, pairs, stage_hooks,
+                  {"reference": reference_path, "lora": c.lora.enabled},
+                  identity.model_digest(reference_path), packed).run()
+  summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
+  policy, lora = split(state.params)
+  handed_on = _save_policy(c, params, policy, lora, int(state.step), reference_path)
+  if c.checkpoint.export_hf:
+    _export_hf(c, params, policy, lora, int(state.step), p.data, model.path)
+  final, samples = evaluate_state(c.optim.steps, state)
+  summary.update(final)
+  summary["skipped_steps"] = int(state.skipped)
+  summary["lr_scale"] = float(state.lr_scale)
+  summary["verdicts"] = evaluate.verdicts(final, summary.get("reference_perplexity"))
+  if p.writer.enabled:
+    if samples:
+      _write_jsonl(os.path.join(c.run.output_dir, "samples.jsonl"), samples)
+    print(evaluate.report(final, samples, c.eval.eval_show, summary["verdicts"]), flush=True)
+  return handed_on
+
+
+def _write_jsonl(path: str, records: Sequence[dict]) -> None:
+  """All records, replacing the file whole (written aside, then renamed)."""
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  os.replace(path + ".tmp", path)
+
+
+def _save_policy(c, base, policy, lora, step: int, reference_path: str) -> algorithms.Model:
+  """The policy (LoRA merged) as a dpo-jax params checkpoint, checkpoints/policy. With a
+  quantized base there is no float policy to save (the adapters are in the step checkpoints):
+  what is handed on is Model(None, "")."""
+  policy_out = os.path.join(c.run.output_dir, "checkpoints", "policy")
+  if c.model.base_quant != "none":
+    logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
+                 c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
+    return algorithms.Model(None, "")
+  merged = lora_lib.merge(base, lora, c.lora) if lora is not None else policy
+  checkpoint.save_params(policy_out, merged, c.model, stage="dpo", step=step,
+                         reference=reference_path)
+  logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
+  return algorithms.Model(merged, os.path.abspath(policy_out))
+
+
+def _export_hf(c, base, policy, lora, step: int, data, started_from: str) -> None:
+  """--export_hf: a folder transformers loads as it is: the merged policy with the tokenizer
+  (and the chat template the data was rendered with) and generation_config.json (stopping at
+  every end-of-turn id). With LoRA, `adapter/` holds the PEFT adapter; its base is the
+  `hf:` folder the DPO stage started from (`started_from`, its Model.path), else the DPO
+  stage's base (the SFT model, a random base, or a quantized base dequantized), exported as
+  `base/` beside it."""
+  quantized = c.model.base_quant != "none"
+  out_hf, init_from = c.checkpoint.export_hf, c.checkpoint.init_from
+  from models import hf
+  tok, template = data.tok, data.template
+  info = {"step": str(step), "stage": c.run.stage, "init_from": init_from,
+          "base_quant": c.model.base_quant}
+  if quantized:
+    info["note"] = (f"the merged weights are the {c.model.base_quant}-dequantized base plus "
+                    f"the LoRA delta (the model the policy computed), not the float base's")
+
+  def extras(directory: str) -> None:
+    if isinstance(tok, tokenizer_lib.HFTokenizer):
+      source = (template.source if isinstance(template, chat.JinjaTemplate) else
+                template.jinja)  # a hand-written template's Jinja form
+      hf.save_tokenizer(directory, tok, source)
+    hf.save_generation_config(directory, tok.bos_id, chat.end_of_turn_ids(template, tok),
+                              tok.pad_id)
+
+  hf.save(out_hf, c.model, policy, lora, c.lora, source=hf.source_config(init_from),
+          metadata={f"dpo_jax_{k}": v for k, v in info.items()})
+  extras(out_hf)
+  if not isinstance(tok, tokenizer_lib.HFTokenizer):
+    logging.warning("--export_hf: the byte tokenizer has no Hugging Face form; %s has no "
+                    "tokenizer files (ids 0-255 are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)",
+                    out_hf)
+  what = "LoRA merged" if lora is not None else "all weights"
+  if quantized:
+    what += f", over the {c.model.base_quant}-dequantized base"
+  logging.info("exported the policy (%s) to %s", what, out_hf)
+  if lora is not None:
+    if started_from.startswith("hf:") and not quantized:
+      adapter_base = os.path.abspath(started_from[3:])
+    else:
+      adapter_base = os.path.abspath(os.path.join(out_hf, "base"))
+      hf.save(adapter_base, c.model, base, source=hf.source_config(init_from),
+              metadata={f"dpo_jax_{k}": v for k, v in {**info, "role": "adapter base"}.items()})
+      extras(adapter_base)
+      logging.info("exported the adapter's base (%s) to %s", f"{c.model.base_quant}-dequantized"
+                   if quantized else f"the DPO stage's start, {started_from or 'a random init'}",
+                   adapter_base)
+    adapter_dir = os.path.join(out_hf, "adapter")
+    hf.save_peft(adapter_dir, c.model, lora, c.lora, base_model=adapter_base,
+                 metadata={f"dpo_jax_{k}": v for k, v in info.items()})
+    logging.info("exported the PEFT adapter to %s (base: %s)", adapter_dir, adapter_base)
+  if jax.process_index() == 0:
+    with open(os.path.join(out_hf, "dpo_jax_export.json"), "w") as f:
+      json.dump({**info, "adapter_base": adapter_base if lora is not None else None,
+                 "chat_template": template.name, "tokenizer": tok.name}, f, indent=2)
+
+
+DPO = algorithms.register(algorithms.Algorithm(
+    name="dpo", step=train.dpo_step, step_config=train.StepConfig.dpo, run=run,
+    hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "loss", "reference",
+                                                         "guard")),
+    data_files=("train_data", "tokenizer"), data_seed=2))

@@ -1,0 +1,46 @@
+"""Supervised fine-tuning: every weight trains on the NLL of the completions (the article's
+first stage; the DPO stage starts from and is anchored to its model)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+from dpo import algorithms, checkpoint, hooks, identity, train
+
+# What the SFT stage's result depends on besides the model, seed and data (dpo/identity.py).
+_OPTIM = ("sft_learning_rate", "global_batch_size", "warmup_ratio", "weight_decay", "adam_b1",
+          "adam_b2", "max_grad_norm")
+
+
+def run(p, model: algorithms.Model) -> algorithms.Model:
+  """The SFT stage from `model`; hands on the SFT model, saved to checkpoints/sft_model (reused
+  as it is when a rerun finds it complete and of the same run)."""
+  c = p.cfg
+  sft_out = os.path.join(c.run.output_dir, "checkpoints", "sft_model")
+  initial = identity.model_digest(model.path)
+  want = {"fingerprint": p.fingerprint(SFT, p.data.sft, initial)}
+  if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps",
+                       downstream=os.path.join(os.path.dirname(sft_out), "dpo")):
+    logging.info("sft: %s exists; stage done", sft_out)
+    return algorithms.Model(checkpoint.load_params(sft_out, c.model, p.mesh),
+                            os.path.abspath(sft_out))
+  opt, _ = SFT.step_config(c).optimizer()
+  fresh = lambda: train.init_state(jax.tree.map(lambda x: x.copy(), model.params), opt,
+                                   c.run.seed, p.mesh)
+  stage_hooks = [hooks.LogMetrics(c.run.log_every),
+                 hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
+  state = p.stage(SFT, fresh, None, p.data.sft, stage_hooks,
+                  {"init_from": c.checkpoint.init_from, "lora": False}, initial).run()
+  checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step),
+                         metrics_records=p.writer.count, **want)
+  logging.info("sft: model -> %s", sft_out)
+  return algorithms.Model(state.params, os.path.abspath(sft_out))
+
+
+SFT = algorithms.register(algorithms.Algorithm(
+    name="sft", step=train.sft_step, step_config=train.StepConfig.sft, run=run,
+    hyperparameters=lambda cfg: {k: getattr(cfg.optim, k) for k in _OPTIM},
+    data_files=("sft_data", "train_data", "tokenizer"), data_seed=1))

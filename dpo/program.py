@@ -1,0 +1,61 @@
+"""What the stages of one run share (`Program`) and how any algorithm's stage is built on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping, Sequence
+
+from dpo import checkpoint, identity, packing, train
+from dpo import data as data_lib
+from dpo.runner import Hook, MetricsWriter, Stage
+from models import sharding
+
+# Packing chooses its row-count buckets on at most this many of the first epoch's batches.
+_FIT_BATCHES = 1000
+
+
+@dataclasses.dataclass
+class Program:
+  """What the stages of one run share: the config, the mesh, the data (`loop.Data`), the
+  metrics file, the hooks tests add per stage name, and the summary the stages fill in."""
+  cfg: Any
+  mesh: Any
+  data: Any
+  writer: MetricsWriter
+  extra_hooks: Mapping[str, Sequence[Hook]]
+  summary: dict = dataclasses.field(default_factory=dict)
+
+  def stage(self, algorithm, fresh, frozen, arrays, hooks: list, info: dict,
+            initial: str, packed: dict | None = None) -> Stage:
+    """The stage of `algorithm` (dpo/algorithms) over `arrays` from the model with digest
+    `initial`, resuming from <output_dir>/checkpoints/<name>; the stage's fingerprint is what a
+    checkpoint must match to be resumed, `info` is recorded beside it. `packed` (every pair's
+    shared-prefix rows) packs each batch's rows (--packing)."""
+    c, o, name = self.cfg, self.cfg.optim, algorithm.name
+    spec = algorithm.step_config(c)
+    pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
+
+    def dispatch(state, frozen, batch):  # jit_step is cached: one compile per stage
+      step = train.jit_step(algorithm.step, spec, self.mesh, state, frozen)
+      return step(state, frozen, train.device_batch(self.mesh, batch, o.global_batch_size))
+
+    loader = data_lib.Loader(arrays, o.global_batch_size, c.run.seed + algorithm.data_seed, pid,
+                             nproc)
+    if packed is not None:
+      k = o.gradient_accumulation_steps
+      packer = packing.Packer(packed, o.global_batch_size, nproc, k,
+                              sharding.batch_shards(self.mesh) * k)
+      logging.info("%s", packer.fit(loader.batch_rows(0)[:_FIT_BATCHES]))
+      loader.pack = packer.pack
+    ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
+                               c.checkpoint.keep_checkpoints,
+                               {"fingerprint": self.fingerprint(algorithm, arrays, initial)}, info)
+    return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
+                 [*hooks, *self.extra_hooks.get(name, ())])
+
+  def fingerprint(self, algorithm, arrays, initial: str) -> dict:
+    """The fingerprint of `algorithm`'s stage over `arrays` from the model `initial`."""
+    return identity.fingerprint(self.cfg, algorithm.hyperparameters(self.cfg),
+                                algorithm.data_files, arrays, initial)
