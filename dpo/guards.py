@@ -19,7 +19,8 @@ import math
 from typing import Sequence
 
 
-class KLGuard:
+class SpikeDetector:
+  """The KL-spike test of the module docstring, with its window of accepted values."""
 
   def __init__(self, kl_max: float, spike_factor: float, window: int, spike_min: float = 0.0,
                history: Sequence[float] = ()):

@@ -35,7 +35,7 @@ class LogMetrics(Hook):
 
   def start(self, run: Stage) -> None:
     self.t0 = self.t_last = time.perf_counter()
-    self.first, self.tokens_last = run.at, run.tokens
+    self.first, self.tokens_last = run.step, run.tokens
 
   def metrics(self, run: Stage, step: int, metrics: dict) -> None:
     if step % self.every and step != run.steps:
@@ -82,7 +82,8 @@ class KLGuard(Hook):
       raise ValueError(f"unknown KL estimate {estimate!r}; one of {sorted(self.ESTIMATES)}")
     self.cfg, self.estimate = cfg, estimate
     self.beta, self.tokens = beta, max(tokens_per_sequence, 1e-9)
-    self.guard = guards.KLGuard(cfg.kl_max, cfg.kl_spike_factor, cfg.kl_window, cfg.kl_spike_min)
+    self.guard = guards.SpikeDetector(cfg.kl_max, cfg.kl_spike_factor, cfg.kl_window,
+                                      cfg.kl_spike_min)
     self.first_nll = None
 
   def start(self, run: Stage) -> None:
@@ -124,7 +125,7 @@ class SaveCheckpoints(Hook):
     self.every = every
 
   def wants_state(self, run: Stage) -> bool:
-    return (self.every and run.at % self.every == 0) or run.at == run.steps
+    return (self.every and run.step % self.every == 0) or run.step == run.steps
 
   def at_state(self, run: Stage) -> None:
     run.save()
@@ -138,11 +139,11 @@ class Evaluate(Hook):
     self.every, self.evaluate, self.log = every, evaluate, log
 
   def wants_state(self, run: Stage) -> bool:
-    return bool(self.every) and run.at % self.every == 0 and run.at < run.steps
+    return bool(self.every) and run.step % self.every == 0 and run.step < run.steps
 
   def at_state(self, run: Stage) -> None:
     t = time.perf_counter()
-    self.evaluate(run.at, run.state)
+    self.evaluate(run.step, run.state)
     self.log.paused += time.perf_counter() - t
 
 
@@ -156,7 +157,7 @@ class UpdateReference(Hook):
     self.rank = None  # the reference adapter's rank (LoRA: soft updates stack adapters)
 
   def after_step(self, run: Stage) -> None:
-    run.frozen = reference.maybe_update(self.cfg, run.at, run.state, run.frozen)
+    run.frozen = reference.maybe_update(self.cfg, run.step, run.state, run.frozen)
     self._track(run)
 
   def arrays(self, run: Stage):

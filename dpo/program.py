@@ -53,7 +53,7 @@ class Program:
                                c.checkpoint.keep_checkpoints,
                                {"fingerprint": self.fingerprint(algorithm, arrays, initial)}, info)
     return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
-                 [*hooks, *self.extra_hooks.get(name, ())])
+                 [*hooks, *self.extra_hooks.get(name, ())], algorithm.steps_flag)
 
   def fingerprint(self, algorithm, arrays, initial: str) -> dict:
     """The fingerprint of `algorithm`'s stage over `arrays` from the model `initial`."""

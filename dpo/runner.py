@@ -46,18 +46,20 @@ class Hook:
     """run.state is settled at run.step (its metrics have been read)."""
 
   def state_dict(self) -> dict:
-    """What this hook must carry across a checkpoint (saved in its meta.json)."""
+    """What this hook must carry across a checkpoint (saved in its meta.json under the hook's
+    class name)."""
     return {}
 
   def load_state_dict(self, meta: dict) -> None:
-    """Restores from a checkpoint's meta (or {} when the stage starts afresh)."""
+    """Restores what `state_dict` returned (or {} when the stage starts afresh)."""
 
   def arrays(self, run: "Stage"):
     """Device arrays this hook must carry across a checkpoint (a pytree), or None."""
     return None
 
   def arrays_like(self, run: "Stage", meta: dict):
-    """The template (`checkpoint.like_of`) of the `arrays` saved with checkpoint `meta`."""
+    """The template (`checkpoint.like_of`) of the `arrays` saved with a checkpoint whose
+    `state_dict` for this hook was `meta`."""
     return checkpoint.like_of(self.arrays(run))
 
   def load_arrays(self, run: "Stage", tree) -> None:
@@ -203,21 +205,23 @@ class MetricsWriter:
 
 @dataclasses.dataclass
 class Stage:
-  """One stage (sft or dpo) of a run. `step(state, frozen, host_batch) -> (state, metrics)`
-  dispatches the jitted step; `fresh()` builds the initial state (also the rollback target
-  before the first checkpoint); `loader` yields host batches with state() / restore()."""
+  """One stage of a run (an algorithm's, dpo/algorithms). `step_fn(state, frozen, host_batch)
+  -> (state, metrics)` dispatches the jitted step; `fresh()` builds the initial state (also the
+  rollback target before the first checkpoint); `loader` yields host batches with state() /
+  restore(); `step` counts the steps taken, `steps` is the stage's length (`steps_flag`)."""
   name: str
   steps: int
-  step: Callable
+  step_fn: Callable
   fresh: Callable[[], Any]
   frozen: Any
   loader: Any
   ckpts: checkpoint.Manager
   writer: MetricsWriter
   hooks: Sequence[Hook] = ()
+  steps_flag: str = "--steps"  # the flag that sets `steps`, for the messages about its length
   # Live values the hooks read (and some write, e.g. TR-DPO's frozen, the tokens count).
   state: Any = None
-  at: int = 0            # steps taken by run.state
+  step: int = 0          # steps taken by run.state
   rollbacks: int = 0
   tokens: int = 0        # non-padding tokens up to the step being read, all processes
   _dispatched: int = 0   # the same, up to the last dispatched step
@@ -228,9 +232,9 @@ class Stage:
     self.state, self._frozen0 = self.fresh(), self.frozen
     self._restore(resumed=True)
     pending = None
-    while self.at < self.steps or pending is not None:
+    while self.step < self.steps or pending is not None:
       try:
-        previous, pending = pending, (self._dispatch() if self.at < self.steps else None)
+        previous, pending = pending, (self._dispatch() if self.step < self.steps else None)
         self._read(previous)
         due = [h for h in self.hooks if h.wants_state(self)] if pending else []
         if due:
@@ -248,11 +252,11 @@ class Stage:
     for h in self.hooks:
       batch = h.before_step(self, batch)
     self._dispatched += int(batch["segment_ids"].astype(bool).sum()) * jax.process_count()
-    self.state, metrics = self.step(self.state, self.frozen, batch)
-    self.at += 1
+    self.state, metrics = self.step_fn(self.state, self.frozen, batch)
+    self.step += 1
     for h in self.hooks:
       h.after_step(self)
-    return self.at, metrics, self._dispatched
+    return self.step, metrics, self._dispatched
 
   def _read(self, pending) -> None:
     if pending is not None:
@@ -260,17 +264,26 @@ class Stage:
       for h in self.hooks:
         h.metrics(self, step, metrics)
 
-  @property
-  def steps_flag(self) -> str:
-    return "--sft_steps" if self.name == "sft" else "--steps"
-
   def snapshot(self) -> dict:
     """The checkpoint meta of the current position (the state is saved beside it)."""
     meta = {"stage": self.name, "loader": self.loader.state(), "rollbacks": self.rollbacks,
             "steps": self.steps, "metrics_records": self.writer.count}
+    states = {}
     for h in self.hooks:
-      meta.update(h.state_dict())
+      state = h.state_dict()
+      if state and states.setdefault(type(h).__name__, state) is not state:
+        raise ValueError(f"{self.name}: two {type(h).__name__} hooks carry state; a "
+                         f"checkpoint keys each hook's state by its class")
+    meta["hook_states"] = states
     return meta
+
+  @staticmethod
+  def hook_meta(meta: dict, h: Hook) -> dict:
+    """Hook `h`'s own state in a checkpoint's meta (`Hook.state_dict`, under its class name;
+    checkpoints written before that kept every hook's keys at the top level)."""
+    if "hook_states" not in meta:
+      return meta
+    return meta["hook_states"].get(type(h).__name__, {})
 
   def _carriers(self) -> list[Hook]:
     return [h for h in self.hooks if h.arrays(self) is not None]
@@ -282,14 +295,15 @@ class Stage:
     if carriers:
       tree = {"state": self.state, "hooks": {type(h).__name__: h.arrays(self) for h in carriers}}
       meta["params_prefix"] = "['state'].params"
-    path = self.ckpts.save(self.at, tree, meta)
-    logging.info("%s: checkpoint step %d -> %s", self.name, self.at, path)
+    path = self.ckpts.save(self.step, tree, meta)
+    logging.info("%s: checkpoint step %d -> %s", self.name, self.step, path)
 
   def _like(self, meta: dict):
     like, carriers = checkpoint.like_of(self.state), self._carriers()
     if not carriers:
       return like
-    return {"state": like, "hooks": {type(h).__name__: h.arrays_like(self, meta) for h in carriers}}
+    return {"state": like, "hooks": {type(h).__name__: h.arrays_like(self, self.hook_meta(meta, h))
+                                     for h in carriers}}
 
   def _restore(self, before: int | None = None, resumed: bool = False) -> None:
     """Loads the newest intact checkpoint (below `before`) with the loader, hook states and
@@ -314,8 +328,8 @@ class Stage:
       self.writer.rewind(meta["metrics_records"], self.ckpts.path(step), self.name)
     self.loader.restore(meta["loader"])
     for h in self.hooks:
-      h.load_state_dict(meta)
-    self.at = int(self.state.step)
+      h.load_state_dict(self.hook_meta(meta, h))
+    self.step = int(self.state.step)
     if resumed:
       self.rollbacks = meta.get("rollbacks", 0)
       if step is not None:
@@ -352,8 +366,8 @@ class Stage:
         np.float32(lr_scale), self.state.lr_scale.sharding))
     logging.warning("%s: KL SPIKE at step %d: %s. ROLLBACK %d/%d to step %d%s; learning-rate "
                     "scale now %.3g", self.name, rb.step, rb.reason, self.rollbacks, rb.limit,
-                    self.at, f" (dropped checkpoints {dropped})" if dropped else "", lr_scale)
+                    self.step, f" (dropped checkpoints {dropped})" if dropped else "", lr_scale)
     self.writer.write({"stage": self.name, "step": rb.step, "event": "rollback",
-                       "reason": rb.reason, "to_step": self.at, "lr_scale": lr_scale,
+                       "reason": rb.reason, "to_step": self.step, "lr_scale": lr_scale,
                        "rollbacks": self.rollbacks})
     self.save()  # the lowered rate survives a crash before the next regular checkpoint

@@ -30,7 +30,7 @@ class NanLoss(Hook):
     self.step = step
 
   def before_step(self, run, batch):
-    if run.at + 1 != self.step:
+    if run.step + 1 != self.step:
       return batch
     logging.warning("fault: NaN loss mask at %s step %d", run.name, self.step)
     return {**batch, **{k: batch[k] * np.float32("nan") for k in ("loss_mask", "score_weight")
@@ -45,7 +45,7 @@ class LrSpike(Hook):
     self.step, self.factor, self.saved = step, factor, None
 
   def before_step(self, run, batch):
-    if run.at + 1 == self.step and run.rollbacks == 0:
+    if run.step + 1 == self.step and run.rollbacks == 0:
       logging.warning("fault: learning rate x%g at %s step %d", self.factor, run.name, self.step)
       self.saved = run.state.lr_scale
       run.state = run.state._replace(lr_scale=jax.device_put(self.saved * self.factor,
@@ -64,10 +64,10 @@ class Crash(Hook):
     self.step = step
 
   def wants_state(self, run):
-    return run.at == self.step
+    return run.step == self.step
 
   def at_state(self, run):
-    raise SimulatedCrash(f"fault: simulated crash after {run.name} step {run.at}")
+    raise SimulatedCrash(f"fault: simulated crash after {run.name} step {run.step}")
 
 
 def kill_during_commit(step: int) -> None:

@@ -36,14 +36,14 @@ def records(out):
     return [json.loads(line) for line in f]
 
 
-# --- KLGuard ---------------------------------------------------------------------------------------
+# --- SpikeDetector --------------------------------------------------------------------------------
 
 def test_guard_kl_max_and_spike_factor():
-  g = guards.KLGuard(kl_max=1.0, spike_factor=0.0, window=3)
+  g = guards.SpikeDetector(kl_max=1.0, spike_factor=0.0, window=3)
   assert g.check(0.5) is None and g.check(1.5).startswith("kl 1.5 > kl_max 1")
   assert g.history == [0.5]  # a spike does not join the history
 
-  g = guards.KLGuard(kl_max=0.0, spike_factor=4.0, window=3)
+  g = guards.SpikeDetector(kl_max=0.0, spike_factor=4.0, window=3)
   # Until the window is full only kl_max could fire: growth from KL = 0 is not a spike.
   for kl in (0.0, 0.01, 0.1):
     assert g.check(kl) is None
@@ -53,10 +53,11 @@ def test_guard_kl_max_and_spike_factor():
   top = 4.0 * top * 0.99
   assert "recent max" in g.check(4.0 * top * 1.01)                # just over 4x the window max
   assert g.check(float("nan")) is None and len(g.history) == 3    # non-finite: skip's business
-  g = guards.KLGuard(kl_max=0.0, spike_factor=4.0, window=2, spike_min=0.05, history=(1e-3, 1e-3))
+  g = guards.SpikeDetector(kl_max=0.0, spike_factor=4.0, window=2, spike_min=0.05,
+                           history=(1e-3, 1e-3))
   assert g.check(0.04) is None                                    # 40x the max, under the floor
-  assert "recent max" in guards.KLGuard(0.0, 4.0, 2, 0.05, (0.01, 0.01)).check(0.06)
-  assert not guards.KLGuard(0.0, 0.0, 5).enabled
+  assert "recent max" in guards.SpikeDetector(0.0, 4.0, 2, 0.05, (0.01, 0.01)).check(0.06)
+  assert not guards.SpikeDetector(0.0, 0.0, 5).enabled
 
 
 # --- the KL measure --------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def _run_embed_only(p, model):
 EMBED_ONLY = algorithms.Algorithm(
     name="embed_only", step=_embed_only_step, step_config=train.StepConfig.sft,
     run=_run_embed_only, hyperparameters=lambda cfg: {"lr": cfg.optim.sft_learning_rate},
-    data_files=(), data_seed=3)
+    data_files=(), data_seed=3, steps_flag="--sft_steps")
 
 
 def test_an_algorithm_registered_from_a_test_runs_as_a_stage(tmp_path, monkeypatch):

@@ -94,7 +94,8 @@ def test_resume_with_ref_update_is_bitwise(tmp_path, lora_rank):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   if lora_rank:
     meta = checkpoint.read_meta(str(cut / "checkpoints" / "dpo" / "step_00000004"))
-    assert meta["ref_rank"] == 3 * lora_rank  # updates at steps 2 and 4 stacked two adapters
+    # Updates at steps 2 and 4 stacked two adapters; the hook's state is under its own key.
+    assert meta["hook_states"]["UpdateReference"]["ref_rank"] == 3 * lora_rank
 
 
 def test_rollback_restores_the_reference_of_its_checkpoint(tmp_path):

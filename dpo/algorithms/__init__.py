@@ -32,6 +32,7 @@ class Algorithm:
   hyperparameters: Callable      # cfg -> {name: value}: what its result depends on (identity)
   data_files: tuple[str, ...]    # DataConfig fields of files it reads (identity hashes them)
   data_seed: int                 # its loader shuffles with --seed + this
+  steps_flag: str                # the flag that sets its length (StepConfig.total_steps)
 
 
 ALGORITHMS: dict[str, Algorithm] = {}

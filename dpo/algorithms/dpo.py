@@ -216,4 +216,5 @@ DPO = algorithms.register(algorithms.Algorithm(
     name="dpo", step=train.dpo_step, step_config=train.StepConfig.dpo, run=run,
     hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "loss", "reference",
                                                          "guard")),
-    data_files=("train_data", "tokenizer"), data_seed=2))
+    data_files=("train_data", "tokenizer"), data_seed=2,
+    steps_flag="--steps"))

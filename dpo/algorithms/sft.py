@@ -43,4 +43,5 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
 SFT = algorithms.register(algorithms.Algorithm(
     name="sft", step=train.sft_step, step_config=train.StepConfig.sft, run=run,
     hyperparameters=lambda cfg: {k: getattr(cfg.optim, k) for k in _OPTIM},
-    data_files=("sft_data", "train_data", "tokenizer"), data_seed=1))
+    data_files=("sft_data", "train_data", "tokenizer"), data_seed=1,
+    steps_flag="--sft_steps"))
