@@ -5,10 +5,10 @@ and the reference, plus token counts) and exactly the hyperparameters it declare
 (per-pair losses [B], extra metrics). `register` puts a loss in `LOSSES` together with everything
 about it: its hyperparameters (name, default, help, valid range), whether it reads the reference,
 which modifiers (RPO, WPO, LD-DPO) combine with it, and its name in TRL 1.16 (the test oracle,
-tests/test_losses_trl.py). The `loss` config section (`LossConfig`,
-built at the end of this module), its flags, its validation, `--help` and the loss table in
-WORKSPACE.md (`table`) are all derived from the registry, so adding a loss touches this module
-only. `combined` applies the weights and the modifiers; the trainer never contains loss logic.
+tests/test_losses_trl.py). The `loss` config section (`LossConfig`, at the end of this module)
+has one field per hyperparameter, written out (a test keeps it equal to the registry); its
+flags, validation, `--help` and the loss table in WORKSPACE.md (`table`) derive from the
+registry. `combined` applies the weights and the modifiers; the trainer never contains loss logic.
 LD-DPO and the f-divergences change the inputs to the losses rather than the losses, see
 `length_desensitised` and `f_margin`.
 
@@ -586,27 +586,48 @@ def _validate(cfg) -> None:
       raise ValueError(f"--{name}={value!r} is read only with --{h.read_when[0]}={h.read_when[1]}")
 
 
-def _make_config_class():
-  fields = [
-      ("loss_type", tuple[str, ...], dataclasses.field(default=("sigmoid",), metadata={
-          "help": f"Comma-separated losses, from {', '.join(LOSSES)}."})),
-      ("loss_weights", tuple[float, ...], dataclasses.field(default=(), metadata={
-          "help": "Weights of loss_type's losses (empty = all 1.0)."})),
-  ]
-  fields += [(h.name, type(h.default), dataclasses.field(default=h.default, metadata={"help": h.help}))
-             for h in hyperparameters().values()]
-  namespace = {
-      "__post_init__": _validate,
-      "weights": property(lambda self: self.loss_weights or (1.0,) * len(self.loss_type)),
-      "reference_free": property(lambda self: not any(LOSSES[t].reference for t in self.loss_type)),
-      "__module__": __name__,
-      "__doc__": "The preference objective: which losses, their weights and hyperparameters "
-                 "(derived from dpo.losses.LOSSES and MODIFIERS).",
-  }
-  return dataclasses.make_dataclass("LossConfig", fields, frozen=True, namespace=namespace)
+def _field(h: Hyperparameter):
+  """The LossConfig field of hyperparameter `h`: the registry's default and help."""
+  return dataclasses.field(default=h.default, metadata={"help": h.help})
 
 
-LossConfig = _make_config_class()
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The preference objective: which losses, their weights, and every loss's and modifier's
+  hyperparameter. Each hyperparameter field is one `Hyperparameter` above (its default, help and
+  valid range; `register` lists which losses read it); tests/test_losses.py checks that the
+  fields are exactly the registry's."""
+  loss_type: tuple[str, ...] = dataclasses.field(default=("sigmoid",), metadata={
+      "help": f"Comma-separated losses, from {', '.join(LOSSES)}."})
+  loss_weights: tuple[float, ...] = dataclasses.field(default=(), metadata={
+      "help": "Weights of loss_type's losses (empty = all 1.0)."})
+  beta: float = _field(BETA)
+  label_smoothing: float = _field(LABEL_SMOOTHING)
+  f_divergence: str = _field(F_DIVERGENCE)
+  f_alpha: float = _field(F_ALPHA)
+  exo_epsilon: float = _field(EXO_EPSILON)
+  bco_shift: bool = _field(BCO_SHIFT)
+  discopop_tau: float = _field(DISCOPOP_TAU)
+  nll_per_pair: bool = _field(NLL_PER_PAIR)
+  simpo_beta: float = _field(SIMPO_BETA)
+  simpo_gamma: float = _field(SIMPO_GAMMA)
+  cpo_alpha: float = _field(CPO_ALPHA)
+  alphapo_alpha: float = _field(ALPHAPO_ALPHA)
+  orpo_lambda: float = _field(ORPO_LAMBDA)
+  rpo_alpha: float = _field(MODIFIERS["rpo"])
+  wpo: bool = _field(MODIFIERS["wpo"])
+  ld_alpha: float = _field(MODIFIERS["ld"])
+
+  def __post_init__(self):
+    _validate(self)
+
+  @property
+  def weights(self) -> tuple[float, ...]:
+    return self.loss_weights or (1.0,) * len(self.loss_type)
+
+  @property
+  def reference_free(self) -> bool:
+    return not any(LOSSES[t].reference for t in self.loss_type)
 
 
 def _citation(doc: str) -> str:

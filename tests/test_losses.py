@@ -271,6 +271,19 @@ def test_each_loss_declares_exactly_the_hyperparameters_it_reads():
     losses.register("bad", losses.BETA)(lambda lp, beta, extra: (lp.policy_chosen, {}))
 
 
+def test_loss_config_fields_are_the_registry_hyperparameters():
+  """LossConfig is written out field by field: exactly loss_type, loss_weights and one field per
+  registry hyperparameter (losses' and modifiers'), each of its default's type."""
+  import dataclasses
+  import typing
+  hints = typing.get_type_hints(losses.LossConfig)
+  fields = [f.name for f in dataclasses.fields(losses.LossConfig)]
+  registry = losses.hyperparameters()
+  assert fields == ["loss_type", "loss_weights", *registry]
+  for name, h in registry.items():
+    assert hints[name] is type(h.default), name
+
+
 @pytest.mark.parametrize("flags,match", [
     (dict(simpo_gamma=2.0), "simpo_gamma=2.0 is read by none of --loss_type=sigmoid"),
     (dict(loss_type=("ipo",), label_smoothing=0.1), "label_smoothing=0.1 is read by none"),
