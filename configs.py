@@ -590,7 +590,7 @@ def flag_lines(cfg: Config) -> list[str]:
   return lines
 
 
-# The flags `--help` lists (the README's table); `--helpfull` lists every field by section.
+# The flags `--help` lists (the table of docs/flags.md); `--helpfull` lists every field by section.
 COMMON_FLAGS = (
     "config", "stage", "steps", "sft_steps", "global_batch_size", "gradient_accumulation_steps",
     "learning_rate", "sft_learning_rate", "loss_type", "beta", "lora_rank", "lora_targets",
@@ -668,7 +668,7 @@ DEFAULT = Config().replace(
 # faster per step than the layer scan (one jax.profiler sitting, unshared rows), for 1 s more
 # compile (3.8 s against 2.4 s); its matmuls use the explicit backward (6-14% faster). Both
 # change the float rounding of a run, not its math; the default preset keeps the scan and
-# JAX's backward, with which its figures were measured (README, Benchmark).
+# JAX's backward, with which its figures were measured (docs/benchmarks.md).
 BENCH_SMALL = Config(
     model=ModelConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
                       head_dim=64, mlp_dim=1536, rope_theta=1e4, norm_eps=1e-5,
