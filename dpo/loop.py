@@ -221,12 +221,19 @@ def _check_batch(cfg, mesh) -> None:
                      "the batch (each device's rows split evenly between microbatches)")
 
 
+# Config fields that say where a run writes, not what it computes: left out of config_sha256, so
+# the same run in two folders has one hash.
+_WHERE = ("output_dir", "data_cache_dir", "ref_cache_dir", "wandb_project", "wandb_mode")
+
+
 def provenance(cfg, mesh) -> dict[str, Any]:
-  """What a result was measured with: package versions, devices, mesh, the resolved config's
-  hash."""
+  """What a result was measured with: package versions, devices, mesh, the hash of the resolved
+  config less the fields of `_WHERE`."""
   versions = {name: md.version(name) for name in ("jax", "jaxlib", "optax", "numpy")}
   versions["python"] = platform.python_version()
-  config_json = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+  defining = {s: {k: v for k, v in fields.items() if k not in _WHERE}
+              for s, fields in cfg.to_dict().items()}
+  config_json = json.dumps(defining, sort_keys=True, default=str)
   return {"versions": versions, "device_kind": jax.devices()[0].device_kind,
           "device_count": jax.device_count(), "process_count": jax.process_count(),
           "mesh": dict(mesh.shape),

@@ -68,11 +68,13 @@ def test_launch_cli_writes_its_logs_and_its_flag_file_repeats_it(tmp_path):
   again = tmp_path / "again"
   proc = _launch(f"--flagfile={out / 'flags.txt'}", f"--output_dir={again}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  # The figures: every number but timings (provenance such as a config hash names the output
-  # directory, which differs on purpose).
+  # The figures: every number but timings, and the config hash, which leaves out the output
+  # directory (the same run in another folder).
   figures = lambda d: {k: v for k, v in json.load(open(d / "summary.json")).items()
                        if isinstance(v, (int, float)) and not k.endswith("_time_s")}
   assert len(figures(out)) > 20 and figures(again) == figures(out)
+  sha = lambda d: json.load(open(d / "summary.json"))["config_sha256"]
+  assert sha(again) == sha(out)
 
 
 def test_help_shows_the_presets_values():

@@ -152,3 +152,14 @@ def test_an_unknown_stage_is_refused_before_any_work(tmp_path):
                                        r"\(registered: sft, dpo"):
     loop.run(cfg)
   assert not (tmp_path / "run").exists()
+
+
+def test_config_hash_is_the_runs_not_its_folders():
+  """summary.json's config_sha256: the same run in another output (or cache) directory has
+  the same hash; any setting that changes what is computed changes it."""
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  cfg = configs.DEFAULT.replace(**TINY, output_dir="/tmp/a")
+  sha = lambda c: loop.provenance(c, mesh)["config_sha256"]
+  assert sha(cfg.replace(output_dir="/tmp/b", data_cache_dir="/tmp/c", ref_cache_dir="/tmp/d")) \
+      == sha(cfg)
+  assert sha(cfg.replace(beta=0.2)) != sha(cfg) and sha(cfg.replace(seed=1)) != sha(cfg)
