@@ -79,6 +79,7 @@ def test_save_is_atomic_and_pruned(tmp_path):
     checkpoint.load(mgr.path(4), checkpoint.like_of({"x": params["embed"]}))
 
 
+@pytest.mark.slow
 def test_restore_across_meshes(tmp_path):
   cfg = tiny_cfg(tmp_path, lora_rank=4, lora_targets=("q", "v", "up"))
   one = sharding.make_mesh("data:1", jax.devices()[:1])
@@ -114,6 +115,7 @@ def test_restore_across_meshes(tmp_path):
     checkpoint.load_params(str(tmp_path / "base"), cfg.model.__class__(d_model=64), one)
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_across_interruptions(tmp_path, reference_run):
   """Crash in SFT, then in DPO, resume each time: same metrics and final params as one run."""
   ref_dir, cut_dir = reference_run, tmp_path / "interrupted"
@@ -142,6 +144,7 @@ def test_resume_is_bitwise_across_interruptions(tmp_path, reference_run):
   assert records(cut_dir) == records(ref_dir)
 
 
+@pytest.mark.slow
 def test_stage_handoff_and_export(tmp_path, reference_run):
   """--stage=dpo --init_from=<the SFT output> equals the DPO half of --stage=all; the exported
   policy is base + merged LoRA and loads as --init_from of a later run."""
@@ -187,6 +190,7 @@ def _launch_env(compile_cache):
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_keeps_last_checkpoint(tmp_path, compile_cache):
   out = tmp_path / "run"
   cmd, env = _launch_cmd(out), _launch_env(compile_cache)
@@ -255,6 +259,7 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.slow
 def test_damaged_step_falls_back_to_the_newest_intact_one(tmp_path, damage, caplog):
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
   mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
@@ -335,6 +340,7 @@ def _loop_outputs(out):
 
 @pytest.mark.parametrize("phase,name", [("meta", "step_00000002"), ("flip", "policy"),
                                         ("manifest", "sft_model")])
+@pytest.mark.slow
 def test_killed_run_resumes_bitwise_without_duplicate_records(tmp_path, reference_run,
                                                               monkeypatch, phase, name):
   """A kill in the DPO stage's first checkpoint, in the export of the policy over an earlier
@@ -373,6 +379,7 @@ def _folder(root):
   return out
 
 
+@pytest.mark.slow
 def test_kill_during_the_hf_export_and_the_rerun_rewrites_it(tmp_path, monkeypatch):
   """--export_hf is written in place: a kill after its first safetensors file leaves a partial
   folder; the rerun (the training is done) exports again, equal file for file."""
@@ -399,6 +406,7 @@ def test_kill_during_the_hf_export_and_the_rerun_rewrites_it(tmp_path, monkeypat
   assert records(out) == records(tmp_path / "whole")
 
 
+@pytest.mark.slow
 def test_damaged_sft_model_and_step_are_rebuilt(tmp_path, reference_run, caplog):
   """A zeroed-out (deleted) chunk in the SFT model and in the newest DPO step: the rerun warns,
   rebuilds the SFT model from its last step checkpoint and resumes DPO from the older step."""
@@ -419,6 +427,7 @@ def test_damaged_sft_model_and_step_are_rebuilt(tmp_path, reference_run, caplog)
 
 # --- metrics.jsonl and a full disk ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_torn_metrics_line_is_dropped_on_resume(tmp_path, reference_run, caplog):
   out = tmp_path / "run"
   with pytest.raises(SimulatedCrash):
@@ -432,6 +441,7 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path, reference_run, caplog)
 
 
 @pytest.mark.parametrize("where", ["checkpoint", "metrics", "tensorboard"])
+@pytest.mark.slow
 def test_full_disk_through_launch_is_one_line_and_exit_2(tmp_path, compile_cache, where):
   """What the user sees: one `error:` line naming the path and the bytes, status 2; no
   traceback, no "Event loop is closed" from tensorstore's writes dying with the loop, none from
@@ -451,6 +461,7 @@ def test_full_disk_through_launch_is_one_line_and_exit_2(tmp_path, compile_cache
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("where", ["metrics", "tensorboard", "checkpoint", "free space"])
+@pytest.mark.slow
 def test_full_disk_is_one_message_and_the_rerun_resumes(tmp_path, reference_run, monkeypatch,
                                                         where):
   out = tmp_path / "run"

@@ -52,6 +52,7 @@ def test_win_rate_counts_ties_half():
     evaluate.win_rate([1.0], [1.0, 2.0])
 
 
+@pytest.mark.slow
 def test_completion_logps_match_numpy(params, lora, mesh):
   scfg = evaluate.sampling_config(CFG, TOK)
   stats = data_lib.TruncationStats()
@@ -77,6 +78,7 @@ def test_completion_logps_match_numpy(params, lora, mesh):
     assert counts[i] == len(comps[i])
 
 
+@pytest.mark.slow
 def test_kl_of_policy_against_itself_is_zero(params, mesh):
   zero_delta = lora_lib.init(CFG.model, CFG.lora, jax.random.key(4), mesh)  # B = 0
   ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS[:32], params, reward_fn=task.true_reward)
@@ -85,6 +87,7 @@ def test_kl_of_policy_against_itself_is_zero(params, mesh):
     assert m["kl_per_sequence"] == 0.0 and m["kl_per_token"] == 0.0
 
 
+@pytest.mark.slow
 def test_kl_positive_for_a_different_policy(params, lora, mesh):
   ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS, params, reward_fn=task.true_reward)
   m, _ = ev(params, lora)
@@ -117,6 +120,7 @@ def test_no_ground_truth_reward_reports_na(params, lora, mesh):
   assert "n/a" in table and PROMPTS[0] in table
 
 
+@pytest.mark.slow
 def test_pair_metrics_match_numpy(params, lora, mesh):
   recs = task.preference_records(12, seed=0, held_out=True)
   arrays = data_lib.tokenize_pairs(recs, TOK, 32, 40)

@@ -65,6 +65,7 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("base_quant", ["none", "nf4"])
+@pytest.mark.slow
 def test_export_loads_in_transformers_and_peft(tmp_path, base_quant):
   tok_dir = _tokenizer(tmp_path / "tok")
   vocab = tokenizers.Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json")).get_vocab_size()

@@ -26,6 +26,7 @@ def test_area_is_the_mean_of_the_upper_envelope():
       _pts((0.0, 0.0), (2.0, 1.0)), 4.0)
 
 
+@pytest.mark.slow
 def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
   out = tmp_path / "frontier"
   cmd = [sys.executable, "-m", "dpo.tools.frontier", f"--output_dir={out}", "--sft_steps=4",
@@ -64,6 +65,7 @@ def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
   assert reused == points
 
 
+@pytest.mark.slow
 def test_the_frontier_refuses_flags_it_sets_per_run(tmp_path):
   res = subprocess.run([sys.executable, "-m", "dpo.tools.frontier", "--rpo_alpha=1",
                         f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,

@@ -94,6 +94,7 @@ def test_nonfinite_gradient_skips_update():
     jax.tree.map(np.testing.assert_array_equal, bad.opt_state, state.opt_state)
 
 
+@pytest.mark.slow
 def test_injected_nan_is_skipped_and_counted(tmp_path):
   summary = loop.run(tiny_cfg(tmp_path, steps=4, kl_spike_factor=0.0),
                      extra_hooks={"dpo": [NanLoss(2)]})
@@ -109,6 +110,7 @@ def test_injected_nan_is_skipped_and_counted(tmp_path):
 
 # --- KL-spike rollback ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_injected_kl_spike_rolls_back_and_cuts_lr(tmp_path):
   # KL stays below 1e-4 over these steps; the lr x1000 update at step 5 lifts it above 1e-2.
   seen = Recorder()  # after the guard: it sees what the guard let through
@@ -138,6 +140,7 @@ def test_injected_kl_spike_rolls_back_and_cuts_lr(tmp_path):
 
 
 @pytest.mark.parametrize("phase,spike", [("flip", 5), ("delete", 4)])
+@pytest.mark.slow
 def test_kill_during_rollback_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch, phase,
                                                                spike):
   """A kill while the rollback replaces step 4 (its re-save with the cut rate) or deletes it
@@ -182,6 +185,7 @@ def sft_model(tmp_path_factory):
     ({}, "kl"), ({"precompute_ref": True, "rpo_alpha": 0.0}, "logratio"),
     ({"loss_type": ("simpo",), "rpo_alpha": 0.0, "init_from": "sft"}, "nll_drift")],
     ids=["kl", "logratio", "nll_drift"])
+@pytest.mark.slow
 def test_default_guard_catches_a_spike_and_not_a_normal_run(tmp_path, extra, estimate, caplog,
                                                             request):
   """The default guard (factor 5 over a 20-step window's max, floor 0.01) leaves a normal

@@ -96,6 +96,7 @@ def mesh():
 
 
 @pytest.mark.parametrize("arch", archs.ARCHS)
+@pytest.mark.slow
 def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   model = _hf_model(arch)
   src = tmp_path / "src"

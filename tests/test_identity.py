@@ -49,6 +49,7 @@ CHANGES = {"beta": 0.2, "learning_rate": 1e-3, "seed": 1, "global_batch_size": 1
 
 
 @pytest.mark.parametrize("name", CHANGES)
+@pytest.mark.slow
 def test_changed_hyperparameter_refuses_to_resume(tmp_path, finished, name):
   out = _copy(finished, tmp_path / "run")
   before = checkpoint.read_meta(str(out / "checkpoints" / "dpo" / "step_00000002"))
@@ -62,6 +63,7 @@ def test_changed_hyperparameter_refuses_to_resume(tmp_path, finished, name):
   assert "was written by a different run" in message and "\n" not in message  # dpo_base or step 2
 
 
+@pytest.mark.slow
 def test_changed_data_file_or_initial_model_refuses_changed_source_is_logged(tmp_path, monkeypatch,
                                                                             caplog):
   data = tmp_path / "pairs.jsonl"
@@ -96,6 +98,7 @@ def test_changed_data_file_or_initial_model_refuses_changed_source_is_logged(tmp
     run()
 
 
+@pytest.mark.slow
 def test_steps_below_the_checkpoint_refused_extending_logged(tmp_path, finished, caplog):
   out = _copy(finished, tmp_path / "run")
   with pytest.raises(checkpoint.CheckpointError, match=r"--steps=1 is below the checkpoint "
@@ -108,6 +111,7 @@ def test_steps_below_the_checkpoint_refused_extending_logged(tmp_path, finished,
   assert [r["step"] for r in rows if r["stage"] == "dpo"] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_sft_steps_below_the_sft_model_refused(tmp_path):
   out = tmp_path / "run"
   loop.run(tiny_cfg(out, stage="sft"))
@@ -117,6 +121,7 @@ def test_sft_steps_below_the_sft_model_refused(tmp_path):
     loop.run(tiny_cfg(out, stage="sft", sft_learning_rate=1e-3))
 
 
+@pytest.mark.slow
 def test_sft_steps_extended_under_a_started_dpo_stage_refused(tmp_path, caplog):
   """Extending SFT before DPO has started is allowed and logged; once DPO checkpoints exist it
   would replace their initial model, so it is refused before any work, naming both lengths."""

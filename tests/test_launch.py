@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +39,7 @@ def _launch(*args, timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_launch_cli_writes_its_logs_and_its_flag_file_repeats_it(tmp_path):
   """The default job as a user runs it (tiny): the log line, the evaluation table, config.json,
   flags.txt, TensorBoard events (TensorBoard's reader finds every metric of metrics.jsonl),
@@ -77,6 +80,7 @@ def test_launch_cli_writes_its_logs_and_its_flag_file_repeats_it(tmp_path):
   assert sha(again) == sha(out)
 
 
+@pytest.mark.slow
 def test_help_shows_the_presets_values():
   proc = _launch("--config=bench-small", "--help", timeout=300)
   assert proc.returncode == 0 and "Traceback" not in proc.stderr
@@ -91,6 +95,7 @@ def test_help_shows_the_presets_values():
   assert "--distributed=off" in full
 
 
+@pytest.mark.slow
 def test_invalid_flag_value_is_one_line_naming_flag_value_and_type():
   proc = _launch("--steps=abc", timeout=300)
   assert proc.returncode == 2 and proc.stderr.count("\n") == 1

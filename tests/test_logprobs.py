@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from configs import ModelConfig
 from dpo import logprobs
@@ -41,6 +42,7 @@ def _pair_logps(params, batch):
   return s.logps, s.tokens
 
 
+@pytest.mark.slow
 def test_pair_logps_masked_sums_match_numpy():
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = transformer.init(CFG, jax.random.key(0), mesh)
@@ -59,6 +61,7 @@ def test_pair_logps_masked_sums_match_numpy():
     np.testing.assert_allclose(np.asarray(logps[:, j]), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_padding_and_prompt_tokens_do_not_count():
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = transformer.init(CFG, jax.random.key(0), mesh)
@@ -71,6 +74,7 @@ def test_padding_and_prompt_tokens_do_not_count():
   np.testing.assert_allclose(np.asarray(base), np.asarray(again), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pair_stats_shared_length_and_wpo_match_numpy():
   """pair_stats: sums equal per-side sequence_logps (the same scoring path); the LD-DPO
   shared-length split and WPO log-weights match numpy computed from the logits."""

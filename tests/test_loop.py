@@ -11,6 +11,7 @@ from dpo import algorithms, hooks, identity, loop, train
 from models import sharding
 
 
+@pytest.mark.slow
 def test_short_run_learns_preferences(tmp_path):
   out = tmp_path / "run"
   # 60 DPO steps: a higher peak lr than the preset's (tuned for 200 steps); few, short samples.
@@ -46,6 +47,7 @@ def test_short_run_learns_preferences(tmp_path):
   assert json.load(open(out / "summary.json")) == summary
 
 
+@pytest.mark.slow
 def test_dpo_from_hf_checkpoint_with_nf4_base_exports_for_transformers(tmp_path):
   """--init_from=hf:DIR, --base_quant=nf4, --export_hf: transformers loads the trained policy."""
   import numpy as np
@@ -130,6 +132,7 @@ EMBED_ONLY = algorithms.Algorithm(
     data_files=(), data_seed=3, steps_flag="--sft_steps")
 
 
+@pytest.mark.slow
 def test_an_algorithm_registered_from_a_test_runs_as_a_stage(tmp_path, monkeypatch):
   """A module that registers an Algorithm is all a new stage needs: the recipe runs it after
   SFT on Program.stage (its own checkpoints and metrics records) and hands it the SFT model."""

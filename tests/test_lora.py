@@ -65,6 +65,7 @@ def test_shapes_follow_base_specs():
   assert specs["down"]["b"].axes == ("layers", "lora_rank", "embed")
 
 
+@pytest.mark.slow
 def test_zero_b_is_exactly_base(mesh1):
   params = transformer.init(CFG, jax.random.key(0), mesh1)
   lora = lora_lib.init(CFG, ALL, jax.random.key(1), mesh1)
@@ -75,6 +76,7 @@ def test_zero_b_is_exactly_base(mesh1):
   np.testing.assert_array_equal(np.asarray(base), np.asarray(with_lora))
 
 
+@pytest.mark.slow
 def test_merge_equals_base_plus_delta(mesh1):
   params = transformer.init(CFG, jax.random.key(0), mesh1)
   lora = _randomize_b(lora_lib.init(CFG, ALL, jax.random.key(1), mesh1), jax.random.key(2))
@@ -91,6 +93,7 @@ def test_merge_equals_base_plus_delta(mesh1):
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_only_with_key(mesh1):
   params = transformer.init(CFG, jax.random.key(0), mesh1)
   lora = _randomize_b(lora_lib.init(CFG, ALL, jax.random.key(1), mesh1), jax.random.key(2))

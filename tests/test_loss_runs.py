@@ -27,6 +27,7 @@ REFERENCE_FREE = tuple(n for n, l in losses.LOSSES.items() if not l.reference)
 # the path that runs no reference forward. Per-loss launch.py runs are in WORKSPACE.md.
 @pytest.mark.parametrize("losses", [("sigmoid",), WITH_REF, REFERENCE_FREE],
                          ids=["sigmoid", "all-with-reference", "all-reference-free"])
+@pytest.mark.slow
 def test_every_loss_type_runs(losses, tmp_path):
   # Each loss alone, without the default preset's RPO term (the modifiers' run is below).
   cfg = configs.DEFAULT.replace(**TINY_FLAGS, stage="dpo", steps=2, loss_type=losses,
@@ -45,6 +46,7 @@ def test_every_loss_type_runs(losses, tmp_path):
     np.testing.assert_allclose(sum(parts), dpo[0]["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_launch_command_line_with_modifiers(tmp_path):
   flags = [f"--{k}={v}" for k, v in TINY_FLAGS.items()]
   cmd = [sys.executable, "launch.py", *flags, "--sft_steps=2", "--steps=2",

@@ -5,6 +5,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 import configs
 from dpo import loop
@@ -26,6 +27,7 @@ def _run(tmp_path, name: str) -> tuple[list[dict], dict]:
   return [json.loads(l) for l in open(out / "metrics.jsonl")], summary
 
 
+@pytest.mark.slow
 def test_losses_and_samples_do_not_depend_on_the_mesh(tmp_path):
   runs = {name: _run(tmp_path, name) for name in MESHES}
   base_records, base_summary = runs["1 device"]

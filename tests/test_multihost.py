@@ -101,6 +101,7 @@ def uninterrupted(tmp_path_factory):
   return multi, single, logs
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_on_four_devices(uninterrupted):
   multi, single, logs = uninterrupted
   two, one = _records(multi), _records(single)
@@ -123,6 +124,7 @@ def test_two_processes_match_one_process_on_four_devices(uninterrupted):
   assert "dpo     1/4" not in open(logs[1]).read()
 
 
+@pytest.mark.slow
 def test_two_processes_pack_their_own_blocks_to_the_unpacked_losses(tmp_path, varied_pairs):
   """--packing on pairs of varied lengths: each process packs only its block of the batch, and
   the losses equal one process's unpacked run (dropout off: the layouts draw other masks)."""
@@ -146,6 +148,7 @@ def test_two_processes_pack_their_own_blocks_to_the_unpacked_losses(tmp_path, va
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.slow
 def test_dead_process_stops_the_other_within_heartbeat_timeout(tmp_path, how):
   """SIGKILL: the survivor's collective fails at once; SIGSTOP (a hung host, connections
   open): the coordination service's missed heartbeats end it. Either way one line, status 4."""
@@ -182,6 +185,7 @@ def test_dead_process_stops_the_other_within_heartbeat_timeout(tmp_path, how):
         p.kill()
 
 
+@pytest.mark.slow
 def test_killed_peer_then_the_rerun_resumes_to_the_uninterrupted_run(tmp_path, uninterrupted):
   """Process 1 is SIGKILLed right after the step-2 checkpoint: process 0 exits with one line and
   status 4 within the heartbeat bound; rerunning both resumes from step 2, and the records and

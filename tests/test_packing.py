@@ -42,6 +42,7 @@ def setup():
   return mesh, pairs, shared, summary, base, lora
 
 
+@pytest.mark.slow
 def test_layout_copies_each_token_once(setup):
   _, pairs, shared, summary, _, _ = setup
   assert "prefix sharing: 6 pairs" in summary
@@ -76,6 +77,7 @@ def test_shared_pair_stats_equal_unshared(setup, adapter):
                                rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_chunked_head_equals_whole_vocabulary_with_gradients(setup, monkeypatch):
   _, pairs, shared, _, base, lora = setup
   batch = {**pairs, **shared}
@@ -168,6 +170,7 @@ def _rejected_positions_continue(shared):
 
 
 @pytest.mark.parametrize("full_ft", [False, True])
+@pytest.mark.slow
 def test_dpo_steps_equal_unshared(setup, full_ft):
   """Three DPO steps (sigmoid + WPO, with the token KL) give the same metrics and parameters."""
   mesh, pairs, shared, _, base, _ = setup
@@ -263,6 +266,7 @@ def test_packed_pair_stats_equal_unshared(packed_setup, adapter):
 
 @pytest.mark.parametrize("full_ft,devices,blocks,microbatches", [
     (False, 1, 1, 1), (False, 2, 2, 2), (True, 1, 1, 1)])
+@pytest.mark.slow
 def test_packed_dpo_steps_equal_unshared(packed_setup, full_ft, devices, blocks, microbatches):
   """Three DPO steps (sigmoid + WPO, the token KL, dropout off) on packed rows give the metrics
   and parameters of the unpacked pair rows; with two process blocks on two devices and two
@@ -286,6 +290,7 @@ def test_packed_dpo_steps_equal_unshared(packed_setup, full_ft, devices, blocks,
 
 
 @pytest.mark.parametrize("devices,blocks,microbatches", [(1, 1, 1), (2, 2, 2)])
+@pytest.mark.slow
 def test_packed_dropout_masks_are_the_unpacked_rows(packed_setup, devices, blocks, microbatches):
   """With LoRA dropout on, three DPO steps on packed rows equal three on the unpacked
   shared-prefix rows: each packed slot takes the dropout mask of its pair's own row, so packing
@@ -334,6 +339,7 @@ def test_loader_packs_only_this_process_block():
                                     pairs["loss_mask"][rows[4 * b:4 * b + 4]].sum())
 
 
+@pytest.mark.slow
 def test_packing_run_logs_the_fill_rate_and_the_unpacked_losses(tmp_path, caplog, varied_pairs):
   """A --packing run (two devices, dropout off) logs the same losses as without packing, the
   fill rate at start and as a metric; --packing without prefix sharing is refused."""
@@ -384,6 +390,7 @@ def test_packing_without_a_shared_prompt_is_refused_before_sft(tmp_path, varied_
 
 @pytest.mark.parametrize("layout,window", [("unshared", 0), ("shared", 0), ("packed", 0),
                                            ("shared", 5)])
+@pytest.mark.slow
 def test_blockwise_attention_equals_one_block(packed_setup, layout, window):
   """Query blocks that skip the keys above the causal diagonal give the log-probs and LoRA
   gradients of whole-row attention, on every row layout, with sliding-window layers too."""
@@ -419,6 +426,7 @@ def test_blockwise_attention_equals_one_block(packed_setup, layout, window):
   numerics.assert_mistake_caught(checks(total(blocked, wrong)), "a position mistake")
 
 
+@pytest.mark.slow
 def test_blockwise_attention_dpo_steps_equal_one_block(setup):
   """Three LoRA DPO steps on shared rows with query blocks of 16 equal the steps of whole-row
   attention on the same rows."""

@@ -111,6 +111,7 @@ OPENAI_PARTS = [{"input": {"messages": [{"role": "user", "content": [
 @pytest.mark.parametrize("rows,name,fmt", [
     (SHAREGPT, "sharegpt.json", "sharegpt"),  # LLaMA-Factory ships JSON arrays
     (OPENAI_PARTS, "openai.jsonl", "openai")])
+@pytest.mark.slow
 def test_run_end_to_end(tmp_path, capsys, rows, name, fmt):
   path = tmp_path / name
   path.write_text(json.dumps(rows) if name.endswith(".json") else

@@ -66,6 +66,7 @@ def _batch():
 
 
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
+@pytest.mark.slow
 def test_logit_error_vs_float32_and_memory(mode):
   cfg = _cfg(mode)
   mesh = sharding.make_mesh("data:-1")
@@ -95,6 +96,7 @@ def test_logit_error_vs_float32_and_memory(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
+@pytest.mark.slow
 def test_forward_is_dequantized_float_forward_sharded_and_lora_trains(mode):
   cfg = _cfg(mode)
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")

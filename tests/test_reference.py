@@ -55,6 +55,7 @@ def _run_steps(cfg, mesh, frozen, trainable, arrays, n_steps):
 
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
+@pytest.mark.slow
 def test_precomputed_equals_in_step(setup, tmp_path, lora_rank):
   mesh, tok, arrays, params, lora = setup
   cfg = TINY.replace(lora_rank=lora_rank, ref_cache_dir=str(tmp_path), ld_alpha=0.5,
@@ -136,6 +137,7 @@ def test_tr_dpo_updates(setup):
                              np.asarray(params["final_norm"]) + 0.5, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_reference_lora_copy_is_the_reference(setup):
   """With ref_lora equal to the policy adapter (no dropout), policy == reference: DPO loss ln 2."""
   mesh, _, arrays, params, lora = setup
@@ -146,6 +148,7 @@ def test_reference_lora_copy_is_the_reference(setup):
   assert abs(m["loss"] - math.log(2.0)) > 1e-4  # base-only reference differs from the policy
 
 
+@pytest.mark.slow
 def test_reference_free_runs_no_reference_forward(setup):
   """Full fine-tuning with a reference-free loss: frozen=None would fail if a reference ran."""
   mesh, _, arrays, params, _ = setup
@@ -171,6 +174,7 @@ def test_config_rejects_bad_combinations():
 
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
+@pytest.mark.slow
 def test_separate_reference_model_is_the_steps_reference(setup, tmp_path, lora_rank):
   """--ref_init_from: the step's rewards are beta * (log pi - log pi_ref) with pi_ref the given
   model (not the policy's initial weights), in the step and precomputed alike."""
@@ -194,6 +198,7 @@ def test_separate_reference_model_is_the_steps_reference(setup, tmp_path, lora_r
           reference.fingerprint(spec, arrays, tok, train.initial_frozen(params)))
 
 
+@pytest.mark.slow
 def test_run_with_ref_init_from_trains_and_evaluates_against_it(tmp_path):
   """A --stage=dpo run with --ref_init_from=<params checkpoint>, int8-quantized and
   precomputed: the first step's rewards and the evaluation's reference are that model."""

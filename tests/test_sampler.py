@@ -60,6 +60,7 @@ def _greedy_by_recompute(params, prompt, n, lora=None, lora_scale=1.0):
   return seq[len(prompt):]
 
 
+@pytest.mark.slow
 def test_cached_greedy_matches_full_recompute(params):
   out = _generate(params, PROMPTS, _scfg())
   for b, prompt in enumerate(PROMPTS):
@@ -81,6 +82,7 @@ def test_lora_policy_matches_merged_weights(params, mesh):
   assert (out.tokens != base.tokens).any()  # the adapter is actually applied
 
 
+@pytest.mark.slow
 def test_prompt_in_mixed_batch_matches_alone(params):
   batch = _generate(params, PROMPTS, _scfg(), multiple=8)
   for b, prompt in enumerate(PROMPTS):

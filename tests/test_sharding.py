@@ -218,6 +218,7 @@ def _one_device_misreads(batches):
 
 
 @pytest.mark.parametrize("spec", ["data:8", "fsdp:8", "tensor:8", "data:2,fsdp:2,tensor:2"])
+@pytest.mark.slow
 def test_dpo_step_sharded_matches_one_device_lora(spec, batches, reference_lora):
   mesh = sharding.make_mesh(spec)
   # The model is sized so that every rule applies in full on each of these layouts.
@@ -232,6 +233,7 @@ def test_dpo_step_sharded_matches_one_device_lora(spec, batches, reference_lora)
                                  "a batch block reading another's rows")
 
 
+@pytest.mark.slow
 def test_dpo_step_sharded_matches_one_device_full_finetune(batches):
   one = _run_dpo(_cfg(0), sharding.make_mesh("data:1", devices=jax.devices()[:1]), batches)
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")

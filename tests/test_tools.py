@@ -31,6 +31,7 @@ def _expected_argument_bytes(cfg, mesh, seq_len):
   return est, est["total"] + batch + scalars
 
 
+@pytest.mark.slow
 def test_bench_small_compiles_abstractly_with_predicted_per_device_memory():
   cfg = configs.get_config("bench-small").replace(global_batch_size=8)
   mesh = sharding.make_mesh("fsdp:4,tensor:2")
@@ -134,6 +135,7 @@ def tool_output(tmp_path_factory):
       p.wait()
 
 
+@pytest.mark.slow
 def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_step(tool_output):
   lines = tool_output("bench")
   assert lines[0].startswith("devices: 1 x cpu; float32 128^3 matmul peak")

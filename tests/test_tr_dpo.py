@@ -83,6 +83,7 @@ def _policy(out):
 
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
+@pytest.mark.slow
 def test_resume_with_ref_update_is_bitwise(tmp_path, lora_rank):
   whole, cut = tmp_path / "whole", tmp_path / "cut"
   loop.run(tiny_cfg(whole, lora_rank=lora_rank))

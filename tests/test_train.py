@@ -37,6 +37,7 @@ def _dpo(cfg, mesh, base):
   return state, lambda st, _, b: step(st, frozen, b)
 
 
+@pytest.mark.slow
 def test_first_loss_is_ln2_and_only_lora_changes(setup):
   mesh, pairs, base = setup
   base_before = jax.tree.map(np.asarray, base)
@@ -121,6 +122,7 @@ def _misread(rows):
   return {k: np.concatenate([v[:-1], v[:1]]) for k, v in rows.items()}
 
 
+@pytest.mark.slow
 def test_step_on_eight_devices_matches_one(setup):
   _, pairs, _ = setup
   rows = {k: v[:8] for k, v in pairs.items()}
@@ -143,6 +145,7 @@ def test_step_on_eight_devices_matches_one(setup):
                                  "a device reading another's rows")
 
 
+@pytest.mark.slow
 def test_unrelated_fields_do_not_recompile_the_step(setup):
   """The step's static argument is a StepConfig: output paths, cadences and evaluation settings
   give the same jitted function, and its second call compiles nothing."""
@@ -167,6 +170,7 @@ def test_unrelated_fields_do_not_recompile_the_step(setup):
   assert changed != train.StepConfig.dpo(CFG)  # a field the loss reads does change the key
 
 
+@pytest.mark.slow
 def test_step_without_kl_holds_no_reference_logits(setup):
   """With the KL metric off (guard off, --log_kl off) the compiled step keeps no [B, 2, T, V]
   reference logits: its temporaries shrink by at least that array, and no "kl" is reported."""
@@ -206,6 +210,7 @@ def _one_step(cfg, mesh, base, batch, step_fn=train.dpo_step, stage="dpo"):
 
 
 @pytest.mark.parametrize("lora_rank", [16, 0])
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_full_batch_step(setup, lora_rank):
   """K = 4 microbatches scanned in the step: loss, every metric (the token KL included) and the
   update equal the one-batch step's on the same global batch; the step's temporaries shrink."""
@@ -229,6 +234,7 @@ def test_gradient_accumulation_equals_the_full_batch_step(setup, lora_rank):
   assert t4 < t1
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_sft_is_the_token_mean_of_the_batch(setup):
   mesh = sharding.make_mesh("data:2", jax.devices()[:2])
   base = transformer.init(CFG.model, jax.random.key(0), mesh)

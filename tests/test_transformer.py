@@ -106,6 +106,7 @@ def test_matches_numpy_reference(mesh1, tie):
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow
 def test_causality_by_gradient(params):
   """d logits[t] / d (input embedding at position s) is zero for every s > t.
 
@@ -138,6 +139,7 @@ def test_right_padding_does_not_change_real_positions(params):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_segments_are_independent(params):
   """Two sequences packed in one row (segments 1, 2) give the same logits as run alone."""
   t1, p1, s1 = _inputs(B=1, T=5, seed=1)
@@ -167,6 +169,7 @@ def test_branches_after_a_shared_prefix_are_independent(params):
     np.testing.assert_allclose(np.asarray(shared[:, sl]), np.asarray(want[:, 4:]), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_remat_unrolled_layers_and_explicit_backward(mesh1, params, monkeypatch):
   tokens, positions, segments = _inputs()
   ref = transformer.forward(CFG, params, tokens, positions, segments)
