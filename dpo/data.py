@@ -242,10 +242,18 @@ def _pack_rows(rows: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id
           "loss_mask": loss_mask}
 
 
+class Ends(NamedTuple):
+  """Whether each row gets a BOS id before its prompt and an EOS id after its completion (texts
+  rendered by a tokenizer's own chat template carry what the template writes)."""
+  bos: bool = True
+  eos: bool = True
+
+
 def tokenize_pairs(records: Sequence[PreferenceRecord], tok, max_prompt_length: int,
-                   max_target_length: int, what: str = "pairs", add_bos: bool = True,
-                   add_eos: bool = True) -> dict[str, np.ndarray]:
+                   max_target_length: int, what: str = "pairs",
+                   ends: Ends = Ends()) -> dict[str, np.ndarray]:
   """Arrays of shape [N, 2, T] (chosen, rejected); T is the longest pair rounded up to 8."""
+  add_bos, add_eos = ends
   stats = TruncationStats(examples=len(records))
   chosen, rejected = [], []
   for r in records:
@@ -259,9 +267,10 @@ def tokenize_pairs(records: Sequence[PreferenceRecord], tok, max_prompt_length: 
 
 
 def tokenize_sft(records: Sequence[SFTRecord], tok, max_prompt_length: int,
-                 max_target_length: int, what: str = "sft", add_bos: bool = True,
-                 add_eos: bool = True) -> dict[str, np.ndarray]:
-  """Arrays of shape [N, T]; `add_bos` / `add_eos` as for `tokenize_pairs`."""
+                 max_target_length: int, what: str = "sft", ends: Ends = Ends()
+                 ) -> dict[str, np.ndarray]:
+  """Arrays of shape [N, T]; `ends` as for `tokenize_pairs`."""
+  add_bos, add_eos = ends
   stats = TruncationStats(examples=len(records))
   rows = [(encode_prompt(tok, r.prompt, max_prompt_length, stats, add_bos),
            encode_completion(tok, r.completion, max_target_length, stats, add_eos))
@@ -284,8 +293,11 @@ class Loader:
   """
 
   def __init__(self, arrays: dict[str, np.ndarray], global_batch: int, seed: int,
-               process_index: int = 0, process_count: int = 1, what: str = "dataset",
+               block: tuple[int, int] = (0, 1), what: str = "dataset",
                pack: Callable[[np.ndarray, int], dict[str, np.ndarray]] | None = None):
+    """`block` = (this process's index, the process count): which block of each global batch
+    this process reads."""
+    process_index, process_count = block
     self.arrays, self.pack = arrays, pack
     self.n = len(next(iter(arrays.values())))
     if global_batch % process_count:

@@ -20,7 +20,7 @@ with other settings it is the log-ratio on the samples actually drawn.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -28,13 +28,36 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpo import data as data_lib
 from dpo import logprobs, losses, train
+from dpo.batches import PairBatch, Rows
 from dpo.formats import distinct_n
-from models import sampler, sharding
+from models import sampler, sharding, transformer
 
 
-def _policy_and_reference(score_fn, model, lora_cfg, policy_params, lora, ref_params, batch):
-  pol = score_fn(model, policy_params, batch, lora=lora, lora_scale=lora_cfg.scale)
-  return pol, score_fn(model, ref_params, batch)
+class Weights(NamedTuple):
+  """A model as evaluated: its params and, with LoRA, the factors on them (None: params alone)."""
+  params: Any
+  lora: Any = None
+
+
+class EvalSet(NamedTuple):
+  """What a run is evaluated on. `prompts` are encoded by the Evaluator (BOS + text) unless
+  `prompt_ids` gives them already tokenized (real data: the held-out pairs' prompts as rendered
+  by the chat template), `prompts` then being their decoded text. `held`: the held-out pair
+  arrays (pair metrics), `reward_fn` the task's true reward of a response (win rate),
+  `well_formed_fn(prompt, response)` the task's grammar check; sampling stops at EOS or any of
+  `stop_ids`."""
+  tok: Any
+  prompts: Sequence[str]
+  prompt_ids: Sequence[Sequence[int]] | None = None
+  held: dict | None = None
+  reward_fn: Callable[[str], float] | None = None
+  well_formed_fn: Callable[[str, str], bool] | None = None
+  stop_ids: Sequence[int] = ()
+
+
+def _policy_and_reference(score_fn, model, lora_cfg, policy: Weights, ref_params, batch):
+  adapter = None if policy.lora is None else transformer.Adapter(policy.lora, lora_cfg.scale)
+  return score_fn(model, policy.params, batch, adapter), score_fn(model, ref_params, batch)
 
 
 @functools.lru_cache(maxsize=8)
@@ -45,31 +68,32 @@ def _jitted_scores(score_fn, model, lora_cfg, mesh):
   return jax.jit(train.with_mesh(mesh, fn), out_shardings=NamedSharding(mesh, P()))
 
 
-def _pair_logps(model, params, batch, **kw):
-  s = logprobs.pair_stats(model, params, batch, **kw)
+def _pair_logps(model, params, batch: PairBatch, adapter=None):
+  s = logprobs.pair_stats(model, params, batch, adapter)
   return s.logps, s.tokens
 
 
-def _in_batches(mesh, fn, arrays: dict, batch_size: int) -> tuple[np.ndarray, ...]:
-  """Runs fn(batch) -> pytree of [batch_size, ...] arrays over every row of `arrays`, in
-  fixed-size batches (the last one filled with wrapped-around rows, dropped from the result).
-  Every process holds all rows, so each passes the whole batch; fn's outputs must be replicated."""
-  n = len(arrays["tokens"])
+def _in_batches(mesh, fn, rows, batch_size: int) -> tuple[np.ndarray, ...]:
+  """Runs fn(batch) -> pytree of [batch_size, ...] arrays over every row of `rows` (a typed
+  batch of host arrays), in fixed-size batches (the last one filled with wrapped-around rows,
+  dropped from the result). Every process holds all rows, so each passes the whole batch; fn's
+  outputs must be replicated."""
+  n = len(jax.tree.leaves(rows)[0])
   outs = []
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size) % n
-    batch = train.device_batch(mesh, {k: v[idx] for k, v in arrays.items()}, batch_size)
+    batch = train.device_batch(mesh, jax.tree.map(lambda v: v[idx], rows), batch_size)
     outs.append([x[:min(batch_size, n - start)] for x in jax.tree.leaves(jax.device_get(fn(batch)))])
   return tuple(np.concatenate(xs) for xs in zip(*outs))
 
 
-def pair_metrics(cfg, mesh, policy_params, lora, ref_params, arrays: dict,
+def pair_metrics(cfg, mesh, policy: Weights, ref_params, arrays: dict,
                  batch_size: int) -> dict[str, float]:
   """Held-out implicit-reward statistics (`losses.pair_statistics`, the same function the
-  training metrics use, over all pairs) and the chosen-token perplexity."""
+  training metrics use, over all pairs of `arrays`) and the chosen-token perplexity."""
   fn = _jitted_scores(_pair_logps, cfg.model, cfg.lora, mesh)
   pol, counts, ref, _ = _in_batches(
-      mesh, lambda b: fn(policy_params, lora, ref_params, b), arrays, batch_size)
+      mesh, lambda b: fn(policy, ref_params, b), PairBatch(Rows.of(arrays)), batch_size)
   lp = losses.Logps(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
   stats = {k: float(v) for k, v in losses.pair_statistics(lp, cfg.loss.beta).items()}
   return {
@@ -104,7 +128,7 @@ def sampling_config(cfg, tok, stop_ids: Sequence[int] = ()) -> sampler.SamplingC
       banned_ids=tuple(i for i in (tok.pad_id, tok.bos_id) if i is not None))
 
 
-def sample(cfg, mesh, scfg: sampler.SamplingConfig, params, lora,
+def sample(cfg, mesh, scfg: sampler.SamplingConfig, model: Weights,
            prompts: Sequence[Sequence[int]], key: jax.Array) -> list[list[int]]:
   """One completion (token ids, EOS included if emitted) per prompt, in batches.
 
@@ -119,9 +143,10 @@ def sample(cfg, mesh, scfg: sampler.SamplingConfig, params, lora,
     chunk += [chunk[-1]] * (-n % sharding.batch_shards(mesh))  # pad rows so the batch splits over devices
     tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8)
     # Every process holds all prompts, so each passes the whole batch.
-    batch = train.device_batch(mesh, {"tokens": tokens, "segment_ids": segments}, len(chunk))
-    samples = sampler.generate(cfg.model, scfg, params, batch["tokens"], batch["segment_ids"],
-                               jax.random.fold_in(key, start), lora=lora, lora_scale=cfg.lora.scale)
+    batch = train.device_batch(mesh, sampler.Prompts(tokens, segments), len(chunk))
+    adapter = None if model.lora is None else transformer.Adapter(model.lora, cfg.lora.scale)
+    samples = sampler.generate(cfg.model, scfg, model.params, batch,
+                               jax.random.fold_in(key, start), adapter)
     out += sampler.completions(_replicated(mesh, samples))[:n]
   return out
 
@@ -131,17 +156,17 @@ def _replicated(mesh, tree):
   return jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
 
 
-def completion_logps(cfg, mesh, policy_params, lora, ref_params,
-                     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                     pad_id: int):
-  """(log pi(y|x) [n], log pi_ref(y|x) [n], completion token counts [n]), summed nats."""
-  rows = [(list(p), list(c)) for p, c in zip(prompts, completions)]
+def completion_logps(cfg, mesh, policy: Weights, ref_params,
+                     pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int):
+  """(log pi(y|x) [n], log pi_ref(y|x) [n], completion token counts [n]), summed nats, of the
+  (prompt ids, completion ids) `pairs`."""
+  rows = [(list(p), list(c)) for p, c in pairs]
   seq_len = -(-max(len(p) + len(c) for p, c in rows) // 8) * 8
   arrays = data_lib._pack_rows(rows, seq_len, pad_id)
   bs = cfg.eval.eval_batch_size + (-cfg.eval.eval_batch_size % sharding.batch_shards(mesh))
   fn = _jitted_scores(logprobs.sequence_logps, cfg.model, cfg.lora, mesh)
-  pol, counts, ref, _ = _in_batches(mesh, lambda b: fn(policy_params, lora, ref_params, b),
-                                    arrays, bs)
+  pol, counts, ref, _ = _in_batches(mesh, lambda b: fn(policy, ref_params, b),
+                                    Rows.of(arrays), bs)
   return pol, ref, counts
 
 
@@ -171,31 +196,26 @@ class Evaluator:
   differences between evaluation steps come from the policy, not from sampling noise.
   """
 
-  def __init__(self, cfg, mesh, tok, prompts: Sequence[str], ref_params,
-               held: dict | None = None, reward_fn: Callable[[str], float] | None = None,
-               well_formed_fn: Callable[[str, str], bool] | None = None,
-               prompt_ids: Sequence[Sequence[int]] | None = None, stop_ids: Sequence[int] = ()):
-    """`prompts` are encoded here (BOS + text), unless `prompt_ids` gives them already
-    tokenized (real data: the held-out pairs' prompts as rendered by the chat template), with
-    `prompts` then their decoded text. Sampling stops at EOS or any of `stop_ids`."""
+  def __init__(self, cfg, mesh, data: EvalSet, ref_params):
+    tok, prompt_ids = data.tok, data.prompt_ids
     self.cfg, self.mesh, self.tok, self.ref_params = cfg, mesh, tok, ref_params
-    self.prompt_texts = list(prompts)
+    self.prompt_texts = list(data.prompts)
     if prompt_ids is None:
-      stats = data_lib.TruncationStats(examples=len(prompts))
+      stats = data_lib.TruncationStats(examples=len(self.prompt_texts))
       prompt_ids = [data_lib.encode_prompt(tok, p, cfg.data.max_prompt_length, stats)
-                    for p in prompts]
+                    for p in self.prompt_texts]
     if len(prompt_ids) != len(self.prompt_texts):
       raise ValueError(f"{len(prompt_ids)} prompt id lists for {len(self.prompt_texts)} prompts")
     self.prompt_ids = [list(p) for p in prompt_ids]
-    self.held, self.reward_fn, self.well_formed_fn = held, reward_fn, well_formed_fn
-    self.scfg = sampling_config(cfg, tok, stop_ids)
+    self.held, self.reward_fn, self.well_formed_fn = data.held, data.reward_fn, data.well_formed_fn
+    self.scfg = sampling_config(cfg, tok, data.stop_ids)
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 7)
     self.policy_key, self.ref_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
     self._ref = None
 
   def _reference(self):
     if self._ref is None and self.prompt_ids:
-      comps = sample(self.cfg, self.mesh, self.scfg, self.ref_params, None, self.prompt_ids,
+      comps = sample(self.cfg, self.mesh, self.scfg, Weights(self.ref_params), self.prompt_ids,
                      self.ref_key)
       self._ref = (comps, *self.judge(comps))
     return self._ref
@@ -212,12 +232,12 @@ class Evaluator:
               np.array([self.well_formed_fn(p, t) for p, t in zip(self.prompt_texts, texts)]))
     return texts, rewards, formed
 
-  def __call__(self, policy_params, lora) -> tuple[dict, list[dict]]:
+  def __call__(self, policy: Weights) -> tuple[dict, list[dict]]:
     """(metrics, samples): one record per sampling prompt (prompt, both responses, their true
     rewards and well-formedness where the task defines them). Unavailable metrics are None."""
     m: dict = {}
     if self.held is not None:
-      m.update(pair_metrics(self.cfg, self.mesh, policy_params, lora, self.ref_params, self.held,
+      m.update(pair_metrics(self.cfg, self.mesh, policy, self.ref_params, self.held,
                             self.cfg.optim.global_batch_size))
     else:
       m.update(reward_accuracy=None, reward_margin=None, perplexity=None)
@@ -227,11 +247,10 @@ class Evaluator:
                reference_wellformed_rate=None, win_rate_reason="no prompts to sample from")
       return m, []
     ref_comps, ref_texts, ref_rewards, ref_formed = self._reference()
-    comps = sample(self.cfg, self.mesh, self.scfg, policy_params, lora, self.prompt_ids,
-                   self.policy_key)
+    comps = sample(self.cfg, self.mesh, self.scfg, policy, self.prompt_ids, self.policy_key)
     texts, rewards, formed = self.judge(comps)
-    pol, ref, counts = completion_logps(self.cfg, self.mesh, policy_params, lora, self.ref_params,
-                                        self.prompt_ids, comps, self.tok.pad_id)
+    pol, ref, counts = completion_logps(self.cfg, self.mesh, policy, self.ref_params,
+                                        list(zip(self.prompt_ids, comps)), self.tok.pad_id)
     m["kl_per_sequence"] = float(np.mean(pol - ref))
     m["kl_per_token"] = float(np.sum(pol - ref) / max(np.sum(counts), 1.0))
     m["policy_logp_per_token"] = float(np.sum(pol) / max(np.sum(counts), 1.0))

@@ -5,7 +5,7 @@ one path from a batch to per-token log-probs; `sequence_logps` sums it per seque
 `pair_stats` runs it on the chosen and rejected sequences of each pair with `jax.vmap` over the
 pair axis. Prompt and padding positions are masked out.
 
-A batch that carries shared-prefix rows (dpo/packing.py: `shared_*` and `score_*` arrays) takes
+A batch that carries shared-prefix rows (`PairBatch.shared`, dpo/packing.py) takes
 `shared_pair_stats` instead: one forward per pair over prompt | chosen | rejected (or per row of
 several such pairs, packed), the LM head only at the scored slots (`head_logps`, optionally over
 vocabulary chunks), the same `PairStats`.
@@ -13,16 +13,18 @@ vocabulary chunks), the same `PairStats`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dpo import packing
+from dpo.batches import PairBatch, Rows
 from models import quant, transformer
+from models.transformer import Adapter
 
 if TYPE_CHECKING:
-  from configs import ModelConfig
+  from models.config import ModelConfig
 
 
 def token_logps(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -49,13 +51,13 @@ def _kl(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
   return (jnp.exp(logp) * (logp - logq)).sum(-1)
 
 
-def pair_kl(p_logits: jax.Array, q_logits: jax.Array, batch) -> jax.Array:
+def pair_kl(p_logits: jax.Array, q_logits: jax.Array, batch: PairBatch) -> jax.Array:
   """Summed exact token KL(p || q) over each pair's scored tokens, from `PairStats.logits`: the
   [B, 2, T, V] logits of the unshared layout (-> [B, 2]) or, for shared-prefix (or packed)
   rows, the [R, K, V] logits at the scored slots (-> [R]). Either sums to the batch total."""
-  if "score_weight" in batch:
-    return (_kl(p_logits, q_logits) * batch["score_weight"]).sum(-1)
-  return token_kl(p_logits, q_logits, batch["loss_mask"])
+  if batch.shared is not None:
+    return (_kl(p_logits, q_logits) * batch.shared.score_weight).sum(-1)
+  return token_kl(p_logits, q_logits, batch.pairs.loss_mask)
 
 
 def wpo_token_logw(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -74,24 +76,21 @@ class TokenStats(NamedTuple):
   logits: jax.Array | None    # [B, T, V] (with_logits=True)
 
 
-def score(cfg: ModelConfig, params, batch, wpo: bool = False, with_logits: bool = False,
-          **forward_kw) -> TokenStats:
+def score(cfg: ModelConfig, params, rows: Rows, adapter: Adapter | None = None,
+          wpo: bool = False, with_logits: bool = False) -> TokenStats:
   """The one scoring path (policy, reference, SFT, evaluation, precompute): forward the [B, T]
-  sequences of `batch` (tokens, positions, segment_ids, loss_mask) and score each masked token.
-
-  forward_kw go to `transformer.forward` (lora, lora_scale, dropout_key, dropout_rate).
-  """
-  logits = transformer.forward(cfg, params, batch["tokens"], batch["positions"],
-                               batch["segment_ids"], **forward_kw)
-  mask = batch["loss_mask"].astype(jnp.float32)
-  return TokenStats(token_logps(logits, batch["tokens"]) * mask, mask,
-                    wpo_token_logw(logits, batch["tokens"]) * mask if wpo else None,
+  `rows` (the base, plus `adapter`'s LoRA delta) and score each masked token."""
+  logits = transformer.forward(cfg, params, rows.inputs(), adapter)
+  mask = rows.loss_mask.astype(jnp.float32)
+  return TokenStats(token_logps(logits, rows.tokens) * mask, mask,
+                    wpo_token_logw(logits, rows.tokens) * mask if wpo else None,
                     logits if with_logits else None)
 
 
-def sequence_logps(cfg: ModelConfig, params, batch, **forward_kw) -> tuple[jax.Array, jax.Array]:
+def sequence_logps(cfg: ModelConfig, params, rows: Rows,
+                   adapter: Adapter | None = None) -> tuple[jax.Array, jax.Array]:
   """(summed log-prob [B], scored-token count [B]) of each [B, T] sequence's masked tokens."""
-  s = score(cfg, params, batch, **forward_kw)
+  s = score(cfg, params, rows, adapter)
   return s.logps.sum(-1), s.mask.sum(-1)
 
 
@@ -104,27 +103,24 @@ class PairStats(NamedTuple):
   logits: jax.Array | None    # [B, 2, T, V] with_logits (the in-step KL measure), else None
 
 
-_SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
-
-
-def pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bool = False,
-               with_logits: bool = False, **forward_kw) -> PairStats:
-  """`score` vmapped over the pair axis of [B, 2, T] arrays, then per-pair reductions; a batch
+def pair_stats(cfg: ModelConfig, params, batch: PairBatch, adapter: Adapter | None = None,
+               wpo: bool = False, with_logits: bool = False) -> PairStats:
+  """`score` vmapped over the pair axis of [B, 2, T] rows, then per-pair reductions; a batch
   with shared-prefix rows goes to `shared_pair_stats` (same result, less work).
 
   Each side gets its own dropout key. The shared-length sum (LD-DPO) keeps completion tokens
   whose rank within their completion is <= min(|y_w|, |y_l|).
   """
-  if packing.SCORE_KEYS[0] in batch:
-    return shared_pair_stats(cfg, params, batch, dropout_key, wpo, with_logits, **forward_kw)
-  keys = None if dropout_key is None else jax.random.split(dropout_key, 2)
+  if batch.shared is not None:
+    return shared_pair_stats(cfg, params, batch, adapter, wpo, with_logits)
+  key = None if adapter is None else adapter.dropout_key
+  keys = None if key is None else jax.random.split(key, 2)
 
-  def one(seq, key):
-    return score(cfg, params, seq, wpo=wpo, with_logits=with_logits, dropout_key=key,
-                 **forward_kw)
+  def one(rows, key):
+    side = None if adapter is None else dataclasses.replace(adapter, dropout_key=key)
+    return score(cfg, params, rows, side, wpo=wpo, with_logits=with_logits)
 
-  s = jax.vmap(one, in_axes=(1, None if keys is None else 0), out_axes=1)(
-      {k: batch[k] for k in _SEQUENCE_KEYS}, keys)
+  s = jax.vmap(one, in_axes=(1, None if keys is None else 0), out_axes=1)(batch.pairs, keys)
   tokens_B2 = s.mask.sum(-1)
   rank_B2T = jnp.cumsum(s.mask, axis=-1)
   shared_B1 = tokens_B2.min(axis=1, keepdims=True)
@@ -187,13 +183,14 @@ def head_logps(cfg: ModelConfig, params, h_BKD: jax.Array, target_BK: jax.Array,
   return lp, logw, None
 
 
-def shared_pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bool = False,
-                      with_logits: bool = False, **forward_kw) -> PairStats:
+def shared_pair_stats(cfg: ModelConfig, params, batch: PairBatch,
+                      adapter: Adapter | None = None, wpo: bool = False,
+                      with_logits: bool = False) -> PairStats:
   """`pair_stats` of shared-prefix rows (dpo/packing.py): one [R, S] forward over the rows,
   hidden states gathered at the K scoring slots before the LM head, sums per pair and side.
 
   A shared-prefix row holds one pair (R = B). Packed rows hold up to P pairs each
-  (`pair_valid` [R, P]): the sums land in [R, P, 2] by `score_pair` and each pair's are
+  (`Packed.pair_valid` [R, P]): the sums land in [R, P, 2] by `score_pair` and each pair's are
   gathered back to its batch position by `pair_index` [B], so the result is the [B, 2] of the
   unpacked layout whatever the packing.
 
@@ -203,28 +200,26 @@ def shared_pair_stats(cfg: ModelConfig, params, batch, dropout_key=None, wpo: bo
   `PairStats.logits` (`with_logits`) is [R, K, V], the logits at the scoring slots (see
   `pair_kl`).
   """
-  source = None
-  if "dropout_source" in batch:  # packed rows: each pair's masks are its unpacked row's
-    source = transformer.DropoutSource(batch["dropout_source"], batch["pair_index"].shape[0])
-  h_RSD = transformer.forward(cfg, params, batch["shared_tokens"], batch["shared_positions"],
-                              batch["shared_segment_ids"], branch_BT=batch["shared_branch"],
-                              return_hidden=True, dropout_key=dropout_key,
-                              dropout_source=source, **forward_kw)
-  h_RKD = jnp.take_along_axis(h_RSD, batch["score_from"][..., None], axis=1)
-  lp_RK, logw_RK, logits = head_logps(cfg, params, h_RKD, batch["score_target"], wpo, with_logits)
-  packed = "pair_index" in batch
-  P = batch["pair_valid"].shape[1] if packed else 1
-  pair_RK = batch["score_pair"] if packed else jnp.zeros_like(batch["score_side"])
+  rows, packed = batch.shared, batch.packed
+  if adapter is not None and packed is not None and packed.dropout_source is not None:
+    # each packed slot takes its dropout mask from its pair's unpacked row
+    adapter = dataclasses.replace(adapter, dropout_source=transformer.DropoutSource(
+        packed.dropout_source, packed.pair_index.shape[0]))
+  h_RSD = transformer.hidden(cfg, params, rows.inputs(), adapter)
+  h_RKD = jnp.take_along_axis(h_RSD, rows.score_from[..., None], axis=1)
+  lp_RK, logw_RK, logits = head_logps(cfg, params, h_RKD, rows.score_target, wpo, with_logits)
+  P = 1 if packed is None else packed.pair_valid.shape[1]
+  pair_RK = jnp.zeros_like(rows.score_side) if packed is None else packed.score_pair
   # Column 2 * pair + side of each scored token, weighted: [R, K, 2P].
-  col_RKC = ((2 * pair_RK + batch["score_side"])[..., None] == jnp.arange(2 * P)).astype(
-      jnp.float32) * batch["score_weight"][..., None]
+  col_RKC = ((2 * pair_RK + rows.score_side)[..., None] == jnp.arange(2 * P)).astype(
+      jnp.float32) * rows.score_weight[..., None]
   per_pair = lambda x_RK: jnp.einsum("rk,rkc->rc", x_RK, col_RKC).reshape(-1, P, 2)
   tokens_RP2 = col_RKC.sum(1).reshape(-1, P, 2)
   shared_RK = jnp.take_along_axis(tokens_RP2.min(-1), pair_RK, axis=1)  # min(|y_w|, |y_l|)
-  stats = [per_pair(lp_RK), tokens_RP2, per_pair(lp_RK * (batch["score_rank"] <= shared_RK)),
+  stats = [per_pair(lp_RK), tokens_RP2, per_pair(lp_RK * (rows.score_rank <= shared_RK)),
            None if logw_RK is None else per_pair(logw_RK) / jnp.maximum(tokens_RP2, 1.0)]
-  if packed:
-    to_pairs = lambda x_RP2: x_RP2.reshape(-1, 2)[batch["pair_index"]]  # [B, 2]
+  if packed is not None:
+    to_pairs = lambda x_RP2: x_RP2.reshape(-1, 2)[packed.pair_index]  # [B, 2]
   else:
     to_pairs = lambda x_RP2: x_RP2[:, 0]
   return PairStats(*(None if x is None else to_pairs(x) for x in stats), logits)

@@ -27,7 +27,8 @@ import jax
 import numpy as np
 
 import configs
-from dpo import algorithms, chat, checkpoint, curves, formats, identity, packing, prepare, task
+from dpo import algorithms, chat, checkpoint, curves, evaluate, formats, identity, packing
+from dpo import prepare, task
 from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -47,7 +48,7 @@ class Data:
   """
 
   def __init__(self, cfg, tok=None, check_sizes: bool = True):
-    d, seed = cfg.data, cfg.run.seed
+    d = cfg.data
     self.tok = tok or tokenizer_lib.load_tokenizer(d.tokenizer, d.bos_token, d.eos_token,
                                                    d.pad_token)
     if check_sizes and cfg.model.vocab_size < self.tok.vocab_size:
@@ -55,74 +56,103 @@ class Data:
                        f"{self.tok.vocab_size} ids")
     self.embedded = not d.train_data
     self.template = chat.resolve_template(d.chat_template, self.tok)
-    lens = (d.max_prompt_length, d.max_target_length)
     self.reports = []
-    if self.embedded:
-      pairs = task.preference_records(d.task_train_pairs, seed)
-      self.pairs = data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs")
-      held = (data_lib.load_preference_jsonl(d.eval_data) if d.eval_data else
-              task.preference_records(d.task_eval_pairs, seed, held_out=True))
-      self.held = (data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs")
-                   if held else None)
-    else:
-      if d.eval_data and d.eval_split:
-        raise ValueError("give either --eval_data or --eval_split, not both")
-      spec = formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field, d.rejected_field)
-      cache_dir = ("" if d.data_cache_dir == "none" else
-                   d.data_cache_dir or os.path.join(cfg.run.output_dir, "data_cache"))
-      prep = functools.partial(prepare.prepare_pairs, tok=self.tok, spec=spec,
-                               template=self.template, max_prompt_length=lens[0],
-                               max_target_length=lens[1], cache_dir=cache_dir,
-                               skip_bad=d.skip_bad_records)
-      train_prep = prep(d.train_data, eval_split=d.eval_split)
-      self.reports.append(train_prep.report)
-      self.pairs, self.held = train_prep.train, train_prep.held
-      if d.eval_data:
-        eval_prep = prep(d.eval_data, eval_split=0.0)
-        self.reports.append(eval_prep.report)
-        self.held = eval_prep.train
-    if d.sft_data:  # rendered with the template the preference data gets
-      self.sft, report = prepare.prepare_sft(d.sft_data, self.tok, self.template, *lens,
-                                             skip_bad=d.skip_bad_records)
-      self.reports.append(report)
-    elif self.embedded:
-      self.sft = data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, seed), self.tok,
-                                       *lens, what="sft data")
-    else:  # the chosen row of each training pair is a (prompt, completion) SFT example
-      self.sft = {k: v[:, 0] for k, v in self.pairs.items()}
+    self.pairs, self.held = self._task_pairs(cfg) if self.embedded else self._file_pairs(cfg)
+    self.sft = self._sft(cfg)
     if check_sizes:
-      batch, stages = cfg.optim.global_batch_size, cfg.run.stages
-      for arrays, used, what in ((self.pairs, "dpo" in stages,
-                                  d.train_data or "the embedded task's pairs"),
-                                 (self.sft, "sft" in stages,
-                                  d.sft_data or d.train_data or "the embedded task's SFT data")):
-        if used and len(arrays["tokens"]) < batch:
-          raise data_lib.DataError(
-              f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
-              f"held-out split, fewer than one batch of --global_batch_size={batch}")
-      # Refused before any stage runs, not when the DPO stage starts after SFT.
-      packs = cfg.model.packing and "dpo" in stages
-      why = packing.prompt_lengths(self.pairs)[1] if packs else None
-      if why is not None:
-        raise data_lib.DataError(f"--packing packs shared-prefix rows, and prefix sharing does "
-                                 f"not apply to {d.train_data or 'the pairs'}: {why}")
-    # Sampling prompts: the embedded task's held-out prompts, or those of the first held-out
-    # pairs of real data (as the chat template rendered them). The ground-truth reward and the
-    # well-formedness check exist only for the embedded task; without them win rate, true
-    # rewards and the well-formed rate are reported as null.
-    self.eval_prompt_ids, self.stop_ids = None, ()
-    if self.embedded:
-      self.eval_prompts = task.eval_prompts(d.task_eval_prompts)
-    else:
-      self.eval_prompt_ids = held_prompts(self.held, d.task_eval_prompts)
-      self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
-      self.stop_ids = tuple(chat.end_of_turn_ids(self.template, self.tok))
-    self.reward_fn = task.true_reward if self.embedded else None
-    self.well_formed_fn = task.well_formed if self.embedded else None
+      self._check_sizes(cfg)
+    self._sampling_prompts(cfg)
     logging.info("data: %d SFT examples (T=%d), %d train pairs (T=%d), %d held-out pairs",
                  len(self.sft["tokens"]), self.sft["tokens"].shape[-1],
                  len(self.pairs["tokens"]), self.pairs["tokens"].shape[-1],
                  0 if self.held is None else len(self.held["tokens"]))
+
+  def _task_pairs(self, cfg) -> tuple[dict, dict | None]:
+    """(training pairs, held-out pairs) of the embedded task (held-out: --eval_data if given)."""
+    d, seed = cfg.data, cfg.run.seed
+    lens = (d.max_prompt_length, d.max_target_length)
+    pairs = task.preference_records(d.task_train_pairs, seed)
+    held = (data_lib.load_preference_jsonl(d.eval_data) if d.eval_data else
+            task.preference_records(d.task_eval_pairs, seed, held_out=True))
+    return (data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs"),
+            data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs") if held
+            else None)
+
+  def _file_pairs(self, cfg) -> tuple[dict, dict | None]:
+    """(training pairs, held-out pairs) of --train_data through dpo.prepare; held-out: the
+    --eval_split of it, or --eval_data."""
+    d = cfg.data
+    if d.eval_data and d.eval_split:
+      raise ValueError("give either --eval_data or --eval_split, not both")
+    cache_dir = ("" if d.data_cache_dir == "none" else
+                 d.data_cache_dir or os.path.join(cfg.run.output_dir, "data_cache"))
+    how = prepare.Preparation(
+        self.tok, formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field,
+                                     d.rejected_field),
+        self.template, d.max_prompt_length, d.max_target_length, d.skip_bad_records)
+    prep = functools.partial(prepare.prepare_pairs, how=how, cache_dir=cache_dir)
+    train_prep = prep(d.train_data, eval_split=d.eval_split)
+    self.reports.append(train_prep.report)
+    if not d.eval_data:
+      return train_prep.train, train_prep.held
+    eval_prep = prep(d.eval_data, eval_split=0.0)
+    self.reports.append(eval_prep.report)
+    return train_prep.train, eval_prep.train
+
+  def _sft(self, cfg) -> dict:
+    """SFT rows: --sft_data (rendered with the template the preference data gets), the embedded
+    task's demonstrations, or the chosen row of each training pair."""
+    d = cfg.data
+    lens = (d.max_prompt_length, d.max_target_length)
+    if d.sft_data:
+      sft, report = prepare.prepare_sft(d.sft_data, prepare.Preparation(
+          self.tok, template=self.template, max_prompt_length=lens[0],
+          max_target_length=lens[1], skip_bad=d.skip_bad_records))
+      self.reports.append(report)
+      return sft
+    if self.embedded:
+      return data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, cfg.run.seed), self.tok,
+                                   *lens, what="sft data")
+    return {k: v[:, 0] for k, v in self.pairs.items()}
+
+  def _check_sizes(self, cfg) -> None:
+    """At least one global batch for each stage that trains on it, and (--packing) pairs whose
+    rows share a prompt: refused before any stage runs, not when the DPO stage starts."""
+    d, batch, stages = cfg.data, cfg.optim.global_batch_size, cfg.run.stages
+    for arrays, used, what in ((self.pairs, "dpo" in stages,
+                                d.train_data or "the embedded task's pairs"),
+                               (self.sft, "sft" in stages,
+                                d.sft_data or d.train_data or "the embedded task's SFT data")):
+      if used and len(arrays["tokens"]) < batch:
+        raise data_lib.DataError(
+            f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
+            f"held-out split, fewer than one batch of --global_batch_size={batch}")
+    why = (packing.prompt_lengths(self.pairs)[1]
+           if cfg.model.packing and "dpo" in stages else None)
+    if why is not None:
+      raise data_lib.DataError(f"--packing packs shared-prefix rows, and prefix sharing does "
+                               f"not apply to {d.train_data or 'the pairs'}: {why}")
+
+  def _sampling_prompts(self, cfg) -> None:
+    """Sampling prompts: the embedded task's held-out prompts, or those of the first held-out
+    pairs of real data (as the chat template rendered them). The ground-truth reward and the
+    well-formedness check exist only for the embedded task; without them win rate, true
+    rewards and the well-formed rate are reported as null."""
+    n = cfg.data.task_eval_prompts
+    self.eval_prompt_ids, self.stop_ids = None, ()
+    if self.embedded:
+      self.eval_prompts = task.eval_prompts(n)
+    else:
+      self.eval_prompt_ids = held_prompts(self.held, n)
+      self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
+      self.stop_ids = tuple(chat.end_of_turn_ids(self.template, self.tok))
+    self.reward_fn = task.true_reward if self.embedded else None
+    self.well_formed_fn = task.well_formed if self.embedded else None
+
+  def eval_set(self) -> evaluate.EvalSet:
+    """What the DPO stage is evaluated on (dpo/evaluate.py)."""
+    return evaluate.EvalSet(self.tok, self.eval_prompts, self.eval_prompt_ids, self.held,
+                            self.reward_fn, self.well_formed_fn, self.stop_ids)
 
   def preview(self, n: int) -> list[dict]:
     """The first `n` training pairs as the model sees them: the text decoded from the token

@@ -13,11 +13,11 @@ and `transformer.attention_mask` keeps branches 1 and 2 apart, so every slot see
 keys it saw in its own row. The scoring plan (`score_*`, [N, K], K the most scored tokens of any
 pair) lists each scored token once: the slot whose hidden state predicts it (`score_from`), the
 token (`score_target`), its side (0 chosen, 1 rejected), its rank within its completion (the
-running loss-mask sum, for LD-DPO's shared length) and its loss-mask weight (0 on padding entries). Only those K hidden
-states reach the LM head (`logprobs.shared_pair_stats`).
+running loss-mask sum, for LD-DPO's shared length) and its loss-mask weight (0 on padding
+entries). Only those K hidden states reach the LM head (`logprobs.shared_pair_stats`).
 
 Positions, tokens and weights are copied from the pair rows, so the log-probs equal the
-unshared layout's by construction (tests/test_packing.py pins it to 1e-5).
+unshared layout's by construction (tests/test_packing.py).
 
 Packing (`Packer`, --packing) places several pairs' shared rows one after another in rows of L
 slots (L the longest shared row), so short pairs stop paying for the longest one's padding:
@@ -176,7 +176,7 @@ class Packer:
     fit_shortest = int((np.cumsum(np.sort(self.length)) <= self.slots).sum())
     self.pairs_per_row = max(1, min(group, fit_shortest))  # P: no row can hold more
     # The LM head runs on `scored_slots` hidden states a row: room for 1.5x the data's share of
-    # scored slots (on HH-RLHF 60% of the slots, 1% more rows than room for every slot).
+    # scored slots, so a row is rarely closed for want of scored room (docs/benchmarks.md).
     share = self.scored.sum() / max(int(self.length.sum()), 1)
     per_pair = self.shared["score_from"].shape[1]
     self.scored_slots = min(self.slots, self.pairs_per_row * per_pair,

@@ -31,15 +31,31 @@ import os
 import socket
 import time
 import zipfile
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from dpo import chat, formats
-from dpo.data import DataError, tokenize_pairs, tokenize_sft
+from dpo.data import DataError, Ends, tokenize_pairs, tokenize_sft
 
 _VERSION = "prefs-v2"
 _ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
+
+
+class Preparation(NamedTuple):
+  """How a file becomes arrays: the tokenizer, the record layout (--data_format and its
+  fields), the --chat_template value (`chat.resolve_template`), the token budgets, and whether
+  records that do not fit the format or that the template refuses are counted and skipped."""
+  tok: Any
+  spec: formats.FormatSpec = formats.FormatSpec()
+  template: Any = "auto"
+  max_prompt_length: int = 512
+  max_target_length: int = 512
+  skip_bad: bool = False
+
+  @property
+  def lens(self) -> tuple[int, int]:
+    return self.max_prompt_length, self.max_target_length
 
 
 class Prepared(NamedTuple):
@@ -64,10 +80,12 @@ def _file_digest(path: str) -> str:
   return h.hexdigest()
 
 
-def cache_key(path: str, tok, spec: formats.FormatSpec, template: str, lens: tuple[int, int],
-              eval_split: float, skip_bad: bool = False) -> str:
-  parts = [_VERSION, _file_digest(path), tok.fingerprint(), repr(dataclasses.astuple(spec)),
-           template, repr(tuple(lens)), repr(float(eval_split)), repr(bool(skip_bad))]
+def cache_key(path: str, how: Preparation, template: str, eval_split: float) -> str:
+  """The cache file's key: the file's bytes, the tokenizer's fingerprint, the rendered
+  template's (`template`), and every setting that changes the arrays."""
+  parts = [_VERSION, _file_digest(path), how.tok.fingerprint(),
+           repr(dataclasses.astuple(how.spec)), template, repr(tuple(how.lens)),
+           repr(float(eval_split)), repr(bool(how.skip_bad))]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -141,53 +159,73 @@ def _template_marks(t, rendered: bool) -> dict:
   turn itself, so its texts get a BOS id only where it writes one, and no EOS. Text records and
   hand-written templates get both."""
   if rendered and isinstance(t, chat.JinjaTemplate) and t.emits_bos is not None:
-    return dict(add_bos=t.emits_bos, add_eos=False)
+    return dict(ends=Ends(bos=t.emits_bos, eos=False))
   return {}
 
 
-def prepare_pairs(path: str, tok, spec: formats.FormatSpec = formats.FormatSpec(),
-                  template: str = "auto", max_prompt_length: int = 512,
-                  max_target_length: int = 512, eval_split: float = 0.0,
-                  cache_dir: str = "", skip_bad: bool = False) -> Prepared:
-  """Reads, filters, renders, splits and tokenises one preference file (or loads the cache).
-
-  `template` is a --chat_template value (`chat.resolve_template`). With `skip_bad`, records
-  that do not fit the format or that the template refuses are counted and skipped.
-  """
+def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
+                  cache_dir: str = "") -> Prepared:
+  """Reads, filters, renders, splits and tokenises one preference file (or loads the cache at
+  <cache_dir>/prefs-<key>.npz; "" = no cache)."""
   if not 0.0 <= eval_split < 1.0:
     raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
   if not os.path.exists(path):
     raise DataError(f"{path}: no such file")
   if os.path.isdir(path):
     raise DataError(f"{path}: is a directory; give a JSONL or JSON file")
-  t = chat.resolve_template(template, tok)
-  jinja = isinstance(t, chat.JinjaTemplate)
-  lens = (max_prompt_length, max_target_length)
+  t = chat.resolve_template(how.template, how.tok)
   cache_path = None
   if cache_dir:
     remove_stale_tmp(cache_dir)
-    key = cache_key(path, tok, spec, chat.template_fingerprint(t), lens, eval_split, skip_bad)
+    key = cache_key(path, how, chat.template_fingerprint(t), eval_split)
     cache_path = os.path.join(cache_dir, f"prefs-{key}.npz")
-    if os.path.exists(cache_path):
-      try:
-        prepared = _load(cache_path)
-      except ValueError as e:
-        logging.warning("%s: cache file %s does not load (%s); removing it and rebuilding",
-                        path, cache_path, e)
-        try:
-          os.remove(cache_path)
-        except FileNotFoundError:
-          pass
-      else:
-        logging.info("%s: loaded tokenised pairs from cache %s (%d train, %d held-out)", path,
-                     cache_path, len(prepared.train["tokens"]),
-                     0 if prepared.held is None else len(prepared.held["tokens"]))
-        prepared.report["cache"] = "hit"
-        return prepared
+    prepared = _cached(path, cache_path)
+    if prepared is not None:
+      return prepared
+  train, held, report = _read_pairs(path, how, t, eval_split)
+  report["cache"] = "miss" if cache_path else "off"
+  logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
+               len(train), len(held), eval_split, t.name)
+  marks = _template_marks(t, report.pop("chats"))
+  prepared = Prepared(
+      tokenize_pairs(train, how.tok, *how.lens, what=f"{path} train pairs", **marks),
+      tokenize_pairs(held, how.tok, *how.lens, what=f"{path} held-out pairs", **marks)
+      if held else None,
+      report)
+  if cache_path:
+    os.makedirs(cache_dir, exist_ok=True)
+    _save(cache_path, prepared)
+    logging.info("%s: cached tokenised pairs at %s", path, cache_path)
+  return prepared
 
+
+def _cached(path: str, cache_path: str) -> Prepared | None:
+  """The cached arrays of `path`, or None (no cache file, or one that does not load: removed)."""
+  if not os.path.exists(cache_path):
+    return None
+  try:
+    prepared = _load(cache_path)
+  except ValueError as e:
+    logging.warning("%s: cache file %s does not load (%s); removing it and rebuilding",
+                    path, cache_path, e)
+    try:
+      os.remove(cache_path)
+    except FileNotFoundError:
+      pass
+    return None
+  logging.info("%s: loaded tokenised pairs from cache %s (%d train, %d held-out)", path,
+               cache_path, len(prepared.train["tokens"]),
+               0 if prepared.held is None else len(prepared.held["tokens"]))
+  prepared.report["cache"] = "hit"
+  return prepared
+
+
+def _read_pairs(path: str, how: Preparation, t, eval_split: float):
+  """(train texts, held-out texts, report): the file's records read, filtered, rendered with
+  template `t` and split by prompt hash."""
   stats = collections.Counter()
-  skips = formats.Skips(path) if skip_bad else None
-  located = list(formats.iter_records(path, spec, stats, skips))
+  skips = formats.Skips(path) if how.skip_bad else None
+  located = list(formats.iter_records(path, how.spec, stats, skips))
   if not located:
     raise DataError(f"{path}: no records")
   kept, filt = formats.filter_records(located)
@@ -213,32 +251,20 @@ def prepare_pairs(path: str, tok, spec: formats.FormatSpec = formats.FormatSpec(
   report = {"path": path, **dict(stats), "filters": dataclasses.asdict(filt),
             "skipped_bad_records": skips.count if skips is not None else 0,
             "train_pairs": len(train), "held_out_pairs": len(held), "template": t.name,
-            "template_emits_bos": t.emits_bos if jinja else None,
-            "tokenizer": tok.fingerprint(), "cache": "miss" if cache_path else "off"}
-  logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
-               len(train), len(held), eval_split, t.name)
-  marks = _template_marks(t, chats)
-  prepared = Prepared(
-      tokenize_pairs(train, tok, *lens, what=f"{path} train pairs", **marks),
-      tokenize_pairs(held, tok, *lens, what=f"{path} held-out pairs", **marks) if held else None,
-      report)
-  if cache_path:
-    os.makedirs(cache_dir, exist_ok=True)
-    _save(cache_path, prepared)
-    logging.info("%s: cached tokenised pairs at %s", path, cache_path)
-  return prepared
+            "template_emits_bos": t.emits_bos if isinstance(t, chat.JinjaTemplate) else None,
+            "tokenizer": how.tok.fingerprint(), "chats": chats}
+  return train, held, report
 
 
-def prepare_sft(path: str, tok, template="auto", max_prompt_length: int = 512,
-                max_target_length: int = 512, skip_bad: bool = False
-                ) -> tuple[dict[str, np.ndarray], dict]:
+def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dict]:
   """(the [N, T] arrays, a report) of one SFT file in any layout `formats.iter_sft_records`
-  reads, its conversations rendered by `template` exactly as `prepare_pairs` renders a pair's
-  prompt and chosen side (so SFT and DPO see one text format). With `skip_bad`, records that
-  do not fit or that the template refuses are counted and skipped."""
-  t = chat.resolve_template(template, tok)
+  reads (`how.spec` is not read), its conversations rendered by the template exactly as
+  `prepare_pairs` renders a pair's prompt and chosen side (so SFT and DPO see one text
+  format)."""
+  tok = how.tok
+  t = chat.resolve_template(how.template, tok)
   stats = collections.Counter()
-  skips = formats.Skips(path) if skip_bad else None
+  skips = formats.Skips(path) if how.skip_bad else None
   examples, chats = [], False
   for where, rec in formats.iter_sft_records(path, stats, skips):
     chats = chats or isinstance(rec, formats.ChatSFTRecord)
@@ -258,6 +284,6 @@ def prepare_sft(path: str, tok, template="auto", max_prompt_length: int = 512,
             "template": t.name if chats else None}
   logging.info("%s: %d SFT examples%s", path, len(examples),
                f", chat template {t.name}" if chats else " (text, no chat template)")
-  arrays = tokenize_sft(examples, tok, max_prompt_length, max_target_length,
-                        what=f"{path} SFT examples", **_template_marks(t, chats))
+  arrays = tokenize_sft(examples, tok, *how.lens, what=f"{path} SFT examples",
+                        **_template_marks(t, chats))
   return arrays, report

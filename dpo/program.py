@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from dpo import checkpoint, identity, packing, train
 from dpo import data as data_lib
@@ -14,6 +14,17 @@ from models import sharding
 
 # Packing chooses its row-count buckets on at most this many of the first epoch's batches.
 _FIT_BATCHES = 1000
+
+
+class Start(NamedTuple):
+  """What a stage starts from: `fresh()` builds its initial train state (called only when no
+  checkpoint resumes it), `frozen` is what its step reads and never trains (None for none),
+  `initial` the content digest of the model it starts from (`identity.model_digest`), and
+  `info` what is recorded beside each checkpoint."""
+  fresh: Callable[[], Any]
+  frozen: Any
+  initial: str
+  info: dict
 
 
 @dataclasses.dataclass
@@ -27,22 +38,22 @@ class Program:
   extra_hooks: Mapping[str, Sequence[Hook]]
   summary: dict = dataclasses.field(default_factory=dict)
 
-  def stage(self, algorithm, fresh, frozen, arrays, hooks: list, info: dict,
-            initial: str, packed: dict | None = None) -> Stage:
-    """The stage of `algorithm` (dpo/algorithms) over `arrays` from the model with digest
-    `initial`, resuming from <output_dir>/checkpoints/<name>; the stage's fingerprint is what a
-    checkpoint must match to be resumed, `info` is recorded beside it. `packed` (every pair's
-    shared-prefix rows) packs each batch's rows (--packing)."""
+  def stage(self, algorithm, start: Start, arrays, hooks: list,
+            packed: dict | None = None) -> Stage:
+    """The stage of `algorithm` (dpo/algorithms) over `arrays` from `start`, resuming from
+    <output_dir>/checkpoints/<name>; the stage's fingerprint is what a checkpoint must match to
+    be resumed. `packed` (every pair's shared-prefix rows) packs each batch's rows (--packing)."""
     c, o, name = self.cfg, self.cfg.optim, algorithm.name
     spec = algorithm.step_config(c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
 
     def dispatch(state, frozen, batch):  # jit_step is cached: one compile per stage
       step = train.jit_step(algorithm.step, spec, self.mesh, state, frozen)
-      return step(state, frozen, train.device_batch(self.mesh, batch, o.global_batch_size))
+      return step(state, frozen, train.device_batch(self.mesh, algorithm.batch(batch),
+                                                    o.global_batch_size))
 
-    loader = data_lib.Loader(arrays, o.global_batch_size, c.run.seed + algorithm.data_seed, pid,
-                             nproc)
+    loader = data_lib.Loader(arrays, o.global_batch_size, c.run.seed + algorithm.data_seed,
+                             (pid, nproc))
     if packed is not None:
       k = o.gradient_accumulation_steps
       packer = packing.Packer(packed, o.global_batch_size, nproc, k,
@@ -51,8 +62,10 @@ class Program:
       loader.pack = packer.pack
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
                                c.checkpoint.keep_checkpoints,
-                               {"fingerprint": self.fingerprint(algorithm, arrays, initial)}, info)
-    return Stage(name, spec.total_steps, dispatch, fresh, frozen, loader, ckpts, self.writer,
+                               {"fingerprint": self.fingerprint(algorithm, arrays, start.initial)},
+                               start.info)
+    return Stage(name, spec.total_steps, dispatch, start.fresh, start.frozen, loader, ckpts,
+                 self.writer,
                  [*hooks, *self.extra_hooks.get(name, ())], algorithm.steps_flag)
 
   def fingerprint(self, algorithm, arrays, initial: str) -> dict:

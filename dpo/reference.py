@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpo import checkpoint, train
+from dpo.batches import PairBatch, Rows
 from models import sharding
 
 CACHE_VERSION = 1
@@ -80,12 +82,12 @@ def compute(spec: train.StepConfig, mesh, frozen: train.Frozen, arrays: dict,
             batch_size: int) -> dict[str, np.ndarray]:
   """{ref_logps, ref_shared_logps}: [N, 2] float32 reference statistics of every pair."""
   n = len(arrays["tokens"])
-  keys = ("tokens", "positions", "segment_ids", "loss_mask")
+  rows = Rows.of(arrays)
   fn = _jitted_reference(spec, mesh)
   out = {k: [] for k in _REF_KEYS}
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size) % n  # the last batch wraps; extra rows dropped
-    batch = train.device_batch(mesh, {k: arrays[k][idx] for k in keys}, batch_size)
+    batch = train.device_batch(mesh, PairBatch(jax.tree.map(lambda v: v[idx], rows)), batch_size)
     lps, shared = jax.device_get(fn(frozen, batch))
     keep = min(batch_size, n - start)
     out["ref_logps"].append(lps[:keep])
@@ -93,14 +95,22 @@ def compute(spec: train.StepConfig, mesh, frozen: train.Frozen, arrays: dict,
   return {k: np.concatenate(v).astype(np.float32) for k, v in out.items()}
 
 
-def cached(spec: train.StepConfig, mesh, frozen: train.Frozen, arrays: dict, tok,
-           cache_dir: str, batch_size: int) -> tuple[dict[str, np.ndarray], dict]:
+class Cache(NamedTuple):
+  """Where precomputed reference statistics are stored (`directory`), and the tokenizer their
+  key fingerprints beside the pairs, the model config and the reference weights."""
+  directory: str
+  tok: Any
+
+
+def cached(spec: train.StepConfig, mesh, frozen: train.Frozen, arrays: dict, cache: Cache,
+           batch_size: int) -> tuple[dict[str, np.ndarray], dict]:
   """Loads the reference statistics for `arrays` from the cache, or computes and stores them.
 
   Returns (arrays {ref_logps, ref_shared_logps}, info {path, hit, fingerprint, seconds}).
   """
   t0 = time.perf_counter()
-  key = fingerprint(spec, arrays, tok, frozen)
+  key = fingerprint(spec, arrays, cache.tok, frozen)
+  cache_dir = cache.directory
   path = os.path.join(cache_dir, f"ref_logps-{key[:32]}.npz")
   n = len(arrays["tokens"])
   if os.path.exists(path):

@@ -32,6 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dpo import logprobs, losses
+from dpo.batches import PairBatch, Rows
 from models import lora as lora_lib
 from models import sharding, transformer
 
@@ -169,19 +170,20 @@ def initial_frozen(base, trainable=None, reference=None, lora_on: bool = True) -
 def reference_stats(spec: StepConfig, frozen: Frozen, batch, with_logits: bool = False):
   """Reference statistics of a pair batch (no dropout, no gradient)."""
   params = frozen.params if frozen.ref_params is None else frozen.ref_params
-  out = logprobs.pair_stats(spec.model, params, batch, lora=frozen.ref_lora,
-                            lora_scale=spec.lora.scale, with_logits=with_logits)
+  adapter = None if frozen.ref_lora is None else transformer.Adapter(frozen.ref_lora,
+                                                                     spec.lora.scale)
+  out = logprobs.pair_stats(spec.model, params, batch, adapter, with_logits=with_logits)
   return jax.lax.stop_gradient(out)
 
 
-def microbatches(batch: dict, k: int) -> dict:
+def microbatches(batch, k: int):
   """[B, ...] -> [K, B/K, ...]. Microbatch i holds rows i, i + K, ...: with B split over n
   devices and K dividing B/n, each device's rows split evenly between the microbatches, so the
   scan slices local rows and nothing moves between devices."""
   return jax.tree.map(lambda x: einops.rearrange(x, "(b k) ... -> k b ...", k=k), batch)
 
 
-def accumulate(grad_fn: Callable, params, batch: dict, k: int):
+def accumulate(grad_fn: Callable, params, batch, k: int):
   """The mean of `grad_fn(params, microbatch, i) -> ((loss, metrics), grads)` over K microbatches,
   scanned inside the step (one microbatch's activations live at a time). A ratio metric is a
   (numerator, denominator) pair, divided after accumulation so it equals the full batch's.
@@ -191,8 +193,8 @@ def accumulate(grad_fn: Callable, params, batch: dict, k: int):
   else:
     def body(total, xs):
       i, micro = xs
-      micro = {name: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-               for name, x in micro.items()}
+      micro = jax.tree.map(lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1)),
+                           micro)
       return jax.tree.map(jnp.add, total, grad_fn(params, micro, i)), None
     first = jax.tree.map(lambda x: x[0], microbatches(batch, k))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
@@ -205,27 +207,28 @@ def accumulate(grad_fn: Callable, params, batch: dict, k: int):
   return (loss, metrics), grads
 
 
-def _check_pair_batch(batch: dict) -> None:
-  chex.assert_rank([batch[k] for k in logprobs._SEQUENCE_KEYS], 3)
-  chex.assert_equal_shape([batch[k] for k in logprobs._SEQUENCE_KEYS])
-  chex.assert_axis_dimension(batch["tokens"], 1, 2)  # chosen, rejected
-  chex.assert_type([batch["tokens"], batch["loss_mask"]], [jnp.int32, jnp.float32])
+def _check_pair_rows(rows: Rows) -> None:
+  chex.assert_rank(list(rows), 3)
+  chex.assert_equal_shape(list(rows))
+  chex.assert_axis_dimension(rows.tokens, 1, 2)  # chosen, rejected
+  chex.assert_type([rows.tokens, rows.loss_mask], [jnp.int32, jnp.float32])
 
 
-def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tuple[TrainState, dict]:
+def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen,
+             batch: PairBatch) -> tuple[TrainState, dict]:
   """One preference update with the configured loss combination (spec.loss).
 
-  batch: tokens/positions/segment_ids/loss_mask, each [B, 2, T]; optionally ref_logps and
-  ref_shared_logps [B, 2] precomputed by dpo/reference.py, in which case no reference forward
-  runs; optionally shared-prefix or packed rows with their scoring plan (dpo/packing.py), which
-  the forwards then run on (packed: R rows, the "fill_rate" metric). Reference-free losses run
+  batch: the [B, 2, T] pair rows; optionally (`batch.ref`) the reference statistics
+  precomputed by dpo/reference.py, in which case no reference forward runs; optionally
+  shared-prefix or packed rows with their scoring plan (dpo/packing.py), which the forwards
+  then run on (packed: R rows, the "fill_rate" metric). Reference-free losses run
   no reference forward either. The token KL metric (spec.kl) needs the reference logits
   ([B, 2, T, V], or [R, K, V] at the scored slots of shared-prefix or packed rows); without it
   they are never kept. With gradient_accumulation_steps = K the loss, metrics
   and gradient are those of `microbatch_loss` averaged over K microbatches of B / K pairs
   (`accumulate`).
   """
-  _check_pair_batch(batch)
+  _check_pair_rows(batch.pairs)
   lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
 
   def grad_fn(trainable, micro, i):
@@ -234,31 +237,32 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen, batch) -> tupl
         spec, frozen, trainable, micro, key if lora_on else None)
 
   (loss, metrics), grads = accumulate(grad_fn, state.params, batch, k)
-  if "pair_index" in batch:  # packed rows (dpo/packing.py): the share of slots holding a token
-    metrics["fill_rate"] = (batch["shared_segment_ids"] != 0).mean()
+  if batch.packed is not None:  # packed rows (dpo/packing.py): the share of slots holding a token
+    metrics["fill_rate"] = (batch.shared.segment_ids != 0).mean()
   return _apply(state, *spec.optimizer(), loss, grads, metrics)
 
 
-def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch, dropout_key):
+def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch: PairBatch, dropout_key):
   """(loss, metrics) of one (micro)batch of pairs: the reference statistics (the frozen model,
-  precomputed `ref_logps`, or none for reference-free losses), the policy's, the loss
+  precomputed `batch.ref`, or none for reference-free losses), the policy's, the loss
   combination. The "kl" metric is (sum over tokens, token count)."""
   lc = spec.loss
   if lc.reference_free:
     ref = None
-  elif "ref_logps" in batch:
-    ref = logprobs.PairStats(batch["ref_logps"], None, batch["ref_shared_logps"], None, None)
+  elif batch.ref is not None:
+    ref = logprobs.PairStats(batch.ref.logps, None, batch.ref.shared_logps, None, None)
   else:
     ref = reference_stats(spec, frozen, batch, with_logits=spec.kl)
 
   def ld(total, shared):
     return total if lc.ld_alpha == 1.0 else losses.length_desensitised(total, shared, lc.ld_alpha)
 
-  policy_params, lora = (frozen.params, trainable) if spec.lora.enabled else (trainable, None)
-  pol = logprobs.pair_stats(
-      spec.model, policy_params, batch, lora=lora, lora_scale=spec.lora.scale,
-      dropout_key=dropout_key, dropout_rate=spec.lora.lora_dropout,
-      wpo=lc.wpo, with_logits=ref is not None and ref.logits is not None)
+  policy_params, adapter = trainable, None
+  if spec.lora.enabled:
+    policy_params, adapter = frozen.params, transformer.Adapter(
+        trainable, spec.lora.scale, dropout_key, spec.lora.lora_dropout)
+  pol = logprobs.pair_stats(spec.model, policy_params, batch, adapter, wpo=lc.wpo,
+                            with_logits=ref is not None and ref.logits is not None)
   pol_lp = ld(pol.logps, pol.shared_logps)
   ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(ref.logps, ref.shared_logps)
   lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],
@@ -272,12 +276,12 @@ def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch, dropout_
   return loss, metrics
 
 
-def sft_step(spec: StepConfig, state: TrainState, frozen, batch) -> tuple[TrainState, dict]:
+def sft_step(spec: StepConfig, state: TrainState, frozen, batch: Rows) -> tuple[TrainState, dict]:
   """One SFT update (all weights). `frozen` is unused; the signature matches `dpo_step`.
   Microbatches (gradient accumulation) carry summed NLLs and token counts, so the loss and
   gradient are the whole batch's token mean for any K."""
   del frozen
-  chex.assert_rank([batch[k] for k in logprobs._SEQUENCE_KEYS], 2)  # [B, T]
+  chex.assert_rank(list(batch), 2)  # [B, T]
 
   def grad_fn(params, micro, i):
     del i
@@ -315,12 +319,14 @@ def jit_step_with_shardings(step_fn: Callable, spec: StepConfig, mesh: Mesh, sta
   computation reuses the compiled step.
   """
   flat = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
-  return _jitted(step_fn, spec, mesh, *flat(state_sh), *flat(frozen_sh))
+  return _jitted(step_fn, spec, mesh, flat(state_sh), flat(frozen_sh))
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted(step_fn, spec, mesh, state_def, state_sh, frozen_def, frozen_sh):
-  state_sh, frozen_sh = state_def.unflatten(state_sh), frozen_def.unflatten(frozen_sh)
+def _jitted(step_fn, spec, mesh, state_flat, frozen_flat):
+  """`jit_step_with_shardings`'s function, cached on the (hashable) flattened shardings."""
+  unflatten = lambda flat: flat[0].unflatten(flat[1])
+  state_sh, frozen_sh = unflatten(state_flat), unflatten(frozen_flat)
   return jax.jit(with_mesh(mesh, functools.partial(step_fn, spec)),
                  in_shardings=(state_sh, frozen_sh, batch_sharding(mesh)),
                  out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
@@ -335,21 +341,22 @@ def with_mesh(mesh: Mesh, fn: Callable) -> Callable:
   return wrapped
 
 
-def device_batch(mesh: Mesh, local: dict, global_batch: int | None = None) -> dict:
-  """Global arrays from this process's rows of the batch.
+def device_batch(mesh: Mesh, local, global_batch: int | None = None):
+  """Global arrays from this process's rows of a batch (a pytree of numpy arrays whose first
+  leaf is the token rows: `Rows`, `PairBatch`, sampler prompts).
 
   `local` holds the rows this process's devices own (see `sharding.process_batch_block`);
-  `global_batch` is the number of pairs (rows of `tokens`) over all processes; every array is
+  `global_batch` is the number of rows of the first leaf over all processes; every array is
   one process block of its global array (packed rows have their own row count). When
   `global_batch` equals the local row count, every process passes the same full batch (as
   evaluation does).
   """
-  blocks = 1 if global_batch is None else global_batch // len(local["tokens"])
+  blocks = 1 if global_batch is None else global_batch // len(jax.tree.leaves(local)[0])
 
   def one(v):
     shape = None if global_batch is None else (blocks * len(v), *v.shape[1:])
     return jax.make_array_from_process_local_data(batch_sharding(mesh), v, shape)
-  return {k: one(v) for k, v in local.items()}
+  return jax.tree.map(one, local)
 
 
 def memory_estimate(spec: StepConfig, mesh: Mesh) -> dict[str, int]:

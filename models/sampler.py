@@ -7,8 +7,8 @@ never attended to: a prompt's continuation does not depend on the other prompts 
 
 Randomness: the key for row b at step i is fold_in(fold_in(key, i), b), so a row's sample
 depends only on (key, its row index, its prompt), never on the batch size or the device count.
-The same function samples the policy (base + LoRA: pass `lora`) and the reference (base alone:
-`lora=None`).
+The same function samples the policy (base + LoRA: pass its `transformer.Adapter`) and the
+reference (base alone: no adapter).
 
 Shape suffixes as in models/transformer.py; P prompt length, N new tokens.
 """
@@ -26,7 +26,7 @@ import numpy as np
 from models import sharding, transformer
 
 if TYPE_CHECKING:
-  from configs import ModelConfig
+  from models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,23 +122,35 @@ def sample_token(key: jax.Array, step: jax.Array, logits_BV: jax.Array,
   return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "scfg", "lora_scale"))
-def generate(cfg: ModelConfig, scfg: SamplingConfig, params, tokens_BP, segment_ids_BP,
-             key: jax.Array, lora=None, lora_scale: float = 1.0) -> Samples:
+class Prompts(NamedTuple):
+  """Left-padded prompts (`left_pad`): [B, P] int32 tokens and segment ids (0 = padding)."""
+  tokens_BP: jax.Array
+  segment_ids_BP: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "scfg"))
+def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, key: jax.Array,
+             adapter: transformer.Adapter | None = None) -> Samples:
   """Samples up to `max_new_tokens` after each left-padded prompt; stops a row at EOS.
 
-  The loop ends early once every row has finished. `key` is a typed or raw PRNG key.
+  `adapter` is the policy's LoRA delta (None: the base alone). The loop ends early once every
+  row has finished. `key` is a typed or raw PRNG key.
   """
+  tokens_BP, segment_ids_BP = prompts
   B, P = tokens_BP.shape
   N = scfg.max_new_tokens
-  run = functools.partial(transformer.forward, cfg, params, lora=lora, lora_scale=lora_scale,
-                          return_hidden=True)
+
+  def run(tokens_BT, positions_BT, segment_ids_BT, cache, index):
+    return transformer.hidden(cfg, params, transformer.Inputs(tokens_BT, positions_BT,
+                                                              segment_ids_BT),
+                              adapter, transformer.Decode(cache, index))
+
   prompt_len_B = segment_ids_BP.sum(-1).astype(jnp.int32)
   positions_BP = jnp.maximum(jnp.cumsum(segment_ids_BP, axis=-1) - 1, 0).astype(jnp.int32)
   cache = transformer.init_cache(cfg, B, P + N)
   cache = cache._replace(k=sharding.constrain(cache.k, _CACHE_AXES),
                          v=sharding.constrain(cache.v, _CACHE_AXES))
-  h_BPD, cache = run(tokens_BP, positions_BP, segment_ids_BP, cache=cache, cache_index=0)
+  h_BPD, cache = run(tokens_BP, positions_BP, segment_ids_BP, cache, 0)
   logits_BV = transformer.unembed(cfg, params, h_BPD[:, -1:])[:, 0]
 
   def cond(carry):
@@ -152,7 +164,7 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, tokens_BP, segment_
     out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, tok_B[:, None], i, 1)
     done_B = done_B | _is_stop(tok_B, scfg)
     h_B1D, cache = run(tok_B[:, None], (prompt_len_B + i)[:, None], jnp.ones((B, 1), jnp.int32),
-                       cache=cache, cache_index=P + i)
+                       cache, P + i)
     logits_BV = transformer.unembed(cfg, params, h_B1D)[:, 0]
     return i + 1, logits_BV, out_BN, done_B, cache
 

@@ -13,6 +13,7 @@ head, K kv heads (in names) / head_dim (in einsums), F mlp hidden, V vocab, R Lo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -25,7 +26,7 @@ from jax.sharding import Mesh
 from models import quant, sharding
 
 if TYPE_CHECKING:
-  from configs import ModelConfig
+  from models.config import ModelConfig
 
 
 class ParamSpec(NamedTuple):
@@ -156,25 +157,33 @@ def rope(x_BTHK: jax.Array, positions_BT: jax.Array, freq_k: jax.Array) -> jax.A
   return out.astype(x_BTHK.dtype)
 
 
-def attention_mask(q_segment_BT, kv_segment_BS, q_index_BT, kv_index_BS, window: int = 0,
-                   q_branch_BT=None, kv_branch_BS=None) -> jax.Array:
+class Slots(NamedTuple):
+  """Where each of [B, N] slots sits for attention: its segment (0 = padding), its slot index
+  (causality) and, in shared-prefix rows, its branch (0 prompt, b > 0 completion b; None when
+  rows have no branches)."""
+  segment: jax.Array
+  index: jax.Array
+  branch: jax.Array | None = None
+
+
+def attention_mask(q: Slots, kv: Slots, window: int = 0) -> jax.Array:
   """[B, T, S] boolean: causal by slot index, same segment, and never a padding key (segment 0).
 
-  Padding, packed sequences and shared-prefix layouts are all expressed through the segment
-  ids, slot indices and branch ids passed here; the attention itself never changes. `window` > 0
-  keeps only the last `window` keys (q_index - kv_index < window): sliding-window layers.
-  Branches (shared-prefix rows, dpo/packing.py): a key of branch 0 (the prompt) is seen by every
-  later query of its segment, a key of branch b > 0 (a completion) only by queries of branch b,
-  so the chosen and rejected completions after one prompt never see each other.
+  Padding, packed sequences and shared-prefix layouts are all expressed through the slots'
+  segments, indices and branches; the attention itself never changes. `window` > 0 keeps only
+  the last `window` keys (q.index - kv.index < window): sliding-window layers. Branches
+  (shared-prefix rows, dpo/packing.py): a key of branch 0 (the prompt) is seen by every later
+  query of its segment, a key of branch b > 0 (a completion) only by queries of branch b, so
+  the chosen and rejected completions after one prompt never see each other.
   """
-  causal = q_index_BT[:, :, None] >= kv_index_BS[:, None, :]
-  same = q_segment_BT[:, :, None] == kv_segment_BS[:, None, :]
-  mask = causal & same & (kv_segment_BS[:, None, :] != 0)
+  causal = q.index[:, :, None] >= kv.index[:, None, :]
+  same = q.segment[:, :, None] == kv.segment[:, None, :]
+  mask = causal & same & (kv.segment[:, None, :] != 0)
   if window:
-    mask &= q_index_BT[:, :, None] - kv_index_BS[:, None, :] < window
-  if kv_branch_BS is not None:
-    kv_b = kv_branch_BS[:, None, :]
-    mask &= (kv_b == 0) | (kv_b == q_branch_BT[:, :, None])
+    mask &= q.index[:, :, None] - kv.index[:, None, :] < window
+  if kv.branch is not None:
+    kv_b = kv.branch[:, None, :]
+    mask &= (kv_b == 0) | (kv_b == q.branch[:, :, None])
   return mask
 
 
@@ -203,13 +212,48 @@ class DropoutSource(NamedTuple):
   rows: int
 
 
+class Inputs(NamedTuple):
+  """What `forward` reads of a batch: [B, T] int32 tokens, RoPE positions and segment ids
+  (0 marks padding; distinct ids are sequences that never attend to each other), and for
+  shared-prefix rows the branch ids that keep sibling completions apart (see `attention_mask`)."""
+  tokens_BT: jax.Array
+  positions_BT: jax.Array
+  segment_ids_BT: jax.Array
+  branch_BT: jax.Array | None = None
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("lora", "dropout_key", "dropout_source"),
+                   meta_fields=("scale", "dropout_rate"))
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+  """A LoRA delta on the frozen base: the LoRA pytree (models/lora.py), its scale alpha / rank,
+  and the dropout on its input path, applied only with a `dropout_key` (training); masks come
+  from `dropout_source`'s grid when given (packed rows), else are drawn per slot. Scale and
+  rate are static (part of a jitted function's cache key), the rest are arrays."""
+  lora: Any
+  scale: float
+  dropout_key: jax.Array | None = None
+  dropout_rate: float = 0.0
+  dropout_source: DropoutSource | None = None
+
+  def at_layer(self, lora_layer, key: jax.Array | None) -> "Adapter":
+    """This adapter for one layer: that layer's factors and dropout key."""
+    return dataclasses.replace(self, lora=lora_layer, dropout_key=key)
+
+
+class Decode(NamedTuple):
+  """Decoding with a KV cache: the call's T tokens occupy cache slots [index, index + T)."""
+  cache: KVCache
+  index: jax.Array | int
+
+
 def matmul(x: jax.Array, w: jax.Array, n_in: int, explicit: bool = False) -> jax.Array:
   """x[*lead, *in] @ w[*in, *out]; with `explicit` (--matmul_backward=explicit) its backward is
   written out: dx = dy . w^T over the output dims and dw = x^T . dy over the lead (token) dims,
   formed directly in w's [*in, *out] layout. JAX's own transpose rule forms the same sums with
-  another operand order, which XLA:CPU lays out with more transposed copies: on bench-small a
-  full fine-tune step took 6-14% longer with it and a LoRA step on unshared rows 7%
-  (jax.profiler, one sitting). Same values up to float rounding (tests/test_transformer.py).
+  another operand order, which XLA:CPU may lay out with more transposed copies (timings:
+  docs/benchmarks.md). Same values up to float rounding (tests/test_transformer.py).
   """
   return _explicit_matmul(x, w, n_in) if explicit else jnp.tensordot(x, w, axes=n_in)
 
@@ -268,22 +312,29 @@ def _attend(cfg: ModelConfig, q_BTKGk, k_BSKk, v_BSKk, mask_BTS) -> jax.Array:
   return jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKk)
 
 
-def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_BT, mask_BTS,
-           cache=None, freq_k=None, dropout_source=None):
-  """One pre-norm block. `lora_p` maps target name -> {"a", "b"} for this layer (or is empty).
+class _LayerInputs(NamedTuple):
+  """What one layer reads besides the residual stream: RoPE positions, its attention mask and
+  RoPE inverse frequencies (sliding-window layers get a banded mask and possibly their own RoPE
+  base), and the cache hook (`_cache_writer`) when decoding."""
+  positions_BT: jax.Array
+  mask_BTS: jax.Array
+  freq_k: jax.Array
+  cache: Callable | None = None
 
-  `mask_BTS` and `freq_k` (RoPE inverse frequencies) are this layer's: sliding-window layers
-  get a banded mask and possibly their own RoPE base.
-  """
+
+def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerInputs):
+  """One pre-norm block; `adapter` holds this layer's LoRA factors (target name -> {"a", "b"})."""
   def proj(name, inp, n_in):
-    lp = lora_p.get(name) if lora_p else None
+    lp = adapter.lora.get(name) if adapter is not None and adapter.lora else None
     if lp is None:
       y = dense(inp, p[name], n_in, explicit=cfg.explicit_backward)
     else:
       # Each adapted matrix draws its dropout from its own stream: its index among the layer's
       # matrices in param_specs order.
-      k = None if key is None else jax.random.fold_in(key, _matrices(cfg).index(name))
-      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], lora_scale, k, rate, dropout_source),
+      key = adapter.dropout_key
+      key = None if key is None else jax.random.fold_in(key, _matrices(cfg).index(name))
+      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], adapter.scale, key,
+                                         adapter.dropout_rate, adapter.dropout_source),
                 cfg.explicit_backward)
     bias = p.get(name + "_bias")
     return y if bias is None else y + bias.astype(y.dtype)
@@ -291,29 +342,22 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
   def norm(name, h):
     return rms_norm(h, p[name], cfg.norm_eps, cfg.norm_plus_one)
 
-  if freq_k is None:
-    freq_k = jnp.asarray(rope_frequencies(cfg, local=False))
   B, T, D = x_BTD.shape
   c = sharding.constrain
   h = norm("attn_norm", x_BTD)
   q_BTHk, k_BTKk, v_BTKk = proj("q", h, 1), proj("k", h, 1), proj("v", h, 1)
   if cfg.qk_norm:
     q_BTHk, k_BTKk = norm("q_norm", q_BTHk), norm("k_norm", k_BTKk)
-  q_BTHk = c(rope(q_BTHk, rope_pos_BT, freq_k), _ACT_Q)
-  k_BTKk = c(rope(k_BTKk, rope_pos_BT, freq_k), _ACT_KV)
+  q_BTHk = c(rope(q_BTHk, inputs.positions_BT, inputs.freq_k), _ACT_Q)
+  k_BTKk = c(rope(k_BTKk, inputs.positions_BT, inputs.freq_k), _ACT_KV)
   v_BTKk = c(v_BTKk, _ACT_KV)
-  if cache is not None:
-    k_BTKk, v_BTKk, cache = cache(k_BTKk, v_BTKk)
+  cache = None
+  if inputs.cache is not None:
+    k_BTKk, v_BTKk, cache = inputs.cache(k_BTKk, v_BTKk)
   G = cfg.n_heads // cfg.n_kv_heads
   q_BTKGk = q_BTHk.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
-  # Without a cache, query and key slots are the same 0..T-1, so a block of queries ending at
-  # slot e can only see keys before e (causal by slot): the blocks above the diagonal are skipped.
-  block = cfg.attention_block if cache is None and cfg.attention_block < T else 0
-  attn_BTKGk = jnp.concatenate([
-      _attend(cfg, q_BTKGk[:, s:s + block], k_BTKk[:, :s + block], v_BTKk[:, :s + block],
-              mask_BTS[:, s:s + block, :s + block])
-      for s in range(0, T, block)], axis=1) if block else _attend(cfg, q_BTKGk, k_BTKk, v_BTKk,
-                                                                  mask_BTS)
+  attn_BTKGk = _blocked_attention(cfg, q_BTKGk, k_BTKk, v_BTKk,
+                                  inputs.mask_BTS, inputs.cache is None)
   out_BTD = proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
   x_BTD = x_BTD + (norm("post_attn_norm", out_BTD) if cfg.post_norms else out_BTD)
 
@@ -322,6 +366,20 @@ def _layer(cfg: ModelConfig, x_BTD, p, lora_p, lora_scale, key, rate, rope_pos_B
   out_BTD = proj("down", gated_BTF, 1)
   x_BTD = x_BTD + (norm("post_mlp_norm", out_BTD) if cfg.post_norms else out_BTD)
   return x_BTD, cache
+
+
+def _blocked_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, mask_BTS, same_slots: bool):
+  """`_attend` over query blocks of cfg.attention_block slots. When query and key slots are the
+  same 0..T-1 (`same_slots`: no cache), a block of queries ending at slot e can only see keys
+  before e (causal by slot), so the blocks above the diagonal are skipped."""
+  T = q_BTKGk.shape[1]
+  block = cfg.attention_block if same_slots and cfg.attention_block < T else 0
+  if not block:
+    return _attend(cfg, q_BTKGk, k_BTKk, v_BTKk, mask_BTS)
+  return jnp.concatenate([
+      _attend(cfg, q_BTKGk[:, s:s + block], k_BTKk[:, :s + block], v_BTKk[:, :s + block],
+              mask_BTS[:, s:s + block, :s + block])
+      for s in range(0, T, block)], axis=1)
 
 
 _ACTIVATIONS: dict[str, Callable] = {
@@ -370,75 +428,81 @@ def _cache_writer(k_BSKk, v_BSKk, index):
   return write
 
 
-def forward(cfg: ModelConfig, params, tokens_BT, positions_BT, segment_ids_BT, lora=None,
-            lora_scale: float = 1.0, dropout_key: jax.Array | None = None,
-            dropout_rate: float = 0.0, return_hidden: bool = False,
-            cache: KVCache | None = None, cache_index: jax.Array | int = 0,
-            branch_BT: jax.Array | None = None,
-            dropout_source: DropoutSource | None = None):
-  """Logits [B, T, V] in float32 (or final hidden states [B, T, D] with return_hidden).
+def forward(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = None,
+            decode: Decode | None = None):
+  """Float32 logits [B, T, V] of `inputs` (with `decode`: (logits, the updated KVCache)).
 
-  tokens, positions and segment ids are all [B, T] int32. Segment 0 marks padding. `branch_BT`
-  (int32, shared-prefix rows; see `attention_mask`) keeps sibling completions apart. `lora` is a
-  LoRA pytree from models/lora.py or None (the frozen base: the reference policy). Dropout on
-  the LoRA input path applies only when `dropout_key` is given; `dropout_source` takes each
-  slot's mask from another layout's grid (packed rows, see `DropoutSource`).
+  `adapter` is the LoRA delta (None: the frozen base alone, i.e. the reference policy).
+  """
+  out = hidden(cfg, params, inputs, adapter, decode)
+  if decode is None:
+    return unembed(cfg, params, out)
+  return unembed(cfg, params, out[0]), out[1]
 
-  With a `cache` (decoding), the T tokens occupy cache slots [cache_index, cache_index + T),
-  attend to every earlier non-padding slot of the same segment, and the result is
-  (logits or hidden, updated cache). Positions (for RoPE) are independent of slots.
+
+def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = None,
+           decode: Decode | None = None):
+  """Final hidden states [B, T, D] (after the final norm) of `inputs`: `forward` without the LM
+  head, for callers that apply it to a few slots only.
+
+  With `decode` (a KV cache) the T tokens occupy cache slots [decode.index, decode.index + T),
+  attend to every earlier non-padding slot of the same segment, and the result is (hidden, the
+  updated cache). Positions (for RoPE) are independent of slots. Branch ids are not supported
+  with a cache.
   """
   dtype = jnp.dtype(cfg.compute_dtype)
   # Gather the table's embed dimension first (rows stay split by "vocab"); a lookup into a
   # table whose embed dimension is split makes XLA replicate the whole table instead.
   table_VD = sharding.constrain(params["embed"].astype(dtype), ("vocab", "act_embed"))
-  x_BTD = table_VD[tokens_BT]
+  x_BTD = table_VD[inputs.tokens_BT]
   if cfg.embed_scale:
     x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
   x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
-  index_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-  branch_kw = {} if branch_BT is None else {"q_branch_BT": branch_BT, "kv_branch_BS": branch_BT}
-  if cache is None:
-    mask_args = (segment_ids_BT, segment_ids_BT, index_BT, index_BT)
-    layer_cache = None
-  else:
-    if branch_BT is not None:
-      raise ValueError("branch ids (shared-prefix rows) are not supported with a KV cache")
-    kv_segment_BS = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids_BT,
-                                                        cache_index, 1)
-    kv_index_BS = jnp.broadcast_to(jnp.arange(kv_segment_BS.shape[1]), kv_segment_BS.shape)
-    mask_args = (segment_ids_BT, kv_segment_BS, cache_index + index_BT, kv_index_BS)
-    layer_cache = (cache.k, cache.v)
-  mask_BTS = attention_mask(*mask_args, **branch_kw)
-  lora_layers = None if lora is None else lora["layers"]
+  q, kv = _slots(inputs, decode)
   # Per-layer variation (sliding window, local RoPE base) rides along the scan as a flag.
   local_L = np.asarray(cfg.layer_is_local())
+  mask_BTS = attention_mask(q, kv)
+  local_mask_BTS = attention_mask(q, kv, cfg.sliding_window) if local_L.any() else mask_BTS
   freq_global, freq_local = (jnp.asarray(rope_frequencies(cfg, local)) for local in (False, True))
-  if local_L.any():
-    local_mask_BTS = attention_mask(*mask_args, cfg.sliding_window, **branch_kw)
 
   def body(x, xs):
     p, lp, i, local, c = xs
-    key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+    key = None if adapter is None or adapter.dropout_key is None else jax.random.fold_in(
+        adapter.dropout_key, i)
     mask, freq = mask_BTS, freq_global
     if local_L.any():
       mask = jnp.where(local, local_mask_BTS, mask_BTS)
       freq = jnp.where(local, freq_local, freq_global)
-    hook = None if c is None else _cache_writer(*c, cache_index)
-    x, c = _layer(cfg, x, p, lp, lora_scale, key, dropout_rate, positions_BT, mask, hook,
-                  freq_k=freq, dropout_source=dropout_source)
+    hook = None if c is None else _cache_writer(*c, decode.index)
+    layer_inputs = _LayerInputs(inputs.positions_BT, mask, freq, hook)
+    x, c = _layer(cfg, x, p, None if adapter is None else adapter.at_layer(lp, key), layer_inputs)
     return sharding.constrain(x, _ACT_RESID), c
 
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-  xs = (params["layers"], lora_layers if lora_layers is not None else {},
-        jnp.arange(cfg.n_layers), jnp.asarray(local_L), layer_cache)
+  lora_layers = {} if adapter is None or adapter.lora is None else adapter.lora["layers"]
+  xs = (params["layers"], lora_layers, jnp.arange(cfg.n_layers), jnp.asarray(local_L),
+        None if decode is None else (decode.cache.k, decode.cache.v))
   x_BTD, new_kv = jax.lax.scan(body, x_BTD, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))
   h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
-  out = h_BTD if return_hidden else unembed(cfg, params, h_BTD)
-  if cache is None:
-    return out
-  return out, KVCache(new_kv[0], new_kv[1], kv_segment_BS)
+  if decode is None:
+    return h_BTD
+  return h_BTD, KVCache(new_kv[0], new_kv[1], kv.segment)
+
+
+def _slots(inputs: Inputs, decode: Decode | None) -> tuple[Slots, Slots]:
+  """The query and key slots of a forward: the same T slots, or (decoding) the call's T slots
+  against the cache's S with this call's segment ids written in."""
+  index_BT = jnp.broadcast_to(jnp.arange(inputs.tokens_BT.shape[1]), inputs.tokens_BT.shape)
+  if decode is None:
+    q = Slots(inputs.segment_ids_BT, index_BT, inputs.branch_BT)
+    return q, q
+  if inputs.branch_BT is not None:
+    raise ValueError("branch ids (shared-prefix rows) are not supported with a KV cache")
+  kv_segment_BS = jax.lax.dynamic_update_slice_in_dim(decode.cache.segment_ids,
+                                                      inputs.segment_ids_BT, decode.index, 1)
+  kv_index_BS = jnp.broadcast_to(jnp.arange(kv_segment_BS.shape[1]), kv_segment_BS.shape)
+  return Slots(inputs.segment_ids_BT, decode.index + index_BT), Slots(kv_segment_BS, kv_index_BS)
 
 
 def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:

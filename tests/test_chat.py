@@ -139,7 +139,8 @@ LLAMA31 = r"""{{- bos_token }}
 QWEN25 = r"""{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
 {%- else %}
-    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {{- '<|im_start|>system\nYou are Qwen,
+        created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
     {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
@@ -234,8 +235,8 @@ def test_tokenizer_template_matches_transformers(tmp_path, family):
            "rejected": [{"role": "assistant", "content": r}]} for p, c, r in _conversations(family)]
   path = tmp_path / "d.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  arrays = prepare.prepare_pairs(str(path), tok, max_prompt_length=512,
-                                 max_target_length=512).train
+  arrays = prepare.prepare_pairs(str(path), prepare.Preparation(tok, max_prompt_length=512,
+      max_target_length=512)).train
   records = [rec for _, rec in formats.iter_records(str(path))]
   for i, (prompt, chosen, rejected) in enumerate(_conversations(family)):
     text = chat.render_record(records[i], t)
@@ -299,8 +300,8 @@ def test_gemma_refuses_system_and_a_non_extending_template_is_named(tmp_path):
   path = tmp_path / "g.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   with pytest.raises(DataError, match=r"g\.jsonl:2: chat template .* System role not supported"):
-    prepare.prepare_pairs(str(path), tok)
-  prep = prepare.prepare_pairs(str(path), tok, skip_bad=True)
+    prepare.prepare_pairs(str(path), prepare.Preparation(tok))
+  prep = prepare.prepare_pairs(str(path), prepare.Preparation(tok, skip_bad=True))
   assert prep.report["skipped_bad_records"] == 1
   assert prep.report["filters"]["equal_after_template"] == 1
   assert len(prep.train["tokens"]) == 1
@@ -379,8 +380,8 @@ def test_sft_data_renders_as_transformers_does(tmp_path, family):
   for name, rows in (("messages", messages), ("sharegpt", sharegpt)):
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    arrays[name], report = prepare.prepare_sft(str(path), tok, max_prompt_length=512,
-                                               max_target_length=512)
+    arrays[name], report = prepare.prepare_sft(str(path), prepare.Preparation(tok,
+        max_prompt_length=512, max_target_length=512))
     assert report[f"format_{name}"] == len(rows) and report["template"].endswith("own)")
   for k in arrays["messages"]:
     np.testing.assert_array_equal(arrays["messages"][k], arrays["sharegpt"][k])
@@ -428,5 +429,6 @@ def test_loop_sft_data_uses_the_preference_data_template(tmp_path):
   with pytest.raises(DataError, match=r"sft\.jsonl:2: chat template .* System role not "
                                       r"supported"):
     loop.Data(cfg.replace(tokenizer=gemma))
-  arrays, report = prepare.prepare_sft(str(sft), tokenizer.load_tokenizer(gemma), skip_bad=True)
+  arrays, report = prepare.prepare_sft(str(sft),
+      prepare.Preparation(tokenizer.load_tokenizer(gemma), skip_bad=True))
   assert report["skipped_bad_records"] == 1 and len(arrays["tokens"]) == report["examples"] == 1

@@ -129,7 +129,7 @@ def test_loader_deterministic_and_sliced():
   assert all(np.array_equal(x, next(b)["x"]) for x in first)
   assert sorted(np.concatenate(first[:5])) == list(range(40))  # an epoch covers every row once
   # Two processes see disjoint halves of the same global batch.
-  p0, p1 = data.Loader(arrays, 8, 3, 0, 2), data.Loader(arrays, 8, 3, 1, 2)
+  p0, p1 = data.Loader(arrays, 8, 3, (0, 2)), data.Loader(arrays, 8, 3, (1, 2))
   g0, g1 = next(p0)["x"], next(p1)["x"]
   assert np.array_equal(np.concatenate([g0, g1]), first[0])
   # Resuming from a saved position continues the same stream.

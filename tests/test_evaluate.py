@@ -57,15 +57,17 @@ def test_completion_logps_match_numpy(params, lora, mesh):
   scfg = evaluate.sampling_config(CFG, TOK)
   stats = data_lib.TruncationStats()
   prompts = [data_lib.encode_prompt(TOK, p, 32, stats) for p in PROMPTS[:16]]
-  comps = evaluate.sample(CFG, mesh, scfg, params, lora, prompts, jax.random.key(3))
-  pol, ref, counts = evaluate.completion_logps(CFG, mesh, params, lora, params, prompts, comps,
-                                               TOK.pad_id)
+  comps = evaluate.sample(CFG, mesh, scfg, evaluate.Weights(params, lora), prompts,
+                          jax.random.key(3))
+  pol, ref, counts = evaluate.completion_logps(CFG, mesh, evaluate.Weights(params, lora), params,
+                                               list(zip(prompts, comps)), TOK.pad_id)
   merged = lora_lib.merge(params, lora, CFG.lora)
 
   def numpy_logp(p, prompt, comp):
     seq = np.array(prompt + comp, np.int32)[None]
     pos = np.arange(seq.shape[1], dtype=np.int32)[None]
-    logits = np.asarray(transformer.forward(CFG.model, p, seq, pos, np.ones_like(seq)), np.float64)
+    logits = np.asarray(transformer.forward(CFG.model, p, transformer.Inputs(seq, pos,
+        np.ones_like(seq))), np.float64)
     z = logits[0] - logits[0].max(-1, keepdims=True)
     logsm = z - np.log(np.exp(z).sum(-1, keepdims=True))
     return sum(logsm[len(prompt) + i - 1, t] for i, t in enumerate(comp))
@@ -81,36 +83,40 @@ def test_completion_logps_match_numpy(params, lora, mesh):
 @pytest.mark.slow
 def test_kl_of_policy_against_itself_is_zero(params, mesh):
   zero_delta = lora_lib.init(CFG.model, CFG.lora, jax.random.key(4), mesh)  # B = 0
-  ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS[:32], params, reward_fn=task.true_reward)
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:32],
+      reward_fn=task.true_reward), params)
   for lora in (None, zero_delta):
-    m, _ = ev(params, lora)
+    m, _ = ev(evaluate.Weights(params, lora))
     assert m["kl_per_sequence"] == 0.0 and m["kl_per_token"] == 0.0
 
 
 @pytest.mark.slow
 def test_kl_positive_for_a_different_policy(params, lora, mesh):
-  ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS, params, reward_fn=task.true_reward)
-  m, _ = ev(params, lora)
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS, reward_fn=task.true_reward),
+      params)
+  m, _ = ev(evaluate.Weights(params, lora))
   assert m["kl_per_sequence"] > 0.1 and m["kl_per_token"] > 0.0
 
 
 def test_self_win_rate_is_half(params, mesh):
   # Greedy: identical samples, every prompt a tie -> exactly 0.5.
   greedy = CFG.replace(eval_temperature=0.0)
-  m, ex = evaluate.Evaluator(greedy, mesh, TOK, PROMPTS[:32], params, reward_fn=_hash_reward)(
-      params, None)
+  m, ex = evaluate.Evaluator(greedy, mesh, evaluate.EvalSet(TOK, PROMPTS[:32],
+      reward_fn=_hash_reward), params)(
+      evaluate.Weights(params))
   assert m["win_rate"] == 0.5 and all(s["policy"] == s["reference"] for s in ex)
   # Sampled: independent draws from the same model; 0.5 in expectation (sd ~0.03 for 256).
-  ev = evaluate.Evaluator(CFG, mesh, TOK, task.eval_prompts(256), params, reward_fn=_hash_reward)
-  m, ex = ev(params, None)
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, task.eval_prompts(256),
+      reward_fn=_hash_reward), params)
+  m, ex = ev(evaluate.Weights(params))
   assert sum(s["policy"] != s["reference"] for s in ex) > 200
   assert abs(m["win_rate"] - 0.5) < 0.12
   assert m["policy_true_reward"] != m["reference_true_reward"]
 
 
 def test_no_ground_truth_reward_reports_na(params, lora, mesh):
-  ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS[:16], params, reward_fn=None)
-  m, ex = ev(params, lora)
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:16], reward_fn=None), params)
+  m, ex = ev(evaluate.Weights(params, lora))
   for k in ("win_rate", "policy_true_reward", "reference_true_reward", "reward_accuracy",
             "reward_margin", "perplexity", "policy_wellformed_rate", "reference_wellformed_rate"):
     assert m[k] is None, k
@@ -124,13 +130,14 @@ def test_no_ground_truth_reward_reports_na(params, lora, mesh):
 def test_pair_metrics_match_numpy(params, lora, mesh):
   recs = task.preference_records(12, seed=0, held_out=True)
   arrays = data_lib.tokenize_pairs(recs, TOK, 32, 40)
-  m = evaluate.pair_metrics(CFG, mesh, params, lora, params, arrays, batch_size=8)
+  m = evaluate.pair_metrics(CFG, mesh, evaluate.Weights(params, lora), params, arrays,
+                           batch_size=8)
   stats = data_lib.TruncationStats()
   prompts = [data_lib.encode_prompt(TOK, r.prompt, 32, stats) for r in recs]
   comps = {w: [data_lib.encode_completion(TOK, getattr(r, w), 40, stats) for r in recs]
            for w in ("chosen", "rejected")}
-  lp = {w: evaluate.completion_logps(CFG, mesh, params, lora, params, prompts, comps[w],
-                                     TOK.pad_id) for w in comps}
+  lp = {w: evaluate.completion_logps(CFG, mesh, evaluate.Weights(params, lora), params,
+                                     list(zip(prompts, comps[w])), TOK.pad_id) for w in comps}
   beta = CFG.loss.beta
   rc = beta * (lp["chosen"][0] - lp["chosen"][1])
   rr = beta * (lp["rejected"][0] - lp["rejected"][1])
@@ -141,9 +148,9 @@ def test_pair_metrics_match_numpy(params, lora, mesh):
 
 
 def test_samples_carry_rewards_and_well_formedness(params, lora, mesh):
-  ev = evaluate.Evaluator(CFG, mesh, TOK, PROMPTS[:16], params, reward_fn=task.true_reward,
-                          well_formed_fn=task.well_formed)
-  m, samples = ev(params, lora)
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:16], reward_fn=task.true_reward,
+                          well_formed_fn=task.well_formed), params)
+  m, samples = ev(evaluate.Weights(params, lora))
   assert [s["prompt"] for s in samples] == PROMPTS[:16]
   for s in samples:
     assert s["policy_reward"] == task.true_reward(s["policy"])

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import configs  # noqa: E402
 from dpo import logprobs  # noqa: E402
+from dpo.batches import Rows  # noqa: E402
 from models import archs, hf, lora as lora_lib, sharding, transformer  # noqa: E402
 
 V, T = 96, 10
@@ -110,14 +111,14 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
 
   tokens, positions, seg, loss_mask = _batch()
   ref = _hf_logits(model, tokens, seg)
-  ours = np.asarray(jax.jit(lambda p: transformer.forward(cfg, p, tokens, positions, seg))(params))
+  ours = np.asarray(jax.jit(lambda p: transformer.forward(cfg, p, transformer.Inputs(tokens,
+      positions, seg)))(params))
   real = seg.astype(bool)
   diff = np.abs(ours - ref)[real].max()
   print(f"{arch}: max |logit diff| vs transformers = {diff:.2e}")
   assert diff < 1e-4, diff
 
-  lp, n = logprobs.sequence_logps(cfg, params, {"tokens": tokens, "positions": positions,
-                                                "segment_ids": seg, "loss_mask": loss_mask})
+  lp, n = logprobs.sequence_logps(cfg, params, Rows(tokens, positions, seg, loss_mask))
   np.testing.assert_allclose(np.asarray(lp), _torch_completion_logps(ref, tokens, loss_mask),
                              atol=1e-4, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(n), loss_mask.sum(-1))
@@ -126,8 +127,8 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   lcfg = configs.LoraConfig(lora_rank=2, lora_alpha=4.0, lora_targets=tuple(lora_lib.TARGETS))
   lora = lora_lib.init(cfg, lcfg, jax.random.key(1), mesh)
   lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape), lora)
-  policy = np.asarray(transformer.forward(cfg, params, tokens, positions, seg, lora=lora,
-                                          lora_scale=lcfg.scale))
+  policy = np.asarray(transformer.forward(cfg, params, transformer.Inputs(tokens, positions, seg),
+      transformer.Adapter(lora, lcfg.scale)))
   out = tmp_path / "export"
   hf.save(str(out), cfg, params, lora, lcfg, source=json.load(open(src / "config.json")))
   back = transformers.AutoModelForCausalLM.from_pretrained(

@@ -6,6 +6,7 @@ import pytest
 
 from configs import ModelConfig
 from dpo import logprobs
+from dpo.batches import PairBatch, Rows
 from models import sharding, transformer
 
 CFG = ModelConfig(vocab_size=48, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
@@ -38,7 +39,7 @@ def _pair_batch(rng, B=3, T=12):
 
 
 def _pair_logps(params, batch):
-  s = logprobs.pair_stats(CFG, params, batch)
+  s = logprobs.pair_stats(CFG, params, PairBatch.of(batch))
   return s.logps, s.tokens
 
 
@@ -51,8 +52,8 @@ def test_pair_logps_masked_sums_match_numpy():
   assert logps.shape == (3, 2) and counts.shape == (3, 2)
   np.testing.assert_array_equal(np.asarray(counts), batch["loss_mask"].sum(-1))
   for j in range(2):
-    logits = np.asarray(transformer.forward(
-        CFG, params, batch["tokens"][:, j], batch["positions"][:, j], batch["segment_ids"][:, j]),
+    logits = np.asarray(transformer.forward(CFG, params, transformer.Inputs(batch["tokens"][:, j],
+        batch["positions"][:, j], batch["segment_ids"][:, j])),
         np.float64)
     lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     tok = batch["tokens"][:, j]
@@ -81,16 +82,18 @@ def test_pair_stats_shared_length_and_wpo_match_numpy():
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = transformer.init(CFG, jax.random.key(0), mesh)
   batch = _pair_batch(np.random.default_rng(3), B=4)
-  st = jax.jit(lambda p, b: logprobs.pair_stats(CFG, p, b, wpo=True))(params, batch)
+  st = jax.jit(lambda p, b: logprobs.pair_stats(CFG, p, b, wpo=True))(params,
+                                                                      PairBatch.of(batch))
   for j in range(2):
-    logps, counts = logprobs.sequence_logps(CFG, params, {k: v[:, j] for k, v in batch.items()})
+    logps, counts = logprobs.sequence_logps(CFG, params,
+                                             Rows.of({k: v[:, j] for k, v in batch.items()}))
     np.testing.assert_allclose(np.asarray(st.logps[:, j]), np.asarray(logps), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(st.tokens[:, j]), np.asarray(counts))
   mask = batch["loss_mask"]
   shared_len = mask.sum(-1).min(-1)
   for j in range(2):
-    logits = np.asarray(transformer.forward(
-        CFG, params, batch["tokens"][:, j], batch["positions"][:, j], batch["segment_ids"][:, j]),
+    logits = np.asarray(transformer.forward(CFG, params, transformer.Inputs(batch["tokens"][:, j],
+        batch["positions"][:, j], batch["segment_ids"][:, j])),
         np.float64)[:, :-1]
     logp = logits - (np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
                      + logits.max(-1, keepdims=True))
@@ -104,4 +107,4 @@ def test_pair_stats_shared_length_and_wpo_match_numpy():
                                  atol=1e-4)
       np.testing.assert_allclose(float(st.wpo_logw[b, j]), (logw_t[b] * m[b]).sum() / m[b].sum(),
                                  rtol=1e-5, atol=1e-4)
-  assert logprobs.pair_stats(CFG, params, batch).wpo_logw is None
+  assert logprobs.pair_stats(CFG, params, PairBatch.of(batch)).wpo_logw is None

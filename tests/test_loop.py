@@ -7,7 +7,8 @@ import jax
 import pytest
 
 import configs
-from dpo import algorithms, hooks, identity, loop, train
+from dpo import algorithms, batches, hooks, identity, loop, train
+from dpo.program import Start
 from models import sharding
 
 
@@ -85,11 +86,11 @@ def test_dpo_from_hf_checkpoint_with_nf4_base_exports_for_transformers(tmp_path)
   lora, _ = checkpoint.load(str(tmp_path / "run" / "checkpoints" / "dpo" / "step_00000004"),
                             checkpoint.like_of(like), prefix=".params")
   tokens = np.asarray(ids.numpy(), np.int32)
-  ours = transformer.forward(model_cfg, base, tokens, np.arange(4, dtype=np.int32)[None],
-                             np.ones_like(tokens), lora=lora, lora_scale=cfg.lora.scale)
+  ours = transformer.forward(model_cfg, base, transformer.Inputs(tokens, np.arange(4,
+      dtype=np.int32)[None], np.ones_like(tokens)), transformer.Adapter(lora, cfg.lora.scale))
   np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
-  base_only = transformer.forward(model_cfg, base, tokens, np.arange(4, dtype=np.int32)[None],
-                                  np.ones_like(tokens))
+  base_only = transformer.forward(model_cfg, base, transformer.Inputs(tokens, np.arange(4,
+      dtype=np.int32)[None], np.ones_like(tokens)))
   assert np.abs(np.asarray(base_only) - theirs).max() > 1e-3  # the comparison sees the LoRA
   assert os.path.exists(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
 
@@ -115,9 +116,9 @@ def _run_embed_only(p, model):
   spec = train.StepConfig.sft(c)
   fresh = lambda: train.init_state(jax.tree.map(lambda x: x.copy(), model.params),
                                    spec.optimizer()[0], c.run.seed, p.mesh)
-  stage = p.stage(EMBED_ONLY, fresh, None, p.data.sft, [hooks.LogMetrics(c.run.log_every),
-                                                       hooks.SaveCheckpoints(2)],
-                  {"from": model.path}, identity.model_digest(model.path))
+  start = Start(fresh, None, identity.model_digest(model.path), {"from": model.path})
+  stage = p.stage(EMBED_ONLY, start, p.data.sft, [hooks.LogMetrics(c.run.log_every),
+                                                  hooks.SaveCheckpoints(2)])
   params = stage.run().params
   p.summary["embed_only_start"] = model.path
   p.summary["embed_only_changed"] = sorted(
@@ -127,7 +128,8 @@ def _run_embed_only(p, model):
 
 
 EMBED_ONLY = algorithms.Algorithm(
-    name="embed_only", step=_embed_only_step, step_config=train.StepConfig.sft,
+    name="embed_only", step=_embed_only_step, batch=batches.Rows.of,
+    step_config=train.StepConfig.sft,
     run=_run_embed_only, hyperparameters=lambda cfg: {"lr": cfg.optim.sft_learning_rate},
     data_files=(), data_seed=3, steps_flag="--sft_steps")
 

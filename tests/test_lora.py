@@ -71,8 +71,9 @@ def test_zero_b_is_exactly_base(mesh1):
   lora = lora_lib.init(CFG, ALL, jax.random.key(1), mesh1)
   assert all(float(jnp.abs(ab["b"]).max()) == 0.0 for ab in lora["layers"].values())
   args = _inputs()
-  base = transformer.forward(CFG, params, *args)
-  with_lora = transformer.forward(CFG, params, *args, lora=lora, lora_scale=ALL.scale)
+  base = transformer.forward(CFG, params, transformer.Inputs(*args))
+  with_lora = transformer.forward(CFG, params, transformer.Inputs(*args), transformer.Adapter(lora,
+      ALL.scale))
   np.testing.assert_array_equal(np.asarray(base), np.asarray(with_lora))
 
 
@@ -81,9 +82,10 @@ def test_merge_equals_base_plus_delta(mesh1):
   params = transformer.init(CFG, jax.random.key(0), mesh1)
   lora = _randomize_b(lora_lib.init(CFG, ALL, jax.random.key(1), mesh1), jax.random.key(2))
   args = _inputs()
-  adapted = transformer.forward(CFG, params, *args, lora=lora, lora_scale=ALL.scale)
-  merged = transformer.forward(CFG, lora_lib.merge(params, lora, ALL), *args)
-  base = transformer.forward(CFG, params, *args)
+  adapted = transformer.forward(CFG, params, transformer.Inputs(*args), transformer.Adapter(lora,
+      ALL.scale))
+  merged = transformer.forward(CFG, lora_lib.merge(params, lora, ALL), transformer.Inputs(*args))
+  base = transformer.forward(CFG, params, transformer.Inputs(*args))
   assert np.abs(np.asarray(adapted) - np.asarray(base)).max() > 1e-2
   np.testing.assert_allclose(np.asarray(adapted), np.asarray(merged), atol=1e-4, rtol=1e-4)
   # The merged q weight is W + scale * A @ B, written out with numpy.
@@ -98,9 +100,8 @@ def test_dropout_only_with_key(mesh1):
   params = transformer.init(CFG, jax.random.key(0), mesh1)
   lora = _randomize_b(lora_lib.init(CFG, ALL, jax.random.key(1), mesh1), jax.random.key(2))
   args = _inputs()
-  run = lambda key: np.asarray(transformer.forward(
-      CFG, params, *args, lora=lora, lora_scale=ALL.scale, dropout_key=key,
-      dropout_rate=ALL.lora_dropout))
+  run = lambda key: np.asarray(transformer.forward(CFG, params, transformer.Inputs(*args),
+      transformer.Adapter(lora, ALL.scale, dropout_key=key, dropout_rate=ALL.lora_dropout)))
   assert np.array_equal(run(None), run(None))
   a, b = run(jax.random.key(3)), run(jax.random.key(4))
   assert not np.allclose(a, run(None)) and not np.allclose(a, b)

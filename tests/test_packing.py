@@ -16,6 +16,7 @@ import configs
 import numerics
 from conftest import SHARED_DATA
 from dpo import data, logprobs, loop, packing, task, train
+from dpo.batches import PairBatch
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -38,7 +39,8 @@ def setup():
   shared, summary = packing.shared_prefix(pairs)
   base = transformer.init(CFG.model, jax.random.key(0), mesh)
   # B != 0, so the adapted policy differs from the base.
-  lora = jax.tree.map(lambda x: x + 0.05, lora_lib.init(CFG.model, CFG.lora, jax.random.key(1), mesh))
+  lora = jax.tree.map(lambda x: x + 0.05, lora_lib.init(CFG.model, CFG.lora, jax.random.key(1),
+      mesh))
   return mesh, pairs, shared, summary, base, lora
 
 
@@ -61,15 +63,17 @@ def test_layout_copies_each_token_once(setup):
     assert shared["score_weight"][i].sum() == pairs["loss_mask"][i].sum()
 
 
-def _stats(params, batch, **kw):
-  fn = jax.jit(lambda p, b: logprobs.pair_stats(CFG.model, p, b, wpo=True, **kw))
-  return fn(params, batch)
+def _stats(params, arrays, lora=None, with_logits=False):
+  adapter = None if lora is None else transformer.Adapter(lora, CFG.lora.scale)
+  fn = jax.jit(lambda p, b: logprobs.pair_stats(CFG.model, p, b, adapter, wpo=True,
+                                                with_logits=with_logits))
+  return fn(params, PairBatch.of(arrays))
 
 
 @pytest.mark.parametrize("adapter", [False, True])
 def test_shared_pair_stats_equal_unshared(setup, adapter):
   _, pairs, shared, _, base, lora = setup
-  kw = {"lora": lora, "lora_scale": CFG.lora.scale} if adapter else {}
+  kw = {"lora": lora} if adapter else {}
   want = _stats(base, pairs, **kw)
   got = _stats(base, {**pairs, **shared}, **kw)
   for name in ("logps", "tokens", "shared_logps", "wpo_logw"):
@@ -80,12 +84,12 @@ def test_shared_pair_stats_equal_unshared(setup, adapter):
 @pytest.mark.slow
 def test_chunked_head_equals_whole_vocabulary_with_gradients(setup, monkeypatch):
   _, pairs, shared, _, base, lora = setup
-  batch = {**pairs, **shared}
+  batch = PairBatch.of({**pairs, **shared})
   chunked = dataclasses.replace(CFG.model, logits_chunk=CFG.model.vocab_size // 8)
 
   def total(cfg):  # gradients for the adapters and every base weight (the LM head's chunks too)
     def f(lp, bp):
-      s = logprobs.pair_stats(cfg, bp, batch, wpo=True, lora=lp, lora_scale=CFG.lora.scale)
+      s = logprobs.pair_stats(cfg, bp, batch, transformer.Adapter(lp, CFG.lora.scale), wpo=True)
       return s.logps.sum() + s.wpo_logw.sum(), s
     (_, s), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(lora, base)
     return {"logps": s.logps, "wpo_logw": s.wpo_logw}, g
@@ -110,10 +114,10 @@ def test_chunked_head_equals_whole_vocabulary_with_gradients(setup, monkeypatch)
 
 def test_pair_kl_equal_unshared(setup):
   _, pairs, shared, _, base, lora = setup
-  kw = {"lora": lora, "lora_scale": CFG.lora.scale}
+  kw = {"lora": lora}
   kl = lambda b: jax.jit(lambda: logprobs.pair_kl(
       _stats(base, b, with_logits=True, **kw).logits, _stats(base, b, with_logits=True).logits,
-      b).sum())()
+      PairBatch.of(b)).sum())()
   want = float(kl(pairs))
   assert want > 1e-3
   np.testing.assert_allclose(float(kl({**pairs, **shared})), want, rtol=1e-5)
@@ -127,7 +131,7 @@ def _three_steps(cfg, mesh, base, arrays):
   state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
   frozen = train.initial_frozen(base)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
-  batch = train.device_batch(mesh, arrays)
+  batch = train.device_batch(mesh, PairBatch.of(arrays))
   for _ in range(3):
     state, m = step(state, frozen, batch)
   return numerics.Steps.of(start, state), jax.tree.map(float, m)
@@ -255,7 +259,7 @@ def test_buckets_minimise_rows_like_brute_force():
 @pytest.mark.parametrize("adapter", [False, True])
 def test_packed_pair_stats_equal_unshared(packed_setup, adapter):
   pairs, shared, base, lora = packed_setup
-  kw = {"lora": lora, "lora_scale": CFG.lora.scale} if adapter else {}
+  kw = {"lora": lora} if adapter else {}
   _, _, out = _pack(shared, np.arange(len(PACK_RECORDS)))
   want = _stats(base, pairs, **kw)
   got = _stats(base, {**pairs, **out}, **kw)
@@ -322,7 +326,7 @@ def test_loader_packs_only_this_process_block():
   whole = data.Loader(pairs, 8, seed=0, pack=lambda rows, block: seen.append(rows) or {})
   packer = packing.Packer(shared, 8, blocks=2, multiple=2)
   packer.fit(whole.batch_rows(0))
-  loaders = [data.Loader(pairs, 8, 0, b, 2, pack=packer.pack) for b in range(2)]
+  loaders = [data.Loader(pairs, 8, 0, (b, 2), pack=packer.pack) for b in range(2)]
   for _ in range(3):  # into the second epoch
     want = next(whole)
     rows = seen[-1]
@@ -404,7 +408,8 @@ def test_blockwise_attention_equals_one_block(packed_setup, layout, window):
 
   def total(cfg, batch):  # ({log-probs, WPO weights}, LoRA gradients)
     def f(lp):
-      s = logprobs.pair_stats(cfg, base, batch, wpo=True, lora=lp, lora_scale=CFG.lora.scale)
+      s = logprobs.pair_stats(cfg, base, PairBatch.of(batch),
+                              transformer.Adapter(lp, CFG.lora.scale), wpo=True)
       return s.logps.sum() + s.wpo_logw.sum(), {"logps": s.logps, "shared_logps": s.shared_logps,
                                                 "wpo_logw": s.wpo_logw}
     (_, stats), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(lora)

@@ -23,16 +23,16 @@ def _write(tmp_path, rows, name="d.jsonl"):
 def test_second_run_loads_the_cache_without_reading(tmp_path, monkeypatch):
   path, cache = _write(tmp_path, ROWS), str(tmp_path / "cache")
   tok = tokenizer.ByteTokenizer()
-  first = prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=16,
-                                eval_split=0.25, cache_dir=cache)
+  first = prepare.prepare_pairs(path, prepare.Preparation(tok, max_prompt_length=16,
+      max_target_length=16), eval_split=0.25, cache_dir=cache)
   assert first.report["cache"] == "miss" and len(os.listdir(cache)) == 1
 
   def no_reading(*a, **k):
     raise AssertionError("re-read the data although it was cached")
   monkeypatch.setattr(formats, "iter_records", no_reading)
   monkeypatch.setattr(prepare, "tokenize_pairs", no_reading)
-  second = prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=16,
-                                 eval_split=0.25, cache_dir=cache)
+  second = prepare.prepare_pairs(path, prepare.Preparation(tok, max_prompt_length=16,
+      max_target_length=16), eval_split=0.25, cache_dir=cache)
   assert second.report["cache"] == "hit"
   for part in ("train", "held"):
     a, b = getattr(first, part), getattr(second, part)
@@ -41,18 +41,18 @@ def test_second_run_loads_the_cache_without_reading(tmp_path, monkeypatch):
       np.testing.assert_array_equal(a[k], b[k])
   # A changed setting or a changed file is a different key: it must read again.
   with pytest.raises(AssertionError, match="re-read"):
-    prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=8,
-                          eval_split=0.25, cache_dir=cache)
+    prepare.prepare_pairs(path, prepare.Preparation(tok, max_prompt_length=16,
+        max_target_length=8), eval_split=0.25, cache_dir=cache)
   _write(tmp_path, ROWS[:-1])
   with pytest.raises(AssertionError, match="re-read"):
-    prepare.prepare_pairs(path, tok, max_prompt_length=16, max_target_length=16,
-                          eval_split=0.25, cache_dir=cache)
+    prepare.prepare_pairs(path, prepare.Preparation(tok, max_prompt_length=16,
+        max_target_length=16), eval_split=0.25, cache_dir=cache)
 
 
 def test_held_out_split_by_prompt(tmp_path):
   path = _write(tmp_path, ROWS)
-  out = prepare.prepare_pairs(path, tokenizer.ByteTokenizer(), max_prompt_length=32,
-                              max_target_length=32, eval_split=0.3)
+  out = prepare.prepare_pairs(path, prepare.Preparation(tokenizer.ByteTokenizer(),
+      max_prompt_length=32, max_target_length=32), eval_split=0.3)
   # Independent membership: SHA-256 of the prompt's first 8 bytes as a fraction of 2**64.
   held_prompts = {r["prompt"] for r in ROWS
                   if int(hashlib.sha256(r["prompt"].encode()).hexdigest()[:16], 16) < 0.3 * 2**64}
@@ -69,8 +69,8 @@ def test_held_out_split_by_prompt(tmp_path):
 def test_filters_are_reported(tmp_path):
   rows = ROWS[:10] + [ROWS[0], {"prompt": "x", "chosen": "same", "rejected": "same"},
                       {"prompt": "y", "chosen": " ", "rejected": "b"}]
-  out = prepare.prepare_pairs(_write(tmp_path, rows), tokenizer.ByteTokenizer(),
-                              max_prompt_length=32, max_target_length=32)
+  out = prepare.prepare_pairs(_write(tmp_path, rows),
+      prepare.Preparation(tokenizer.ByteTokenizer(), max_prompt_length=32, max_target_length=32))
   f = out.report["filters"]
   assert (f["records"], f["duplicate_pair"], f["chosen_equals_rejected"], f["empty_response"],
           f["kept"]) == (13, 1, 1, 1, 10)
@@ -183,8 +183,9 @@ def test_inspect_data_writes_the_preview_and_trains_nothing(tmp_path, capsys):
 def test_corrupt_cache_is_rebuilt_and_stale_tmp_removed(tmp_path, caplog):
   path, cache = _write(tmp_path, ROWS), tmp_path / "cache"
   tok = tokenizer.ByteTokenizer()
-  kw = dict(max_prompt_length=16, max_target_length=16, cache_dir=str(cache))
-  first = prepare.prepare_pairs(path, tok, **kw)
+  how = prepare.Preparation(tok, max_prompt_length=16, max_target_length=16)
+  kw = dict(cache_dir=str(cache))
+  first = prepare.prepare_pairs(path, how, **kw)
   (npz,) = os.listdir(cache)
   # An interrupted write of this host (its process is gone) and one of another host, old.
   dead = cache / f"{npz}.tmp.{prepare.socket.gethostname()}.999999999"
@@ -196,11 +197,11 @@ def test_corrupt_cache_is_rebuilt_and_stale_tmp_removed(tmp_path, caplog):
   live.write_bytes(b"busy")
   for garbage in (b"not a zip", open(cache / npz, "rb").read()[:100], b""):
     (cache / npz).write_bytes(garbage)
-    again = prepare.prepare_pairs(path, tok, **kw)
+    again = prepare.prepare_pairs(path, how, **kw)
     assert again.report["cache"] == "miss" and "does not load" in caplog.text
     np.testing.assert_array_equal(again.train["tokens"], first.train["tokens"])
   assert sorted(os.listdir(cache)) == sorted([npz, live.name])
-  assert prepare.prepare_pairs(path, tok, **kw).report["cache"] == "hit"
+  assert prepare.prepare_pairs(path, how, **kw).report["cache"] == "hit"
 
 
 def test_a_batch_larger_than_the_data_is_named(tmp_path):

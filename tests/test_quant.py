@@ -73,7 +73,7 @@ def test_logit_error_vs_float32_and_memory(mode):
   params = transformer.init(cfg, jax.random.key(0), mesh)
   qparams = quant.quantize_params(transformer.param_specs(cfg), mode, params, mesh)
   batch = _batch()
-  fwd = jax.jit(lambda p: transformer.forward(cfg, p, *batch))
+  fwd = jax.jit(lambda p: transformer.forward(cfg, p, transformer.Inputs(*batch)))
   ref, got = np.asarray(fwd(params)), np.asarray(fwd(qparams))
   rel = np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2))
   print(f"{mode}: relative RMS logit error {rel:.4f}, max |error| {np.abs(got - ref).max():.4f}"
@@ -105,13 +105,14 @@ def test_forward_is_dequantized_float_forward_sharded_and_lora_trains(mode):
   deq = jax.tree.map(lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, qparams,
                      is_leaf=quant.is_quantized)
   batch = _batch()
-  fwd = jax.jit(lambda p: transformer.forward(cfg, p, *batch))
+  fwd = jax.jit(lambda p: transformer.forward(cfg, p, transformer.Inputs(*batch)))
   np.testing.assert_allclose(np.asarray(fwd(qparams)), np.asarray(fwd(deq)), atol=1e-5)
   lcfg = configs.LoraConfig(lora_rank=4, lora_targets=("q", "v", "down"))
   lora = lora_lib.init(cfg, lcfg, jax.random.key(1), mesh)
 
   def loss(lp, base):
-    return transformer.forward(cfg, base, *batch, lora=lp, lora_scale=lcfg.scale).mean()
+    return transformer.forward(cfg, base, transformer.Inputs(*batch), transformer.Adapter(lp,
+        lcfg.scale)).mean()
 
   grad = jax.jit(jax.grad(loss))
   g_q, g_f = grad(lora, qparams), grad(lora, deq)

@@ -13,6 +13,7 @@ import pytest
 import configs
 from dpo import data as data_lib
 from dpo import logprobs, reference, task, train
+from dpo.batches import PairBatch
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -24,8 +25,9 @@ TINY = configs.Config().replace(
 
 
 def cached(cfg, mesh, frozen, arrays, tok):
-  return reference.cached(train.StepConfig.dpo(cfg), mesh, frozen, arrays, tok,
-                          cfg.reference.ref_cache_dir, cfg.optim.global_batch_size)
+  return reference.cached(train.StepConfig.dpo(cfg), mesh, frozen, arrays,
+                          reference.Cache(cfg.reference.ref_cache_dir, tok),
+                          cfg.optim.global_batch_size)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def _run_steps(cfg, mesh, frozen, trainable, arrays, n_steps):
   bs = cfg.optim.global_batch_size
   out = []
   for i in range(n_steps):
-    batch = train.device_batch(mesh, {k: v[i * bs:(i + 1) * bs] for k, v in arrays.items()})
+    batch = train.device_batch(mesh, PairBatch.of({k: v[i * bs:(i + 1) * bs]
+                                                   for k, v in arrays.items()}))
     state, m = step(state, frozen, batch)
     out.append(jax.device_get(m))
   return out
@@ -186,7 +189,7 @@ def test_separate_reference_model_is_the_steps_reference(setup, tmp_path, lora_r
   trainable = zero_lora if lora_rank else jax.tree.map(lambda x: x + 0.0, params)
   frozen = train.initial_frozen(params, reference=other, lora_on=bool(lora_rank))
   first = _run_steps(cfg, mesh, frozen, trainable, arrays, 1)[0]
-  batch = {k: v[:8] for k, v in arrays.items()}
+  batch = PairBatch.of({k: v[:8] for k, v in arrays.items()})
   pol = logprobs.pair_stats(cfg.model, params, batch).logps  # policy = initial weights at step 1
   ref = logprobs.pair_stats(cfg.model, other, batch).logps
   np.testing.assert_allclose(first["rewards/chosen"], cfg.loss.beta * (pol - ref)[:, 0].mean(),
@@ -217,7 +220,7 @@ def test_run_with_ref_init_from_trains_and_evaluates_against_it(tmp_path):
   assert summary["ref_cache"]["hit"] is False
   held = loop.Data(cfg).held
   q = quant.quantize_params(transformer.param_specs(cfg.model), "int8", other, mesh)
-  want = evaluate.pair_metrics(cfg, mesh, q, None, q, held, 8)["perplexity"]
+  want = evaluate.pair_metrics(cfg, mesh, evaluate.Weights(q), q, held, 8)["perplexity"]
   assert summary["reference_perplexity"] == pytest.approx(want, rel=1e-5)
   import json
   first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())

@@ -37,8 +37,10 @@ def _scfg(**kw):
 
 def _generate(params, prompts, scfg, key=0, lora=None, lora_scale=1.0, multiple=1):
   tokens, segments = sampler.left_pad(prompts, PAD, multiple)
-  out = sampler.generate(CFG, scfg, params, jnp.asarray(tokens), jnp.asarray(segments),
-                         jax.random.key(key), lora=lora, lora_scale=lora_scale)
+  adapter = None if lora is None else transformer.Adapter(lora, lora_scale)
+  out = sampler.generate(CFG, scfg, params, sampler.Prompts(jnp.asarray(tokens),
+                                                            jnp.asarray(segments)),
+                         jax.random.key(key), adapter)
   return jax.device_get(out)
 
 
@@ -46,8 +48,9 @@ def _greedy_by_recompute(params, prompt, n, lora=None, lora_scale=1.0):
   """Greedy decoding by running the full (uncached) forward over the whole sequence each step."""
   T = len(prompt) + n
   seq = list(prompt)
-  fwd = jax.jit(lambda t, p, s: transformer.forward(CFG, params, t, p, s, lora=lora,
-                                                    lora_scale=lora_scale))
+  adapter = None if lora is None else transformer.Adapter(lora, lora_scale)
+  fwd = jax.jit(lambda t, p, s: transformer.forward(CFG, params, transformer.Inputs(t, p, s),
+                                                    adapter))
   for _ in range(n):
     tokens = np.full((1, T), PAD, np.int32)
     tokens[0, :len(seq)] = seq
@@ -126,11 +129,12 @@ def test_sharded_batch_matches_single_device(params, mesh):
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.RULES["batch"]))
   t_sh, s_sh = jax.device_put(tokens, spec), jax.device_put(segments, spec)
   scfg = _scfg(temperature=1.0)
-  sharded = sampler.generate(CFG, scfg, params, t_sh, s_sh, jax.random.key(9))
+  sharded = sampler.generate(CFG, scfg, params, sampler.Prompts(t_sh, s_sh), jax.random.key(9))
   one = jax.devices()[0]
   local = jax.device_put(params, one)
-  single = sampler.generate(CFG, scfg, local, jax.device_put(tokens, one),
-                            jax.device_put(segments, one), jax.random.key(9))
+  single = sampler.generate(CFG, scfg, local, sampler.Prompts(jax.device_put(tokens, one),
+                                                              jax.device_put(segments, one)),
+                            jax.random.key(9))
   np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
 
 

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import configs
 import numerics
 from dpo import train
+from dpo.batches import PairBatch
 from models import lora as lora_lib
 from models import sharding, transformer
 
@@ -171,7 +172,7 @@ def _run_dpo(cfg, mesh, batches):
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
   metrics = []
   for b in batches:
-    state, m = step(state, frozen, train.device_batch(mesh, b, len(b["tokens"])))
+    state, m = step(state, frozen, train.device_batch(mesh, PairBatch.of(b), len(b["tokens"])))
     metrics.append(jax.device_get(m))
   return metrics, numerics.Steps.of(start, state)
 

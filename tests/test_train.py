@@ -10,6 +10,7 @@ import pytest
 import configs
 import numerics
 from dpo import data, task, train
+from dpo.batches import PairBatch, Rows
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -43,7 +44,7 @@ def test_first_loss_is_ln2_and_only_lora_changes(setup):
   base_before = jax.tree.map(np.asarray, base)
   state, step = _dpo(CFG, mesh, base)
   lora_before = jax.tree.map(np.asarray, state.params)
-  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  batch = train.device_batch(mesh, PairBatch.of({k: v[:8] for k, v in pairs.items()}))
   state, m = step(state, base, batch)
   assert abs(float(m["loss"]) - math.log(2)) < 1e-6  # policy == reference at B = 0
   assert float(m["rewards/margins"]) == 0.0
@@ -66,7 +67,7 @@ def test_full_finetune_reference_is_frozen_copy(setup):
   state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
   frozen = train.initial_frozen(base)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
-  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  batch = train.device_batch(mesh, PairBatch.of({k: v[:8] for k, v in pairs.items()}))
   state, m = step(state, frozen, batch)
   assert abs(float(m["loss"]) - math.log(2)) < 1e-6
   state, m = step(state, frozen, batch)
@@ -80,7 +81,7 @@ def test_non_finite_gradient_skips_update(setup):
   before = jax.tree.map(np.asarray, state.params)
   local = {k: v[:8].copy() for k, v in pairs.items()}
   local["loss_mask"][0, 0, 5] = np.nan  # poisons the loss and every gradient
-  state, m = step(state, base, train.device_batch(mesh, local))
+  state, m = step(state, base, train.device_batch(mesh, PairBatch.of(local)))
   assert not np.isfinite(float(m["loss"]))
   assert int(state.skipped) == 1 and int(state.step) == 1
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
@@ -100,7 +101,7 @@ def test_sft_step_lowers_loss(setup):
   spec = train.StepConfig.sft(cfg)
   state = train.init_state(jax.tree.map(jnp.copy, base), spec.optimizer()[0], 0, mesh)
   step = train.jit_step(train.sft_step, spec, mesh, state, None)
-  batch = train.device_batch(mesh, sft)
+  batch = train.device_batch(mesh, Rows.of(sft))
   losses = []
   for _ in range(12):
     state, m = step(state, None, batch)
@@ -134,7 +135,7 @@ def test_step_on_eight_devices_matches_one(setup):
     base = transformer.init(CFG.model, jax.random.key(0), mesh)
     state, step = _dpo(CFG, mesh, base)
     start = jax.device_get(state.params)
-    batch = train.device_batch(mesh, arrays)
+    batch = train.device_batch(mesh, PairBatch.of(arrays))
     for _ in range(2):
       state, m = step(state, base, batch)
     results.append((float(m["loss"]), numerics.Steps.of(start, state)))
@@ -153,7 +154,7 @@ def test_unrelated_fields_do_not_recompile_the_step(setup):
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda name, _, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
-  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  batch = train.device_batch(mesh, PairBatch.of({k: v[:8] for k, v in pairs.items()}))
   steps = []
   first = CFG.replace(steps=7)  # a step no other test compiled
   for cfg in (first, first.replace(output_dir="/elsewhere", eval_every=7, log_every=3,
@@ -175,7 +176,7 @@ def test_step_without_kl_holds_no_reference_logits(setup):
   """With the KL metric off (guard off, --log_kl off) the compiled step keeps no [B, 2, T, V]
   reference logits: its temporaries shrink by at least that array, and no "kl" is reported."""
   mesh, pairs, base = setup
-  batch = train.device_batch(mesh, {k: v[:8] for k, v in pairs.items()})
+  batch = train.device_batch(mesh, PairBatch.of({k: v[:8] for k, v in pairs.items()}))
   temps, keys = {}, {}
   for log_kl in (True, False):
     cfg = CFG.replace(log_kl=log_kl, vocab_size=1024)
@@ -218,7 +219,7 @@ def test_gradient_accumulation_equals_the_full_batch_step(setup, lora_rank):
   mesh = sharding.make_mesh("data:2", jax.devices()[:2])
   base = transformer.init(CFG.model, jax.random.key(0), mesh)
   rows = {k: v[:8] for k, v in pairs.items()}
-  batch = train.device_batch(mesh, rows)
+  batch = train.device_batch(mesh, PairBatch.of(rows))
   cfg = CFG.replace(lora_rank=lora_rank, learning_rate=1e-3)
   assert cfg.step_kl
   m1, p1, t1 = _one_step(cfg, mesh, base, batch)
@@ -228,7 +229,8 @@ def test_gradient_accumulation_equals_the_full_batch_step(setup, lora_rank):
   for k in m1:
     np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
   numerics.assert_close(numerics.step_checks(p4, p1, _tau(rows)))
-  wrong = _one_step(accumulated, mesh, base, train.device_batch(mesh, _misread(rows)))[1]
+  wrong = _one_step(accumulated, mesh, base, train.device_batch(mesh,
+      PairBatch.of(_misread(rows))))[1]
   numerics.assert_mistake_caught(numerics.step_checks(wrong, p1, _tau(rows)),
                                  "a microbatch reading another's rows")
   assert t4 < t1
@@ -241,7 +243,7 @@ def test_gradient_accumulation_sft_is_the_token_mean_of_the_batch(setup):
   sft = data.tokenize_sft(task.sft_records(8, 0), ByteTokenizer(), 40, 56)
   assert len(set(sft["loss_mask"].sum(1))) > 1  # unequal lengths: a mean of means would differ
   cfg = CFG.replace(sft_learning_rate=1e-3)
-  run = lambda cfg, rows: _one_step(cfg, mesh, base, train.device_batch(mesh, rows),
+  run = lambda cfg, rows: _one_step(cfg, mesh, base, train.device_batch(mesh, Rows.of(rows)),
                                     train.sft_step, "sft")
   m1, p1, _ = run(cfg, sft)
   accumulated = cfg.replace(gradient_accumulation_steps=4)

@@ -89,7 +89,7 @@ def test_param_tree_derives_from_specs(params):
 @pytest.mark.parametrize("jit", [False, True])
 def test_forward_shapes_finite(params, jit):
   tokens, positions, segments = _inputs()
-  fn = lambda p, t, q, s: transformer.forward(CFG, p, t, q, s)
+  fn = lambda p, t, q, s: transformer.forward(CFG, p, transformer.Inputs(t, q, s))
   fn = jax.jit(fn) if jit else fn
   logits = fn(params, tokens, positions, segments)
   assert logits.shape == (2, 10, CFG.vocab_size) and logits.dtype == jnp.float32
@@ -101,7 +101,7 @@ def test_matches_numpy_reference(mesh1, tie):
   cfg = ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})
   p = transformer.init(cfg, jax.random.key(1), mesh1)
   tokens, positions, segments = _inputs(T=12)
-  got = np.asarray(transformer.forward(cfg, p, tokens, positions, segments))
+  got = np.asarray(transformer.forward(cfg, p, transformer.Inputs(tokens, positions, segments)))
   want = _np_forward(cfg, p, tokens, positions)
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
@@ -121,7 +121,8 @@ def test_causality_by_gradient(params):
   ids = (V + np.arange(T, dtype=np.int32))[None]
 
   def logit_sum(embed, t):
-    return transformer.forward(cfg, dict(p, embed=embed), ids, positions, segments)[0, t].sum()
+    return transformer.forward(cfg, dict(p, embed=embed), transformer.Inputs(ids, positions,
+        segments))[0, t].sum()
 
   for t in (0, 3, 6):
     g = np.abs(np.asarray(jax.grad(logit_sum)(p["embed"], t))[V:]).sum(-1)
@@ -134,8 +135,8 @@ def test_right_padding_does_not_change_real_positions(params):
   padded = np.concatenate([tokens, np.full((1, 4), 5, np.int32)], 1)
   pos = np.concatenate([positions, np.zeros((1, 4), np.int32)], 1)
   seg = np.concatenate([segments, np.zeros((1, 4), np.int32)], 1)
-  a = transformer.forward(CFG, params, tokens, positions, segments)
-  b = transformer.forward(CFG, params, padded, pos, seg)[:, :6]
+  a = transformer.forward(CFG, params, transformer.Inputs(tokens, positions, segments))
+  b = transformer.forward(CFG, params, transformer.Inputs(padded, pos, seg))[:, :6]
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
@@ -144,10 +145,10 @@ def test_packed_segments_are_independent(params):
   """Two sequences packed in one row (segments 1, 2) give the same logits as run alone."""
   t1, p1, s1 = _inputs(B=1, T=5, seed=1)
   t2, p2, s2 = _inputs(B=1, T=7, seed=2)
-  packed = transformer.forward(CFG, params, np.concatenate([t1, t2], 1),
-                               np.concatenate([p1, p2], 1), np.concatenate([s1, 2 * s2], 1))
-  a = transformer.forward(CFG, params, t1, p1, s1)
-  b = transformer.forward(CFG, params, t2, p2, s2)
+  packed = transformer.forward(CFG, params, transformer.Inputs(np.concatenate([t1, t2], 1),
+      np.concatenate([p1, p2], 1), np.concatenate([s1, 2 * s2], 1)))
+  a = transformer.forward(CFG, params, transformer.Inputs(t1, p1, s1))
+  b = transformer.forward(CFG, params, transformer.Inputs(t2, p2, s2))
   np.testing.assert_allclose(np.asarray(packed[:, :5]), np.asarray(a), atol=1e-5)
   np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(b), atol=1e-5)
 
@@ -160,11 +161,11 @@ def test_branches_after_a_shared_prefix_are_independent(params):
   row = np.concatenate([tp, ta, tb], 1)
   pos = np.concatenate([pp, 4 + np.arange(3)[None], 4 + np.arange(5)[None]], 1).astype(np.int32)
   branch = np.array([[0] * 4 + [1] * 3 + [2] * 5], np.int32)
-  shared = transformer.forward(CFG, params, row, pos, np.ones_like(row), branch_BT=branch)
+  shared = transformer.forward(CFG, params, transformer.Inputs(row, pos, np.ones_like(row), branch))
   for t, sl in ((ta, slice(4, 7)), (tb, slice(7, 12))):
     alone = np.concatenate([tp, t], 1)
-    want = transformer.forward(CFG, params, alone, np.arange(alone.shape[1])[None],
-                               np.ones_like(alone))
+    want = transformer.forward(CFG, params, transformer.Inputs(alone,
+        np.arange(alone.shape[1])[None], np.ones_like(alone)))
     np.testing.assert_allclose(np.asarray(shared[:, :4]), np.asarray(want[:, :4]), atol=1e-5)
     np.testing.assert_allclose(np.asarray(shared[:, sl]), np.asarray(want[:, 4:]), atol=1e-5)
 
@@ -172,12 +173,13 @@ def test_branches_after_a_shared_prefix_are_independent(params):
 @pytest.mark.slow
 def test_bfloat16_remat_unrolled_layers_and_explicit_backward(mesh1, params, monkeypatch):
   tokens, positions, segments = _inputs()
-  ref = transformer.forward(CFG, params, tokens, positions, segments)
+  ref = transformer.forward(CFG, params, transformer.Inputs(tokens, positions, segments))
   bf = ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"})
-  out = transformer.forward(bf, params, tokens, positions, segments)
+  out = transformer.forward(bf, params, transformer.Inputs(tokens, positions, segments))
   assert out.dtype == jnp.float32
   assert np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
-  loss = lambda c: lambda p: transformer.forward(c, p, tokens, positions, segments).mean()
+  loss = lambda c: lambda p: transformer.forward(c, p, transformer.Inputs(tokens, positions,
+      segments)).mean()
   grads = lambda switch: jax.grad(loss(ModelConfig(**{**CFG.__dict__, **switch})))(params)
   g1 = grads({})
   # Rematerialised layers, the layers unrolled out of the scan, and the explicit matmul

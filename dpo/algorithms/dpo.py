@@ -12,17 +12,20 @@ from typing import Sequence
 
 import jax
 
-from dpo import algorithms, chat, checkpoint, evaluate, hooks, identity, packing, reference
+from dpo import algorithms, batches, chat, checkpoint, evaluate, hooks, identity, packing
+from dpo import reference
 from dpo import tokenizer as tokenizer_lib
 from dpo import train
+from dpo.program import Start
 from dpo.runner import MetricsWriter
 from models import lora as lora_lib
 from models import quant, transformer
 
 
-def _evaluate(evaluator: evaluate.Evaluator, policy, lora, step: int, writer: MetricsWriter):
+def _evaluate(evaluator: evaluate.Evaluator, policy: evaluate.Weights, step: int,
+              writer: MetricsWriter):
   t = time.perf_counter()
-  metrics, examples = evaluator(policy, lora)
+  metrics, examples = evaluator(policy)
   metrics["eval_time_s"] = round(time.perf_counter() - t, 2)
   writer.write({"stage": "eval", "step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
   f = lambda k: "n/a" if metrics.get(k) is None else f"{metrics[k]:.3f}"
@@ -38,31 +41,16 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   the frozen reference), then export and the final evaluation (into the run's summary); hands
   on the policy (LoRA merged) and where it is saved."""
   c, mesh, summary = p.cfg, p.mesh, p.summary
-  params, reference_path = model.params, model.path
-  if c.reference.ref_init_from:  # a resume must find the same reference
-    ref_from = c.reference.ref_init_from
-    reference_path = ref_from if ref_from.startswith("hf:") else os.path.abspath(ref_from)
-  if not reference_path:  # a random base: saved once, so the reference has a content digest
-    reference_path = os.path.abspath(os.path.join(c.run.output_dir, "checkpoints", "dpo_base"))
-    want = {"fingerprint": identity.fingerprint(c)}
-    if not identity.reusable(reference_path, want):
-      checkpoint.save_params(reference_path, params, c.model, stage="init", **want)
-  if c.model.base_quant != "none":
-    before = transformer.nbytes(params)
-    params = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, params,
-                                   mesh)
-    after = transformer.nbytes(params)
-    logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",
-                 c.model.base_quant, before / 2**20, after / 2**20, (before - after) / 2**20,
-                 100 * (1 - after / before))
-    summary["base_bytes"] = {"float32": before, c.model.base_quant: after}
+  reference_path = _reference_path(c, model)
+  params = _quantized_base(c, mesh, model.params, summary)
   ref = reference.load(c, mesh) if c.reference.ref_init_from else None
   if ref is not None and c.model.base_quant != "none":
     ref = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, ref, mesh)
   ref_model = params if ref is None else ref  # what the step and the evaluation compare against
   if p.data.held is not None:
     summary["reference_perplexity"] = evaluate.pair_metrics(
-        c, mesh, ref_model, None, ref_model, p.data.held, c.optim.global_batch_size)["perplexity"]
+        c, mesh, evaluate.Weights(ref_model), ref_model, p.data.held,
+        c.optim.global_batch_size)["perplexity"]
   spec = train.StepConfig.dpo(c)
   opt, _ = spec.optimizer()
   if c.guard.log_kl and not spec.kl:
@@ -79,47 +67,23 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   tr_dpo = c.reference.ref_update != "none"
   frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None, ref,
                                 c.lora.enabled)
-  pairs = p.data.pairs
-  if c.reference.precompute_ref:
-    cache_dir = c.reference.ref_cache_dir or os.path.join(c.run.output_dir, "ref_cache")
-    ref_arrays, summary["ref_cache"] = reference.cached(spec, mesh, frozen, pairs, p.data.tok,
-                                                        cache_dir, c.optim.global_batch_size)
-    pairs = {**pairs, **ref_arrays}
-  packed = None
-  if c.model.prefix_sharing:
-    shared, note = packing.shared_prefix(pairs)
-    logging.info("%s", note)
-    if c.model.packing:
-      if shared is None:
-        raise ValueError(f"--packing packs shared-prefix rows, and {note}")
-      packed = shared  # each batch's rows are packed from these (Program.stage)
-    elif shared is not None:
-      pairs = {**pairs, **shared}
+  pairs, packed = _training_rows(p, spec, frozen)
   # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
   # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
   # (TR-DPO moves the training reference).
-  evaluator = evaluate.Evaluator(c, mesh, p.data.tok, p.data.eval_prompts, ref_model,
-                                 p.data.held, p.data.reward_fn, p.data.well_formed_fn,
-                                 prompt_ids=p.data.eval_prompt_ids, stop_ids=p.data.stop_ids)
-  split = lambda t: (params, t) if c.lora.enabled else (t, None)
-  evaluate_state = lambda step, st: _evaluate(evaluator, *split(st.params), step, p.writer)
-  log = hooks.LogMetrics(c.run.log_every)
-  mask = p.data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
-  guard = hooks.KLGuard(c.guard, c.kl_estimate, c.loss.beta, float(mask.sum() / max(
-      mask.shape[0] * mask.shape[1], 1)))
-  stage_hooks = [*([guard] if c.guard.enabled else []), log,
-                 hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
-                 hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
-                 *([hooks.UpdateReference(c.reference)] if tr_dpo else [])]
+  evaluator = evaluate.Evaluator(c, mesh, p.data.eval_set(), ref_model)
+  weights = lambda st: (evaluate.Weights(params, st.params) if c.lora.enabled
+                        else evaluate.Weights(st.params))
+  evaluate_state = lambda step, st: _evaluate(evaluator, weights(st), step, p.writer)
   t_dpo = time.perf_counter()
-  state = p.stage(DPO, fresh, frozen, pairs, stage_hooks,
-                  {"reference": reference_path, "lora": c.lora.enabled},
-                  identity.model_digest(reference_path), packed).run()
+  start = Start(fresh, frozen, identity.model_digest(reference_path),
+                {"reference": reference_path, "lora": c.lora.enabled})
+  state = p.stage(DPO, start, pairs, _hooks(c, p.data, evaluate_state), packed).run()
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
-  policy, lora = split(state.params)
-  handed_on = _save_policy(c, params, policy, lora, int(state.step), reference_path)
+  policy = weights(state)
+  handed_on = _save_policy(c, params, policy, int(state.step), reference_path)
   if c.checkpoint.export_hf:
-    _export_hf(c, params, policy, lora, int(state.step), p.data, model.path)
+    _export_hf(c, params, policy, int(state.step), p.data, model.path)
   final, samples = evaluate_state(c.optim.steps, state)
   summary.update(final)
   summary["skipped_steps"] = int(state.skipped)
@@ -132,6 +96,72 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   return handed_on
 
 
+def _reference_path(c, model: algorithms.Model) -> str:
+  """Where the reference is saved, which a resume must find unchanged: --ref_init_from, the
+  model the stage starts from, or (a random base) checkpoints/dpo_base, saved here once so
+  the reference has a content digest."""
+  if c.reference.ref_init_from:
+    ref_from = c.reference.ref_init_from
+    return ref_from if ref_from.startswith("hf:") else os.path.abspath(ref_from)
+  if model.path:
+    return model.path
+  path = os.path.abspath(os.path.join(c.run.output_dir, "checkpoints", "dpo_base"))
+  want = {"fingerprint": identity.fingerprint(c)}
+  if not identity.reusable(path, want):
+    checkpoint.save_params(path, model.params, c.model, stage="init", **want)
+  return path
+
+
+def _quantized_base(c, mesh, params, summary: dict):
+  """The frozen base as the policy computes with it: --base_quant's int8 or nf4, or as given."""
+  if c.model.base_quant == "none":
+    return params
+  before = transformer.nbytes(params)
+  params = quant.quantize_params(transformer.param_specs(c.model), c.model.base_quant, params,
+                                 mesh)
+  after = transformer.nbytes(params)
+  logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",
+               c.model.base_quant, before / 2**20, after / 2**20, (before - after) / 2**20,
+               100 * (1 - after / before))
+  summary["base_bytes"] = {"float32": before, c.model.base_quant: after}
+  return params
+
+
+def _training_rows(p, spec: train.StepConfig, frozen: train.Frozen):
+  """(the pair arrays the stage's loader indexes, the shared-prefix rows each batch's packed
+  rows are built from or None): the tokenized pairs, with the precomputed reference
+  statistics (--precompute_ref) and the shared-prefix rows (--prefix_sharing) beside them."""
+  c, pairs = p.cfg, p.data.pairs
+  if c.reference.precompute_ref:
+    cache_dir = c.reference.ref_cache_dir or os.path.join(c.run.output_dir, "ref_cache")
+    ref_arrays, p.summary["ref_cache"] = reference.cached(
+        spec, p.mesh, frozen, pairs, reference.Cache(cache_dir, p.data.tok),
+        c.optim.global_batch_size)
+    pairs = {**pairs, **ref_arrays}
+  if not c.model.prefix_sharing:
+    return pairs, None
+  shared, note = packing.shared_prefix(pairs)
+  logging.info("%s", note)
+  if c.model.packing:
+    if shared is None:
+      raise ValueError(f"--packing packs shared-prefix rows, and {note}")
+    return pairs, shared  # each batch's rows are packed from these (Program.stage)
+  return (pairs, None) if shared is None else ({**pairs, **shared}, None)
+
+
+def _hooks(c, data, evaluate_state) -> list:
+  """The DPO stage's hooks: the KL guard (when on), logging, checkpoints, evaluation and the
+  TR-DPO reference update (when on)."""
+  log = hooks.LogMetrics(c.run.log_every)
+  mask = data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
+  guard = hooks.KLGuard(c.guard, c.kl_estimate, c.loss.beta, float(mask.sum() / max(
+      mask.shape[0] * mask.shape[1], 1)))
+  return [*([guard] if c.guard.enabled else []), log,
+          hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
+          hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
+          *([hooks.UpdateReference(c.reference)] if c.reference.ref_update != "none" else [])]
+
+
 def _write_jsonl(path: str, records: Sequence[dict]) -> None:
   """All records, replacing the file whole (written aside, then renamed)."""
   with open(path + ".tmp", "w") as f:
@@ -139,10 +169,12 @@ def _write_jsonl(path: str, records: Sequence[dict]) -> None:
   os.replace(path + ".tmp", path)
 
 
-def _save_policy(c, base, policy, lora, step: int, reference_path: str) -> algorithms.Model:
+def _save_policy(c, base, weights: evaluate.Weights, step: int,
+                 reference_path: str) -> algorithms.Model:
   """The policy (LoRA merged) as a dpo-jax params checkpoint, checkpoints/policy. With a
   quantized base there is no float policy to save (the adapters are in the step checkpoints):
   what is handed on is Model(None, "")."""
+  policy, lora = weights
   policy_out = os.path.join(c.run.output_dir, "checkpoints", "policy")
   if c.model.base_quant != "none":
     logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
@@ -155,13 +187,14 @@ def _save_policy(c, base, policy, lora, step: int, reference_path: str) -> algor
   return algorithms.Model(merged, os.path.abspath(policy_out))
 
 
-def _export_hf(c, base, policy, lora, step: int, data, started_from: str) -> None:
+def _export_hf(c, base, weights: evaluate.Weights, step: int, data, started_from: str) -> None:
   """--export_hf: a folder transformers loads as it is: the merged policy with the tokenizer
   (and the chat template the data was rendered with) and generation_config.json (stopping at
   every end-of-turn id). With LoRA, `adapter/` holds the PEFT adapter; its base is the
   `hf:` folder the DPO stage started from (`started_from`, its Model.path), else the DPO
   stage's base (the SFT model, a random base, or a quantized base dequantized), exported as
   `base/` beside it."""
+  policy, lora = weights
   quantized = c.model.base_quant != "none"
   out_hf, init_from = c.checkpoint.export_hf, c.checkpoint.init_from
   from models import hf
@@ -213,7 +246,8 @@ def _export_hf(c, base, policy, lora, step: int, data, started_from: str) -> Non
 
 
 DPO = algorithms.register(algorithms.Algorithm(
-    name="dpo", step=train.dpo_step, step_config=train.StepConfig.dpo, run=run,
+    name="dpo", step=train.dpo_step, batch=batches.PairBatch.of,
+    step_config=train.StepConfig.dpo, run=run,
     hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "loss", "reference",
                                                          "guard")),
     data_files=("train_data", "tokenizer"), data_seed=2,

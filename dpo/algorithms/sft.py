@@ -8,7 +8,8 @@ import os
 
 import jax
 
-from dpo import algorithms, checkpoint, hooks, identity, train
+from dpo import algorithms, batches, checkpoint, hooks, identity, train
+from dpo.program import Start
 
 # What the SFT stage's result depends on besides the model, seed and data (dpo/identity.py).
 _OPTIM = ("sft_learning_rate", "global_batch_size", "warmup_ratio", "weight_decay", "adam_b1",
@@ -32,8 +33,8 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
                                    c.run.seed, p.mesh)
   stage_hooks = [hooks.LogMetrics(c.run.log_every),
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
-  state = p.stage(SFT, fresh, None, p.data.sft, stage_hooks,
-                  {"init_from": c.checkpoint.init_from, "lora": False}, initial).run()
+  start = Start(fresh, None, initial, {"init_from": c.checkpoint.init_from, "lora": False})
+  state = p.stage(SFT, start, p.data.sft, stage_hooks).run()
   checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step),
                          metrics_records=p.writer.count, **want)
   logging.info("sft: model -> %s", sft_out)
@@ -41,7 +42,8 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
 
 
 SFT = algorithms.register(algorithms.Algorithm(
-    name="sft", step=train.sft_step, step_config=train.StepConfig.sft, run=run,
+    name="sft", step=train.sft_step, batch=batches.Rows.of,
+    step_config=train.StepConfig.sft, run=run,
     hyperparameters=lambda cfg: {k: getattr(cfg.optim, k) for k in _OPTIM},
     data_files=("sft_data", "train_data", "tokenizer"), data_seed=1,
     steps_flag="--sft_steps"))

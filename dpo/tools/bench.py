@@ -53,7 +53,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import packing, prepare, train
+from dpo import batches, packing, prepare, train
 from dpo import tokenizer as tokenizer_lib
 from models import quant, sharding, transformer
 
@@ -126,9 +126,9 @@ def hh_batch(cfg, pairs: int, rng) -> dict:
   config's lengths, ids folded into the model's vocabulary: real lengths, real shared prompts.
   The rows are cut to the batch's longest pair (rounded up to 8), as a run's loader would."""
   tok = tokenizer_lib.load_tokenizer(FLAGS.hh_tokenizer)
-  arrays = prepare.prepare_pairs(FLAGS.hh_data, tok,
-                                 max_prompt_length=cfg.data.max_prompt_length,
-                                 max_target_length=cfg.data.max_target_length).train
+  arrays = prepare.prepare_pairs(FLAGS.hh_data, prepare.Preparation(
+      tok, max_prompt_length=cfg.data.max_prompt_length,
+      max_target_length=cfg.data.max_target_length)).train
   rows = np.sort(rng.choice(len(arrays["tokens"]), pairs, replace=False))
   batch = {k: v[rows] for k, v in arrays.items()}
   T = packing.round_up(int(batch["segment_ids"].sum(-1).max()), 8)
@@ -167,7 +167,7 @@ def time_config(cfg) -> dict:
       shared = packer.pack(np.arange(pairs))
     arrays = {**arrays, **shared}
     (rows, slots), head_rows = shared["shared_tokens"].shape, shared["score_from"].size
-  batch = train.device_batch(mesh, arrays)
+  batch = train.device_batch(mesh, batches.PairBatch.of(arrays))
   mem = step.lower(state, frozen, batch).compile().memory_analysis()
   rounds = []
   first_loss = None

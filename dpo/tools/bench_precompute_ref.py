@@ -30,6 +30,7 @@ from absl import app, flags
 
 import configs
 from dpo import loop, reference, train
+from dpo.batches import PairBatch
 from models import sharding, transformer
 
 FLAGS = flags.FLAGS
@@ -50,8 +51,9 @@ def main(argv) -> None:
   bs = cfg.optim.global_batch_size
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
-    ref_arrays, info = reference.cached(spec, mesh, frozen, data.pairs, data.tok,
-                                        cfg.reference.ref_cache_dir or tmp, bs)
+    ref_arrays, info = reference.cached(
+        spec, mesh, frozen, data.pairs,
+        reference.Cache(cfg.reference.ref_cache_dir or tmp, data.tok), bs)
   print(f"precompute: {len(data.pairs['tokens'])} pairs in {time.perf_counter() - t0:.1f}s "
         f"(cache {'hit' if info['hit'] else 'miss'})", flush=True)
   n = len(data.pairs["tokens"])
@@ -60,8 +62,8 @@ def main(argv) -> None:
     rows = np.arange(i * bs, (i + 1) * bs) % n
     plain = {k: v[rows] for k, v in data.pairs.items()}
     with_ref = {**plain, **{k: v[rows] for k, v in ref_arrays.items()}}
-    batches.append({"in_step": train.device_batch(mesh, plain),
-                    "precomputed": train.device_batch(mesh, with_ref)})
+    batches.append({"in_step": train.device_batch(mesh, PairBatch.of(plain)),
+                    "precomputed": train.device_batch(mesh, PairBatch.of(with_ref))})
 
   def fresh():
     trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.fold_in(key, 1),

@@ -22,7 +22,7 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import configs
-from dpo import train
+from dpo import batches, train
 from models import sharding, transformer
 
 FLAGS = flags.FLAGS
@@ -60,7 +60,8 @@ def abstract_dpo_inputs(cfg: configs.Config, mesh, seq_len: int) -> tuple[Any, A
   bsh = train.batch_sharding(mesh)
   dtypes = {"tokens": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
             "loss_mask": jnp.float32}
-  batch = {k: jax.ShapeDtypeStruct(shape, d, sharding=bsh) for k, d in dtypes.items()}
+  batch = batches.PairBatch(batches.Rows.of(
+      {k: jax.ShapeDtypeStruct(shape, d, sharding=bsh) for k, d in dtypes.items()}))
   return state, frozen, batch
 
 

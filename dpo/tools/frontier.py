@@ -65,12 +65,13 @@ def run_points(cfg, mesh, params, method: str, value: float) -> list[dict]:
 def best_of_n(cfg, mesh, params, ns: list[int], n_max: int) -> list[dict]:
   """Mean true reward of the best of the first N SFT samples per prompt, for each N."""
   data = loop.Data(cfg)
-  ev = evaluate.Evaluator(cfg, mesh, data.tok, data.eval_prompts, params,
-                          reward_fn=data.reward_fn, well_formed_fn=data.well_formed_fn)
+  ev = evaluate.Evaluator(cfg, mesh, evaluate.EvalSet(
+      data.tok, data.eval_prompts, reward_fn=data.reward_fn,
+      well_formed_fn=data.well_formed_fn), params)
   key = jax.random.fold_in(jax.random.key(cfg.run.seed), 11)
   rewards, formed = [], []
   for i in range(n_max):
-    comps = evaluate.sample(cfg, mesh, ev.scfg, params, None, ev.prompt_ids,
+    comps = evaluate.sample(cfg, mesh, ev.scfg, evaluate.Weights(params), ev.prompt_ids,
                             jax.random.fold_in(key, i))
     _, r, w = ev.judge(comps)
     rewards.append(r)
