@@ -2,14 +2,13 @@
 
 A `Config` has one section per concern (model, lora, data, optim, loss, reference, guard, eval,
 checkpoint, mesh, run). Every field of every section is an absl flag of the same name
-(`define_flags`), so a field's name, default and help text are written exactly once. Field names
+(dpo/cli.py), so a field's name, default and help text are written exactly once. Field names
 are unique across sections so flags stay flat (`--beta`, `--lora_rank`). The `loss` section is
 derived from the loss registry in dpo/losses.py; LoRA targets and architectures come from the
 registries in models/lora.py and models/archs.py. Jitted functions take as static arguments only
 the sections their computation reads (dpo.train.StepConfig), so changing an output path or a
-cadence never recompiles a step. `flag_lines` is the inverse of the flag table: the lines of a
-flag file (`--config=PRESET` and each field that differs from it) that rebuild a config, which
-a run writes to <output_dir>/flags.txt; `help_text` is what `launch.py --help` prints.
+cadence never recompiles a step. The flags, the flag-file lines of a config and the help text
+are dpo/cli.py's; this module does not import it.
 
 Defaults follow the source recipe (beta 0.1, AdamW lr 1e-5 with cosine decay and warmup
 ratio 0.1, grad-norm clip 1.0, global batch 16, max target length 512, LoRA rank 16 /
@@ -20,7 +19,6 @@ say why.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +28,7 @@ from models import lora as lora_lib
 
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
            "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig", "MeshConfig",
-           "RunConfig", "PRESETS", "get_config", "define_flags", "from_flags", "flag_lines",
-           "overrides", "help_text"]
+           "RunConfig", "SECTIONS", "PRESETS", "get_config"]
 
 
 def _f(default: Any, help: str) -> Any:
@@ -493,141 +490,6 @@ class Config:
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
-
-
-def flag_fields():
-  """Yields (name, type, default, help, section) for every config field."""
-  for section, cls in _SECTIONS.items():
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-      yield f.name, hints[f.name], f.default, f.metadata["help"], section
-
-
-def define_flags() -> None:
-  """Defines one absl flag per config field (unset = the preset's value); --config (the run
-  section's `config` field) picks the preset."""
-  from absl import flags
-  define = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-            str: flags.DEFINE_string}
-  for name, ftype, default, help_text, section in flag_fields():
-    if name == "config":
-      flags.DEFINE_string("config", default, f"[{section}] {help_text} One of {sorted(PRESETS)}.")
-      continue
-    help_text = f"[{section}] {help_text} (preset value if unset; base default {default!r})"
-    if typing.get_origin(ftype) is tuple:
-      flags.DEFINE_list(name, None, help_text)
-    elif ftype in define:
-      define[ftype](name, None, help_text)
-    else:
-      raise TypeError(f"no flag type for config field {name}: {ftype}")
-
-
-def from_flags() -> Config:
-  """The preset named by --config with every flag given on the command line applied."""
-  from absl import flags
-  values = flags.FLAGS
-  overrides = {}
-  for name, ftype, *_ in flag_fields():
-    value = values[name].value
-    if value is not None and name != "config":
-      if isinstance(value, list):  # list flags arrive as strings; convert to the element type
-        elem = typing.get_args(ftype)[0]
-        try:
-          value = tuple(elem(v) for v in value)
-        except ValueError:
-          raise ValueError(f"--{name}={','.join(value)}: each item must be {elem.__name__}") from None
-      overrides[name] = value
-  preset = get_config(values.config)
-  if _drops_preset_rpo(preset, overrides.get("loss_type", preset.loss.loss_type)) and (
-      "rpo_alpha" not in overrides):
-    from absl import logging
-    logging.info("--loss_type=%s: without the preset's RPO term (--rpo_alpha=%g goes with its "
-                 "loss %s); give --rpo_alpha to add it", ",".join(overrides["loss_type"]),
-                 preset.loss.rpo_alpha, ",".join(preset.loss.loss_type))
-    overrides["rpo_alpha"] = 0.0
-  return preset.replace(**overrides)
-
-
-def _drops_preset_rpo(preset: Config, loss_type: tuple[str, ...]) -> bool:
-  """Whether `loss_type` runs without the preset's RPO term unless --rpo_alpha is given: the
-  term is part of the preset's own loss recipe, so --loss_type=ipo runs IPO as its paper
-  defines it, and a reference-free loss (which RPO does not apply to) runs."""
-  return bool(preset.loss.rpo_alpha) and loss_type != preset.loss.loss_type
-
-
-def flat(cfg: Config) -> dict[str, Any]:
-  """{field name: value} over every section."""
-  return {name: getattr(getattr(cfg, section), name) for name, *_, section in flag_fields()}
-
-
-def overrides(cfg: Config) -> dict[str, Any]:
-  """The fields whose value differs from the preset the config names (cfg.run.config)."""
-  preset = get_config(cfg.run.config)
-  base = flat(preset)
-  out = {k: v for k, v in flat(cfg).items() if v != base[k]}
-  if _drops_preset_rpo(preset, cfg.loss.loss_type):  # from_flags would drop it; keep it explicit
-    out.setdefault("rpo_alpha", cfg.loss.rpo_alpha)
-  return out
-
-
-def flag_value(value: Any) -> str:
-  """A field value as its flag parses it back: exact float repr, comma-joined tuples."""
-  if isinstance(value, bool):
-    return "true" if value else "false"
-  if isinstance(value, tuple):
-    return ",".join(flag_value(v) for v in value)
-  return repr(value) if isinstance(value, float) else str(value)
-
-
-def flag_lines(cfg: Config) -> list[str]:
-  """The command line that rebuilds `cfg`: --config=PRESET and each field that differs from it
-  (`python launch.py --flagfile=FILE` with these lines, one per line, repeats the run)."""
-  lines = [f"--config={cfg.run.config}"]
-  for name, value in overrides(cfg).items():
-    if isinstance(value, str) and "\n" in value:
-      raise ValueError(f"--{name}: a value with a newline cannot be written to a flag file")
-    lines.append(f"--{name}={flag_value(value)}")
-  return lines
-
-
-# The flags `--help` lists (the table of docs/flags.md); `--helpfull` lists every field by section.
-COMMON_FLAGS = (
-    "config", "stage", "steps", "sft_steps", "global_batch_size", "gradient_accumulation_steps",
-    "learning_rate", "sft_learning_rate", "loss_type", "beta", "lora_rank", "lora_targets",
-    "train_data", "eval_data", "tokenizer", "chat_template", "max_prompt_length",
-    "max_target_length", "init_from", "ref_init_from", "precompute_ref", "base_quant",
-    "eval_every", "log_kl", "checkpoint_every", "export_hf", "mesh", "wandb_project", "seed",
-    "output_dir")
-
-
-def flag_help(name: str, value: Any, help_text: str, width: int = 100) -> list[str]:
-  import textwrap
-  head = f"  --{name}={flag_value(value)}"
-  return [head, *textwrap.wrap(help_text, width, initial_indent=" " * 6,
-                               subsequent_indent=" " * 6)]
-
-
-def help_text(cfg: Config, full: bool) -> str:
-  """Flag help with the values of `cfg` (the chosen preset and the flags given): the common
-  flags, or (full) every field grouped by section, marking values that differ from the base."""
-  fields = {name: (help_text, section) for name, _, _, help_text, section in flag_fields()}
-  values, base = flat(cfg), flat(Config())
-  note = lambda n: (f" (base default {flag_value(base[n])})"
-                    if values[n] != base[n] and n != "config" else "")
-  out = [f"Values below are those of --config={cfg.run.config} with the flags given."]
-  if not full:
-    out.append("Common flags:")
-    for name in COMMON_FLAGS:
-      out += flag_help(name, values[name], fields[name][0] + note(name))
-    out.append("All flags by section: --helpfull. Every flag may also go in a file read with "
-               "--flagfile=FILE (a run writes <output_dir>/flags.txt).")
-    return "\n".join(out)
-  for section in SECTIONS:
-    out.append(f"\n[{section}]")
-    for name, (h, s) in fields.items():
-      if s == section:
-        out += flag_help(name, values[name], h + note(name))
-  return "\n".join(out)
 
 
 # --- Presets -----------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import packing, prepare, train
+from dpo import cli, packing, prepare, train
 from dpo import tokenizer as tokenizer_lib
 from models import quant, sharding, transformer
 
@@ -248,7 +248,7 @@ def main(argv):
                          "`tokenizers` package: pip install -e '.[hf]'")
   if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
     FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
-  cfg = configs.from_flags()
+  cfg = cli.from_flags()
   if FLAGS.worker_json:
     with open(FLAGS.worker_json, "w") as f:
       json.dump(time_config(cfg), f)
@@ -311,7 +311,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  configs.define_flags()
+  cli.define_flags()
   FLAGS.set_default("config", "bench-small")
   flags.DEFINE_list("variants", ["lora", "full"], "lora (the config's LoRA) and/or full (every "
                     "weight trains, frozen reference copy).")
