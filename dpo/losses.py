@@ -25,6 +25,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from models.config import check, one_of, rules, shown
+
 log_sigmoid = jax.nn.log_sigmoid
 LN2 = 0.6931471805599453
 
@@ -96,7 +98,7 @@ LABEL_SMOOTHING = Hyperparameter(
     lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
 F_DIVERGENCE = Hyperparameter(
     "f_divergence", "reverse_kl", f"f-DPO divergence (Wang et al. 2024), from {F_DIVERGENCES}.",
-    lambda v: v in F_DIVERGENCES, f"one of {F_DIVERGENCES}", every=True)
+    *one_of(F_DIVERGENCES), every=True)
 F_ALPHA = Hyperparameter(
     "f_alpha", 0.5, "Alpha of the alpha-divergence f-DPO variant, as TRL's "
     "f_alpha_divergence_coef: f'(u) = (u^(alpha-1) - 1) / (alpha - 1), i.e. 1 minus the alpha of "
@@ -554,20 +556,18 @@ def readers(name: str) -> list[str]:
 
 
 def _validate(cfg) -> None:
-  """Values in range, and no hyperparameter set that the selected losses do not read: none of
-  them, or (`every`) one of them that reads the reference."""
-  bad = [t for t in cfg.loss_type if t not in LOSSES]
-  if bad or not cfg.loss_type or len(set(cfg.loss_type)) < len(cfg.loss_type):
-    raise ValueError(f"--loss_type={','.join(cfg.loss_type) or '(empty)'}: each must appear once, "
-                     f"from {', '.join(LOSSES)}")
-  if cfg.loss_weights and len(cfg.loss_weights) != len(cfg.loss_type):
-    raise ValueError(f"--loss_weights={cfg.loss_weights} must have one weight per --loss_type "
-                     f"{cfg.loss_type}")
-  chosen = ",".join(cfg.loss_type)
+  """Values in range (`rules`: the registry's tests), and (`check`) no hyperparameter set that
+  the selected losses do not read: none of them, or (`every`) one of them that reads the
+  reference."""
+  rules(cfg, loss_type=(lambda v: bool(v) and set(v) <= set(LOSSES) and len(set(v)) == len(v),
+                        f"losses from {', '.join(LOSSES)}, each at most once"),
+        **{name: (h.valid, h.rule) for name, h in hyperparameters().items()})
+  chosen = shown(cfg.loss_type)
+  check(not cfg.loss_weights or len(cfg.loss_weights) == len(cfg.loss_type),
+        f"--loss_weights={shown(cfg.loss_weights)}: must be one weight per loss of "
+        f"--loss_type={chosen}")
   for name, h in hyperparameters().items():
     value = getattr(cfg, name)
-    if not h.valid(value):
-      raise ValueError(f"--{name} must be {h.rule}, got {value!r}")
     if value == h.default or name == BETA.name:  # beta also scales every reported reward
       continue
     who = readers(name)
@@ -575,15 +575,17 @@ def _validate(cfg) -> None:
       mod = MODIFIERS[h.modifier]
       if getattr(cfg, mod.name) == mod.default:
         who = [l for l in who if any(x.name == name for x in LOSSES[l].hyperparameters)]
-    if not set(who) & set(cfg.loss_type):
-      raise ValueError(f"--{name}={value!r} is read by none of --loss_type={chosen}"
-                       f" (it applies to {', '.join(who)})")
+    check(bool(set(who) & set(cfg.loss_type)),
+          f"--{name}={shown(value)}: must go with a loss that reads it ({', '.join(who)}); "
+          f"none of --loss_type={chosen} does")
     ignoring = [t for t in cfg.loss_type if LOSSES[t].reference and t not in who]
-    if h.every and ignoring:
-      raise ValueError(f"--{name}={value!r} does not apply to {', '.join(ignoring)} of "
-                       f"--loss_type={chosen} (it applies to {', '.join(who)})")
-    if h.read_when and getattr(cfg, h.read_when[0]) != h.read_when[1]:
-      raise ValueError(f"--{name}={value!r} is read only with --{h.read_when[0]}={h.read_when[1]}")
+    check(not (h.every and ignoring),
+          f"--{name}={shown(value)}: must apply to every loss of --loss_type={chosen} that "
+          f"reads the reference; {', '.join(ignoring)} does not (it applies to {', '.join(who)})")
+    if h.read_when:
+      field, wanted = h.read_when
+      check(getattr(cfg, field) == wanted,
+            f"--{name}={shown(value)}: must go with --{field}={wanted} (read only there)")
 
 
 def _field(h: Hyperparameter):

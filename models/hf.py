@@ -37,10 +37,10 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from configs import LoraConfig, ModelConfig
 from models import archs
 from models import lora as lora_lib
 from models import quant, sharding, transformer
+from models.config import LoraConfig, ModelConfig
 
 
 class HFError(ValueError):

@@ -11,6 +11,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -189,6 +191,18 @@ def test_registry_switches_are_model_config_fields():
   fields = {f.name: f for f in dataclasses.fields(configs.ModelConfig)}
   for name in archs.Switches._fields:
     assert fields[name].type in (bool, "bool"), name
+
+
+def test_models_import_neither_configs_nor_dpo():
+  """ModelConfig and LoraConfig live in models/config.py, so models.hf, which reads them, runs
+  without configs.py or dpo/ (configs.py imports models, not the other way round)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import sys\n"
+          "import models.config, models.hf, models.lora, models.quant, models.archs\n"
+          "bad = sorted(m for m in sys.modules if m == 'configs' or m.startswith('dpo'))\n"
+          "assert not bad, bad\n")
+  subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                 env={**os.environ, "PYTHONPATH": root})
 
 
 def test_export_rejects_switches_the_family_lacks():
