@@ -12,8 +12,8 @@ recompiles a step.
 
 Defaults follow the source recipe (beta 0.1, AdamW lr 1e-5 with cosine decay and warmup
 ratio 0.1, grad-norm clip 1.0, global batch 16, max target length 512, LoRA rank 16 /
-alpha 32 / dropout 0.05 on q and v). Presets override what their model size requires and
-say why.
+alpha 32 / dropout 0.05 on q and v). Each preset says in one line why it departs from them;
+docs/presets.md has the runs behind its values.
 """
 
 from __future__ import annotations
@@ -333,44 +333,15 @@ class Config:
 
 
 # --- Presets -----------------------------------------------------------------------------------
+# Each says in one line why it departs from the recipe; docs/presets.md has the runs behind it.
 
-# The embedded default task: a ~1M-parameter byte-level model trained from scratch in minutes on
-# two CPU cores. Learning rates are higher than the recipe's 1e-5 because the model starts from
-# random init (SFT) and the LoRA-only DPO stage has a few hundred steps, not an epoch over a
-# large set; beta, batch 16, rank 16 / alpha 32, dropout 0.05, warmup 0.1 and clip 1.0 are the
-# recipe's. Departures, measured on seed 0 (DPO 200 steps from one SFT model, 512 held-out
-# prompts sampled at temperature 1):
-# - SFT 2400 steps: the reference's samples are well-formed reviews at 0.953 after 1200 steps and
-#   0.977 after 2400 (byte noise in the tail: "cHake", "ligbhth"); the policy cannot be cleaner
-#   than its reference.
-# - LoRA on every projection, not only q and v: with q, v the adapter either barely moves the
-#   policy (lr 1e-4: win rate 0.48, KL 1e-4 nats/token) or breaks the byte grammar before it learns
-#   the preference (lr 3e-4 from a 1200-step SFT model: win 0.55, KL 0.13, 61% well-formed).
-# - RPO's NLL of the chosen response (rpo_alpha 4, Pang et al. 2024) at lr 3e-4: plain DPO at
-#   1.5e-4 reaches win 0.77 with 93% well-formed samples, and more steps or a higher rate break
-#   the grammar first; the NLL term holds the grammar (rpo 1: lr 2e-4 / 2.5e-4 / 3e-4 give win
-#   0.83 / 0.88 / 0.93, 96-97% well-formed). Past win ~0.85 the policy's distinct-2 falls below
-#   0.8x the reference's: the reward's lexicon is half negative, so a policy that drops negative
-#   adjectives has about half the distinct bigrams (rpo 1 at 3e-4: win 0.93, 0.59x). A larger
-#   NLL weight with a higher rate keeps more of the chosen responses' spread of adjectives at the
-#   same win rate (seed 2: rpo 2 at 2.5e-4 win 0.85, 0.76x; rpo 3 at 2.75e-4 0.82, 0.79x; rpo 4
-#   at 3e-4 0.81, 0.83x; rpo 6 at 4e-4 0.80, 0.86x). Seeds 0-4 at rpo 4, lr 3e-4: win
-#   0.811-0.821, distinct-2 0.82-0.87x, well-formed 0.969-0.984 (README).
-# - 512 evaluation samples (the 15 held-out prompts cycled), not 128: the standard error of a
-#   win rate near 0.8 falls from 0.035 to 0.018, so seeds differ by the recipe rather than by the
-#   sampling noise.
+# default: the embedded task's byte model, trained from scratch on two CPU cores in minutes.
 DEFAULT = Config().replace(
     max_prompt_length=40, max_target_length=56, steps=200, sft_steps=2400, learning_rate=3e-4,
     rpo_alpha=4.0, sft_learning_rate=3e-3, global_batch_size=16, lora_targets=LORA_TARGETS,
     log_every=20, eval_every=100, log_kl=True, task_eval_prompts=512, output_dir="runs/default")
 
-# bench-small: the workload in shared/BENCHMARKS.md (vocab 8192, d 512, 8 layers, 8/4 heads,
-# MLP 1536, untied, 4 pairs of 192 + 64 tokens, LoRA 16/32 on q,v, dropout 0, float32). Its 8
-# layers run unrolled, as the plain step's do: on the 2-core CPU 3% (LoRA) and 7% (full fine-tune)
-# faster per step than the layer scan (one jax.profiler sitting, unshared rows), for 1 s more
-# compile (3.8 s against 2.4 s); its matmuls use the explicit backward (6-14% faster). Both
-# change the float rounding of a run, not its math; the default preset keeps the scan and
-# JAX's backward, with which its figures were measured (docs/benchmarks.md).
+# bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are.
 BENCH_SMALL = Config(
     model=ModelConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
                       head_dim=64, mlp_dim=1536, rope_theta=1e4, norm_eps=1e-5,
@@ -379,9 +350,7 @@ BENCH_SMALL = Config(
 ).replace(max_prompt_length=192, max_target_length=64, global_batch_size=4, max_grad_norm=0.0,
           learning_rate=1e-5, output_dir="runs/bench-small")
 
-# Real model sizes, from each model's published config.json on the Hugging Face Hub (numbers
-# only). They describe the architecture; weights come from --init_from=hf:DIR, whose config.json
-# then replaces this section. Used for compile-only sharding checks and quantized-base memory.
+# Real model shapes, from each model's published config.json; weights come from --init_from=hf:DIR.
 LLAMA_3_2_1B = ModelConfig(
     arch="llama", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
     head_dim=64, mlp_dim=8192, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True,
@@ -410,19 +379,11 @@ def _real(name: str, model: ModelConfig) -> Config:
       lora_targets=LORA_TARGETS, max_prompt_length=512, max_target_length=512, stage="dpo",
       output_dir=f"runs/{name}")
 
-# llama3-8b: the Llama 3.1 8B shape for the compile-only sharding check (dpo/tools/compile_check.py):
-# bfloat16 matmuls and per-layer remat, as needed to fit; recipe LoRA (q, v) and lengths.
+# llama3-8b: the Llama 3.1 8B shape for dpo/tools/compile_check.py, with the remat it needs to fit.
 LLAMA3_8B = dataclasses.replace(Config(), model=dataclasses.replace(LLAMA_3_1_8B, remat=True)
                                 ).replace(output_dir="runs/llama3-8b", mesh="fsdp:-1")
 
-# hh-rlhf-gpt2: a pipeline check on Anthropic HH-RLHF transcripts with the GPT-2 tokenizer
-# (vocab 50,257 padded to 50,304 = 786 * 64). Sized for a couple of shared CPU cores: a small
-# model trained from scratch (SFT on the chosen responses, then full-parameter DPO; a LoRA on a
-# barely trained model has little to steer), the last 64 prompt tokens and the first 32
-# response tokens, batch 8, 10% of prompts held out, 64 of them sampled. SFT 300 steps (100
-# left the reference at held-out perplexity 276, 300 at 139); DPO at 1e-4: KL 0.15 nats per
-# token (5e-4: 0.25, 2e-4: 0.18; all above the recipe's band), held-out accuracy 0.58 (0.60,
-# 0.58: the same within the 246 pairs' standard error of 0.03).
+# hh-rlhf-gpt2: a pipeline check on HH-RLHF with GPT-2's tokenizer, sized for two CPU cores.
 HH_RLHF_GPT2 = Config().replace(
     vocab_size=50304, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384,
     tie_embeddings=True, lora_rank=0,
@@ -436,7 +397,7 @@ PRESETS: dict[str, Config] = {
     "hh-rlhf-gpt2": HH_RLHF_GPT2,
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
-    "bench-small-full": BENCH_SMALL.replace(lora_rank=0),
+    "bench-small-full": BENCH_SMALL.replace(lora_rank=0),  # bench-small, every weight trained
     **{name: _real(name, m) for name, m in {
         "llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B, "qwen2.5-0.5b": QWEN_2_5_0_5B,
         "qwen2.5-7b": QWEN_2_5_7B, "gemma2-2b": GEMMA_2_2B}.items()},

@@ -109,8 +109,7 @@ class ModelConfig:
   matmul_backward: str = option("autodiff", "Backward of the model's weight matmuls (projections, "
                                 "LM head; not the LoRA factors): autodiff (JAX's transpose rule) "
                                 "or explicit (the weight gradient x^T.dy formed in the weight's "
-                                "layout; same sums, 6-14% faster steps on XLA:CPU; "
-                                "models/transformer.py matmul).")
+                                "layout; same sums; models/transformer.py matmul).")
   attention_block: int = option(0, "Attention over query blocks of this many slots, each against "
                                 "the keys up to its own last slot only, so fully masked blocks "
                                 "above the causal diagonal are never computed (training and "
@@ -162,9 +161,7 @@ class ModelConfig:
           f"--n_kv_heads={self.n_kv_heads}: must divide --n_heads={self.n_heads}")
     check(self.prefix_sharing or not self.packing,
           "--packing=True: must go with --prefix_sharing=True (it packs shared-prefix rows)")
-    # Unrolled layers let XLA schedule each layer's recomputation early and keep what remat
-    # frees: bench-small's LoRA step needs 129 MiB of temporary memory with remat in the scan,
-    # 214 MiB at scan_unroll=2, 710 MiB unrolled (770 MiB without remat).
+    # Unrolled layers let XLA schedule each layer's recomputation early and keep what remat frees.
     check(not self.remat or min(self.scan_unroll, self.n_layers) <= 1,
           f"--remat=True: must go with --scan_unroll=1, not {self.scan_unroll}: it recomputes "
           f"each layer inside the layer scan, and unrolled layers keep the activations it would "
