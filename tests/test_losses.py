@@ -268,7 +268,33 @@ def test_each_loss_declares_exactly_the_hyperparameters_it_reads():
     got, _ = loss.fn(lp, **{h.name: h.default for h in loss.hyperparameters})
     assert got.shape == (B,), name
   with pytest.raises(TypeError, match="signature"):
-    losses.register("bad", losses.BETA)(lambda lp, beta, extra: (lp.policy_chosen, {}))
+    losses.register("bad", losses.BETA, call=lambda lp, c: (lp.policy_chosen, {}))(
+        lambda lp, beta, extra: (lp.policy_chosen, {}))
+
+
+class _Reads:
+  """A LossConfig that records, in order, the fields read from it."""
+
+  def __init__(self, cfg):
+    self.cfg, self.names = cfg, []
+
+  def __getattr__(self, name):
+    self.names.append(name)
+    return getattr(self.cfg, name)
+
+
+def test_each_loss_call_reads_exactly_its_declared_hyperparameters():
+  """Each registered `call` (lambda lp, c: fn(lp, c.beta, ...), written out so grep follows a
+  field to its loss) reads the declared hyperparameters, each once, in the declared order (the
+  order of fn's parameters, which register() checks), and computes what fn does with them."""
+  lp = to_logps(random_inputs(4))
+  cfg = losses.LossConfig(beta=0.3)  # beta off its default: a call that dropped it would differ
+  for name, loss in losses.LOSSES.items():
+    reads = _Reads(cfg)
+    got, _ = loss.call(lp, reads)
+    assert reads.names == [h.name for h in loss.hyperparameters], name
+    want, _ = loss.fn(lp, **{h.name: getattr(cfg, h.name) for h in loss.hyperparameters})
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
 
 def test_loss_config_fields_are_the_registry_hyperparameters():
