@@ -131,7 +131,8 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   policy = np.asarray(transformer.forward(cfg, params, tokens, positions, seg, lora=lora,
                                           lora_scale=lcfg.scale))
   out = tmp_path / "export"
-  hf.save(str(out), cfg, params, lora, lcfg, source=json.load(open(src / "config.json")))
+  hf.save(str(out), cfg, params, hf.Lora(lora, lcfg),
+          hf.SaveOptions(source=json.load(open(src / "config.json"))))
   back = transformers.AutoModelForCausalLM.from_pretrained(
       out, attn_implementation="eager", dtype=torch.float32).eval()
   assert type(back).__name__ == archs.ARCHITECTURES[arch].hf_class
@@ -253,7 +254,8 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path, mesh):
 def test_sharded_checkpoint_and_bfloat16(llama_dir, tmp_path, mesh):
   """A multi-file checkpoint with an index, stored in bfloat16, loads to the same values."""
   cfg, params = hf.load(str(llama_dir), mesh)
-  hf.save(str(tmp_path / "s"), cfg, params, dtype="bfloat16", max_shard_bytes=20_000)
+  hf.save(str(tmp_path / "s"), cfg, params,
+          options=hf.SaveOptions(dtype="bfloat16", max_shard_bytes=20_000))
   assert os.path.exists(tmp_path / "s" / "model.safetensors.index.json")
   assert len([f for f in os.listdir(tmp_path / "s") if f.endswith(".safetensors")]) > 2
   cfg2, params2 = hf.load(str(tmp_path / "s"), mesh)
