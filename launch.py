@@ -1,10 +1,11 @@
 """Launch a run: `python launch.py --beta=0.1` (SFT, then DPO, on the embedded default task).
 
-Flags are generated from the config dataclasses (configs.define_flags): every field is a flag of
-the same name. `--config` picks a preset; a flag given on the command line overrides the preset's
-value. `--help` lists the common flags and `--helpfull` every flag by section, both with the
-values of the chosen preset; a run writes <output_dir>/flags.txt, and
-`python launch.py --flagfile=<output_dir>/flags.txt` repeats it. Multi-host: one process per host with `--distributed=auto` (TPU pods, SLURM) or
+Flags are generated from the config dataclasses (dpo.cli.define_flags): every field is a flag
+of the same name. `--config` picks a preset; a flag given on the command line overrides the
+preset's value. `--help` lists the common flags and `--helpfull` every flag by section, both
+with the values of the chosen preset; a run writes <output_dir>/flags.txt, and
+`python launch.py --flagfile=<output_dir>/flags.txt` repeats it. Multi-host: one process per
+host with `--distributed=auto` (TPU pods, SLURM) or
 `--distributed=explicit --coordinator_address=HOST:PORT --num_processes=N --process_id=i`;
 see WORKSPACE.md, "Multi-host".
 """
@@ -16,9 +17,9 @@ import sys
 
 from absl import app, flags, logging
 
-import configs
+from dpo import cli
 
-configs.define_flags()
+cli.define_flags()
 # Per-process settings, not part of the experiment's config (they differ between processes).
 flags.DEFINE_enum("distributed", "off", ["off", "auto", "explicit"],
                   "Multi-process mode: off; auto = jax.distributed.initialize() detects the "
@@ -55,7 +56,7 @@ def _parse(argv: list[str]) -> list[str]:
   full = [_HELP[a] for a in argv if a in _HELP]
   try:
     rest = FLAGS([a for a in argv if a not in _HELP])
-    cfg = configs.from_flags() if full else None
+    cfg = cli.from_flags() if full else None
   except flags.IllegalFlagValueError as e:
     name = re.match(r"flag --(\w+)=", str(e))
     kinds = {"int": "an integer", "float": "a number", "bool": "true or false"}
@@ -64,11 +65,11 @@ def _parse(argv: list[str]) -> list[str]:
   except (flags.Error, ValueError) as e:
     _user_error(e)
   if full:
-    print((__doc__.split("\n\n")[0] + "\n\n" + configs.help_text(cfg, any(full))))
+    print((__doc__.split("\n\n")[0] + "\n\n" + cli.help_text(cfg, any(full))))
     if any(full):
       print("\n[launcher: per-process settings]")
       for name in _PROCESS_FLAGS:
-        print("\n".join(configs.flag_help(name, FLAGS[name].value, FLAGS[name].help)))
+        print("\n".join(cli.flag_help(name, FLAGS[name].value, FLAGS[name].help)))
     raise SystemExit(0)
   return rest
 
@@ -77,7 +78,7 @@ def main(argv) -> None:
   del argv
   logging.set_verbosity(logging.INFO)
   try:
-    cfg = configs.from_flags()
+    cfg = cli.from_flags()
   except ValueError as e:
     _user_error(e)
   from dpo import distributed  # imported after flag parsing so JAX starts with the final environment

@@ -6,9 +6,8 @@ a KL above `kl_max`, or above `spike_factor` times the largest of the last `wind
 values. The relative test waits until `window` values exist (KL grows from exactly 0 at the
 first LoRA step, many-fold per step at first) and ignores KL below `spike_min`. It compares with
 the window's largest value, not its mean: during warmup KL grows several-fold within a window
-while growing only a little per step (measured on the default task: 0.0065 against a 20-step
-mean of 0.00078 at step 21 of 300), and batch-to-batch noise stays under the window's maximum;
-an update gone wrong jumps far past it. The runner answers a spike by rolling back to the last
+while growing only a little per step (docs/presets.md has the default task's figures), and
+batch-to-batch noise stays under the window's maximum; an update gone wrong jumps far past it. The runner answers a spike by rolling back to the last
 good checkpoint and cutting the learning rate 10x; that policy lives in dpo/hooks.py and
 dpo/runner.py, the detection here, so each can be tested alone.
 """

@@ -26,9 +26,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-import configs
-from dpo import algorithms, chat, checkpoint, curves, evaluate, formats, identity, packing
-from dpo import prepare, task
+from dpo import algorithms, chat, checkpoint, cli, curves, evaluate, formats, identity
+from dpo import packing, prepare, task
 from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -274,7 +273,7 @@ def _write_flags(cfg, writer: MetricsWriter) -> None:
   """Logs the settings that differ from the preset and writes them to <output_dir>/flags.txt,
   which `launch.py --flagfile=` reads back (the config as given, before an hf: import fills in
   the model section; config.json holds the resolved one)."""
-  lines = configs.flag_lines(cfg)
+  lines = cli.flag_lines(cfg)
   logging.info("config %s; settings that differ from it: %s", cfg.run.config,
                " ".join(lines[1:]) or "none")
   if writer.enabled:

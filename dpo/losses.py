@@ -3,9 +3,11 @@
 Every loss takes a `Logps` (summed log-probs of chosen and rejected completions under the policy
 and the reference, plus token counts) and exactly the hyperparameters it declares, and returns
 (per-pair losses [B], extra metrics). `register` puts a loss in `LOSSES` together with everything
-about it: its hyperparameters (name, default, help, valid range), whether it reads the reference,
-which modifiers (RPO, WPO, LD-DPO) combine with it, and its name in TRL 1.16 (the test oracle,
-tests/test_losses_trl.py). The `loss` config section (`LossConfig`, at the end of this module)
+about it: its hyperparameters (name, default, help, valid range), its `call` (the function
+applied to a LossConfig's fields, written out: `sigmoid(lp, c.beta, ...)`, so grep leads from a
+field to the loss that reads it; a test checks that each call reads exactly the declared
+hyperparameters), whether it reads the reference, which modifiers (RPO, WPO, LD-DPO) combine
+with it, and its name in TRL 1.16 (the test oracle, tests/test_losses_trl.py). The `loss` config section (`LossConfig`, at the end of this module)
 has one field per hyperparameter, written out (a test keeps it equal to the registry); its
 flags, validation, `--help` and the loss table in WORKSPACE.md (`table`) derive from the
 registry. `combined` applies the weights and the modifiers; the trainer never contains loss logic.
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from models.config import check, one_of, rules, shown
 
 log_sigmoid = jax.nn.log_sigmoid
 LN2 = 0.6931471805599453
@@ -66,22 +71,22 @@ class Hyperparameter(NamedTuple):
 class Loss(NamedTuple):
   name: str
   fn: Callable
+  # fn on a LossConfig c, its hyperparameters written out: lambda lp, c: fn(lp, c.beta, ...).
+  call: Callable[[Logps, Any], tuple[jax.Array, dict]]
   hyperparameters: tuple[Hyperparameter, ...]
   reference: bool                    # reads reference log-probs (False: reference-free)
   modifiers: tuple[str, ...]         # names in MODIFIERS that combine with it
   trl: str                           # the same loss in TRL 1.16 ("-" where TRL has none)
 
   def apply(self, lp: Logps, values) -> tuple[jax.Array, dict]:
-    """The loss on `lp`, reading its hyperparameters from `values` (a LossConfig, or a dict that
-    holds at least this loss's hyperparameters and no name that is not a hyperparameter)."""
+    """`call` on `lp` with `values`: a LossConfig, or a dict that holds at least this loss's
+    hyperparameters and no name that is not a hyperparameter."""
     if isinstance(values, dict):
       unknown = set(values) - set(hyperparameters())
       if unknown:
         raise KeyError(f"loss {self.name}: unknown hyperparameters {sorted(unknown)}")
-      get = values.__getitem__
-    else:
-      get = lambda k: getattr(values, k)
-    return self.fn(lp, **{h.name: get(h.name) for h in self.hyperparameters})
+      values = types.SimpleNamespace(**values)
+    return self.call(lp, values)
 
 
 LOSSES: dict[str, Loss] = {}
@@ -96,7 +101,7 @@ LABEL_SMOOTHING = Hyperparameter(
     lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
 F_DIVERGENCE = Hyperparameter(
     "f_divergence", "reverse_kl", f"f-DPO divergence (Wang et al. 2024), from {F_DIVERGENCES}.",
-    lambda v: v in F_DIVERGENCES, f"one of {F_DIVERGENCES}", every=True)
+    *one_of(F_DIVERGENCES), every=True)
 F_ALPHA = Hyperparameter(
     "f_alpha", 0.5, "Alpha of the alpha-divergence f-DPO variant, as TRL's "
     "f_alpha_divergence_coef: f'(u) = (u^(alpha-1) - 1) / (alpha - 1), i.e. 1 minus the alpha of "
@@ -152,14 +157,16 @@ _F = (F_DIVERGENCE, F_ALPHA)
 _ALL = tuple(MODIFIERS)
 
 
-def register(name: str, *hyperparameters: Hyperparameter, reference: bool = True,
-             modifiers: tuple[str, ...] = _ALL, trl: str = "-"):
-  """Decorator: adds the loss to LOSSES; its signature must be (lp, *hyperparameter names)."""
+def register(name: str, *hyperparameters: Hyperparameter, call: Callable,
+             reference: bool = True, modifiers: tuple[str, ...] = _ALL, trl: str = "-"):
+  """Decorator: adds the loss to LOSSES; its signature must be (lp, *hyperparameter names), and
+  `call` is it applied to a LossConfig c: `lambda lp, c: fn(lp, c.name1, c.name2, ...)` in the
+  declared order (tests/test_losses.py checks what each call reads)."""
   def add(fn):
     params = list(inspect.signature(fn).parameters)[1:]
     if params != [h.name for h in hyperparameters]:
       raise TypeError(f"loss {name}: signature {params} != declared hyperparameters")
-    LOSSES[name] = Loss(name, fn, hyperparameters, reference, modifiers, trl)
+    LOSSES[name] = Loss(name, fn, call, hyperparameters, reference, modifiers, trl)
     return fn
   return add
 
@@ -244,7 +251,8 @@ def length_desensitised(total: jax.Array, shared: jax.Array, ld_alpha: float) ->
 
 # --- losses with a reference ----------------------------------------------------------------------
 
-@register("sigmoid", BETA, LABEL_SMOOTHING, *_F, trl="DPO `sigmoid`")
+@register("sigmoid", BETA, LABEL_SMOOTHING, *_F, trl="DPO `sigmoid`",
+          call=lambda lp, c: sigmoid(lp, c.beta, c.label_smoothing, c.f_divergence, c.f_alpha))
 def sigmoid(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   """DPO (Rafailov et al. 2023, eq. 7) with conservative label smoothing eps (cDPO, Mitchell 2023):
 
@@ -254,7 +262,8 @@ def sigmoid(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   return _smoothed_logistic(beta * f_margin(lp, f_divergence, f_alpha), label_smoothing), {}
 
 
-@register("robust", BETA, LABEL_SMOOTHING, *_F, trl="DPO `robust`")
+@register("robust", BETA, LABEL_SMOOTHING, *_F, trl="DPO `robust`",
+          call=lambda lp, c: robust(lp, c.beta, c.label_smoothing, c.f_divergence, c.f_alpha))
 def robust(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   """Robust DPO (Chowdhury et al. 2024, "Provably Robust DPO", the de-biased loss), unbiased under label flips
   with rate eps: [-(1 - eps) log sig(beta h) + eps log sig(-beta h)] / (1 - 2 eps)."""
@@ -263,14 +272,16 @@ def robust(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   return losses / (1 - 2 * label_smoothing), {}
 
 
-@register("hinge", BETA, *_F, trl="DPO `hinge`")
+@register("hinge", BETA, *_F, trl="DPO `hinge`",
+          call=lambda lp, c: hinge(lp, c.beta, c.f_divergence, c.f_alpha))
 def hinge(lp: Logps, beta, f_divergence, f_alpha):
   """SLiC-HF calibration hinge (Zhao et al. 2023; the rank-calibration hinge, on the DPO margin h):
   max(0, 1 - beta h), i.e. a margin of 1/beta on h."""
   return jax.nn.relu(1.0 - beta * f_margin(lp, f_divergence, f_alpha)), {}
 
 
-@register("ipo", BETA, *_F, trl="DPO `ipo`")
+@register("ipo", BETA, *_F, trl="DPO `ipo`",
+          call=lambda lp, c: ipo(lp, c.beta, c.f_divergence, c.f_alpha))
 def ipo(lp: Logps, beta, f_divergence, f_alpha):
   """IPO (Azar et al. 2023, "A General Theoretical Paradigm", the sampled IPO loss): (h - 1/(2 tau))^2 with
   tau = beta, on per-token AVERAGE log-ratios (the f-scores divided by token counts, as TRL)."""
@@ -279,7 +290,8 @@ def ipo(lp: Logps, beta, f_divergence, f_alpha):
   return (sw / nc - sl / nr - 1.0 / (2.0 * beta)) ** 2, {}
 
 
-@register("exo_pair", BETA, EXO_EPSILON, *_F, trl="DPO `exo_pair` (`label_smoothing`=eps)")
+@register("exo_pair", BETA, EXO_EPSILON, *_F, trl="DPO `exo_pair` (`label_smoothing`=eps)",
+          call=lambda lp, c: exo_pair(lp, c.beta, c.exo_epsilon, c.f_divergence, c.f_alpha))
 def exo_pair(lp: Logps, beta, exo_epsilon, f_divergence, f_alpha):
   """EXO, pairwise (Ji et al. 2024, "Towards Efficient Exact Optimization of LM Alignment", pairwise EXO):
   KL(p_theta || p_target) between the model's preference p = sigmoid(beta h) and the smoothed
@@ -291,7 +303,8 @@ def exo_pair(lp: Logps, beta, exo_epsilon, f_divergence, f_alpha):
   return losses, {}
 
 
-@register("nca_pair", BETA, trl="DPO `nca_pair`")
+@register("nca_pair", BETA, trl="DPO `nca_pair`",
+          call=lambda lp, c: nca_pair(lp, c.beta))
 def nca_pair(lp: Logps, beta):
   """NCA, pairwise (Chen et al. 2024, "Noise Contrastive Alignment", pairwise NCA) with r = beta * ratio:
   -log sig(r_w) - 1/2 log sig(-r_w) - 1/2 log sig(-r_l)."""
@@ -300,7 +313,8 @@ def nca_pair(lp: Logps, beta):
   return -log_sigmoid(zw) - 0.5 * log_sigmoid(-zw) - 0.5 * log_sigmoid(-zl), {}
 
 
-@register("bco_pair", BETA, BCO_SHIFT, trl="DPO `bco_pair` (`bco_shift` off)")
+@register("bco_pair", BETA, BCO_SHIFT, trl="DPO `bco_pair` (`bco_shift` off)",
+          call=lambda lp, c: bco_pair(lp, c.beta, c.bco_shift))
 def bco_pair(lp: Logps, beta, bco_shift):
   """BCO on pairs (Jung et al. 2024, "Binary Classifier Optimization", with reward shift delta): chosen -> 1,
   rejected -> 0: -log sig(beta rw - delta) - log sig(-(beta rl - delta)).
@@ -317,7 +331,8 @@ def bco_pair(lp: Logps, beta, bco_shift):
   return -log_sigmoid(zw - delta) - log_sigmoid(-(zl - delta)), {"bco/delta": delta}
 
 
-@register("sppo_hard", BETA, trl="DPO `sppo_hard`")
+@register("sppo_hard", BETA, trl="DPO `sppo_hard`",
+          call=lambda lp, c: sppo_hard(lp, c.beta))
 def sppo_hard(lp: Logps, beta):
   """SPPO with hard labels (Wu et al. 2024, "Self-Play Preference Optimization", the SPPO
   square loss with P(y_w > y_l) = 1, eta = 1/beta): (rw - 1/(2 beta))^2 + (rl + 1/(2 beta))^2."""
@@ -326,7 +341,8 @@ def sppo_hard(lp: Logps, beta):
 
 
 # Sorting across the batch misaligns per-pair weights, so AOT takes no WPO (TRL refuses it too).
-@register("aot", BETA, LABEL_SMOOTHING, modifiers=("rpo", "ld"), trl="DPO `aot`")
+@register("aot", BETA, LABEL_SMOOTHING, modifiers=("rpo", "ld"), trl="DPO `aot`",
+          call=lambda lp, c: aot(lp, c.beta, c.label_smoothing))
 def aot(lp: Logps, beta, label_smoothing):
   """AOT, paired (Melnyk et al. 2024, "Distributional Preference Alignment via Optimal Transport"):
   the batch's sorted policy log-ratios log pi(y_w)/pi(y_l) must dominate the sorted
@@ -336,7 +352,9 @@ def aot(lp: Logps, beta, label_smoothing):
   return _smoothed_logistic(beta * (pol - ref), label_smoothing), {}
 
 
-@register("aot_unpaired", BETA, LABEL_SMOOTHING, modifiers=("rpo", "ld"), trl="DPO `aot_unpaired`")
+@register("aot_unpaired", BETA, LABEL_SMOOTHING, modifiers=("rpo", "ld"),
+          trl="DPO `aot_unpaired`",
+          call=lambda lp, c: aot_unpaired(lp, c.beta, c.label_smoothing))
 def aot_unpaired(lp: Logps, beta, label_smoothing):
   """AOT, unpaired (Melnyk et al. 2024): the sorted chosen ratios rw must dominate the
   sorted rejected ratios rl across the batch; logistic loss on the sorted differences."""
@@ -344,7 +362,8 @@ def aot_unpaired(lp: Logps, beta, label_smoothing):
   return _smoothed_logistic(beta * (jnp.sort(rw) - jnp.sort(rl)), label_smoothing), {}
 
 
-@register("apo_zero", BETA, trl="DPO `apo_zero`")
+@register("apo_zero", BETA, trl="DPO `apo_zero`",
+          call=lambda lp, c: apo_zero(lp, c.beta))
 def apo_zero(lp: Logps, beta):
   """APO-zero (D'Oosterlinck et al. 2024, "Anchored Preference Optimization"): raise the
   chosen and lower the rejected likelihood: (1 - sig(beta rw)) + sig(beta rl)."""
@@ -352,7 +371,8 @@ def apo_zero(lp: Logps, beta):
   return (1 - jax.nn.sigmoid(beta * rw)) + jax.nn.sigmoid(beta * rl), {}
 
 
-@register("apo_down", BETA, trl="DPO `apo_down`")
+@register("apo_down", BETA, trl="DPO `apo_down`",
+          call=lambda lp, c: apo_down(lp, c.beta))
 def apo_down(lp: Logps, beta):
   """APO-down (D'Oosterlinck et al. 2024, "Anchored Preference Optimization"): lower both likelihoods, the rejected more:
   sig(beta rw) + (1 - sig(beta (rw - rl)))."""
@@ -360,7 +380,8 @@ def apo_down(lp: Logps, beta):
   return jax.nn.sigmoid(beta * rw) + (1 - jax.nn.sigmoid(beta * (rw - rl))), {}
 
 
-@register("discopop", BETA, DISCOPOP_TAU, *_F, trl="DPO `discopop`")
+@register("discopop", BETA, DISCOPOP_TAU, *_F, trl="DPO `discopop`",
+          call=lambda lp, c: discopop(lp, c.beta, c.discopop_tau, c.f_divergence, c.f_alpha))
 def discopop(lp: Logps, beta, discopop_tau, f_divergence, f_alpha):
   """DiscoPOP / log-ratio modulated loss (Lu et al. 2024, "Discovering Preference Optimization
   Algorithms", LRML): with z = beta h and m = sig(z / tau), (1 - m) * -log sig(z) + m * exp(-z).
@@ -374,7 +395,8 @@ def discopop(lp: Logps, beta, discopop_tau, f_divergence, f_alpha):
   return losses, {"discopop/modulation": m.mean()}
 
 
-@register("sigmoid_norm", BETA, *_F, trl="DPO `sigmoid_norm`")
+@register("sigmoid_norm", BETA, *_F, trl="DPO `sigmoid_norm`",
+          call=lambda lp, c: sigmoid_norm(lp, c.beta, c.f_divergence, c.f_alpha))
 def sigmoid_norm(lp: Logps, beta, f_divergence, f_alpha):
   """Length-normalised DPO (LN-DPO; Ahrabian et al. 2024, "A Practical Analysis of Human Alignment
   with *PO"): DPO eq. 7 on per-token AVERAGE log-ratios (the f-scores divided by token counts)."""
@@ -386,7 +408,8 @@ def sigmoid_norm(lp: Logps, beta, f_divergence, f_alpha):
 # --- reference-free losses ------------------------------------------------------------------------
 # TRL's CPO and ORPO trainers have no RPO, WPO or LD-DPO; `sft` (TRL's DPO loss type) takes WPO.
 
-@register("sft", NLL_PER_PAIR, reference=False, modifiers=("wpo",), trl="DPO `sft`")
+@register("sft", NLL_PER_PAIR, reference=False, modifiers=("wpo",), trl="DPO `sft`",
+          call=lambda lp, c: sft(lp, c.nll_per_pair))
 def sft(lp: Logps, nll_per_pair):
   """Supervised NLL on the chosen completion (the NLL term of RPO, Pang et al. 2024; no reference,
   averaged as `nll_chosen` says)."""
@@ -403,7 +426,8 @@ def _simpo_margin(lp: Logps, simpo_beta, simpo_gamma, alpha=None) -> jax.Array:
 
 
 @register("simpo", SIMPO_BETA, SIMPO_GAMMA, LABEL_SMOOTHING, reference=False, modifiers=(),
-          trl="CPO `simpo`, `cpo_alpha`=0, `beta`=simpo_beta")
+          trl="CPO `simpo`, `cpo_alpha`=0, `beta`=simpo_beta",
+          call=lambda lp, c: simpo(lp, c.simpo_beta, c.simpo_gamma, c.label_smoothing))
 def simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing):
   """SimPO (Meng et al. 2024, eq. 6): reward = beta * AVERAGE log-prob, no reference;
   -log sig(beta/|y_w| log pi(y_w) - beta/|y_l| log pi(y_l) - gamma) (label smoothing as cDPO)."""
@@ -412,7 +436,9 @@ def simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing):
 
 
 @register("cpo_simpo", SIMPO_BETA, SIMPO_GAMMA, LABEL_SMOOTHING, CPO_ALPHA, NLL_PER_PAIR,
-          reference=False, modifiers=(), trl="CPO `simpo`, `beta`=simpo_beta")
+          reference=False, modifiers=(), trl="CPO `simpo`, `beta`=simpo_beta",
+          call=lambda lp, c: cpo_simpo(lp, c.simpo_beta, c.simpo_gamma, c.label_smoothing,
+                                       c.cpo_alpha, c.nll_per_pair))
 def cpo_simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing, cpo_alpha, nll_per_pair):
   """SimPO with CPO's NLL term (Meng et al. 2024, eq. 6, plus Xu et al. 2024's L_NLL, as TRL's CPO
   trainer runs loss_type simpo): `simpo` + alpha * NLL(y_w)."""
@@ -423,7 +449,9 @@ def cpo_simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing, cpo_alpha, nl
 
 
 @register("alphapo", SIMPO_BETA, SIMPO_GAMMA, ALPHAPO_ALPHA, LABEL_SMOOTHING, reference=False,
-          modifiers=(), trl="CPO `alphapo`, `alpha`=alphapo_alpha, `beta`=simpo_beta")
+          modifiers=(), trl="CPO `alphapo`, `alpha`=alphapo_alpha, `beta`=simpo_beta",
+          call=lambda lp, c: alphapo(lp, c.simpo_beta, c.simpo_gamma, c.alphapo_alpha,
+                                     c.label_smoothing))
 def alphapo(lp: Logps, simpo_beta, simpo_gamma, alphapo_alpha, label_smoothing):
   """AlphaPO (Gupta et al. 2025, "AlphaPO: Reward Shape Matters for LLM Alignment", arXiv:2501.03884): SimPO
   with the reward r = beta (1 - p^-alpha) / alpha, p = exp(AVERAGE log-prob):
@@ -433,7 +461,8 @@ def alphapo(lp: Logps, simpo_beta, simpo_gamma, alphapo_alpha, label_smoothing):
 
 
 @register("cpo", BETA, CPO_ALPHA, LABEL_SMOOTHING, NLL_PER_PAIR, reference=False, modifiers=(),
-          trl="CPO `sigmoid`")
+          trl="CPO `sigmoid`",
+          call=lambda lp, c: cpo(lp, c.beta, c.cpo_alpha, c.label_smoothing, c.nll_per_pair))
 def cpo(lp: Logps, beta, cpo_alpha, label_smoothing, nll_per_pair):
   """CPO (Xu et al. 2024, "Contrastive Preference Optimization": L_prefer + L_NLL): DPO with a
   uniform reference, -log sig(beta (log pi(y_w) - log pi(y_l))), plus alpha * NLL(y_w)."""
@@ -443,7 +472,8 @@ def cpo(lp: Logps, beta, cpo_alpha, label_smoothing, nll_per_pair):
 
 
 @register("cpo_hinge", BETA, CPO_ALPHA, NLL_PER_PAIR, reference=False, modifiers=(),
-          trl="CPO `hinge`")
+          trl="CPO `hinge`",
+          call=lambda lp, c: cpo_hinge(lp, c.beta, c.cpo_alpha, c.nll_per_pair))
 def cpo_hinge(lp: Logps, beta, cpo_alpha, nll_per_pair):
   """CPO, hinge variant (Xu et al. 2024, with SLiC's hinge of Zhao et al. 2023 as L_prefer):
   max(0, 1 - beta (log pi(y_w) - log pi(y_l))) + alpha * NLL(y_w)."""
@@ -453,7 +483,8 @@ def cpo_hinge(lp: Logps, beta, cpo_alpha, nll_per_pair):
 
 
 @register("cpo_ipo", BETA, CPO_ALPHA, NLL_PER_PAIR, reference=False, modifiers=(),
-          trl="CPO `ipo`")
+          trl="CPO `ipo`",
+          call=lambda lp, c: cpo_ipo(lp, c.beta, c.cpo_alpha, c.nll_per_pair))
 def cpo_ipo(lp: Logps, beta, cpo_alpha, nll_per_pair):
   """CPO, IPO variant (Xu et al. 2024, with IPO's square loss of Azar et al. 2023 as L_prefer):
   (avg log pi(y_w) - avg log pi(y_l) - 1/(2 beta))^2 on per-token AVERAGE log-probs (as TRL),
@@ -464,7 +495,9 @@ def cpo_ipo(lp: Logps, beta, cpo_alpha, nll_per_pair):
   return pref + cpo_alpha * nll, {"cpo/nll": nll.mean()}
 
 
-@register("orpo", ORPO_LAMBDA, NLL_PER_PAIR, reference=False, modifiers=(), trl="ORPO (`beta`=lambda)")
+@register("orpo", ORPO_LAMBDA, NLL_PER_PAIR, reference=False, modifiers=(),
+          trl="ORPO (`beta`=lambda)",
+          call=lambda lp, c: orpo(lp, c.orpo_lambda, c.nll_per_pair))
 def orpo(lp: Logps, orpo_lambda, nll_per_pair):
   """ORPO (Hong et al. 2024, eqs. 6-7): NLL(y_w) + lambda * -log sig(log odds(y_w) - log odds(y_l)),
   odds(y) = P / (1 - P) with P = exp(AVERAGE log-prob of y).
@@ -500,7 +533,7 @@ def combined(lp: Logps, cfg, wpo_logw_B2: jax.Array | None = None) -> tuple[jax.
   per_pair = jnp.zeros_like(lp.policy_chosen)
   metrics = {}
   for name, w in zip(cfg.loss_type, cfg.weights):
-    l, m = LOSSES[name].apply(lp, cfg)
+    l, m = LOSSES[name].call(lp, cfg)
     per_pair = per_pair + w * l
     metrics.update(m)
     if len(cfg.loss_type) > 1:
@@ -554,20 +587,18 @@ def readers(name: str) -> list[str]:
 
 
 def _validate(cfg) -> None:
-  """Values in range, and no hyperparameter set that the selected losses do not read: none of
-  them, or (`every`) one of them that reads the reference."""
-  bad = [t for t in cfg.loss_type if t not in LOSSES]
-  if bad or not cfg.loss_type or len(set(cfg.loss_type)) < len(cfg.loss_type):
-    raise ValueError(f"--loss_type={','.join(cfg.loss_type) or '(empty)'}: each must appear once, "
-                     f"from {', '.join(LOSSES)}")
-  if cfg.loss_weights and len(cfg.loss_weights) != len(cfg.loss_type):
-    raise ValueError(f"--loss_weights={cfg.loss_weights} must have one weight per --loss_type "
-                     f"{cfg.loss_type}")
-  chosen = ",".join(cfg.loss_type)
+  """Values in range (`rules`: the registry's tests), and (`check`) no hyperparameter set that
+  the selected losses do not read: none of them, or (`every`) one of them that reads the
+  reference."""
+  rules(cfg, loss_type=(lambda v: bool(v) and set(v) <= set(LOSSES) and len(set(v)) == len(v),
+                        f"losses from {', '.join(LOSSES)}, each at most once"),
+        **{name: (h.valid, h.rule) for name, h in hyperparameters().items()})
+  chosen = shown(cfg.loss_type)
+  check(not cfg.loss_weights or len(cfg.loss_weights) == len(cfg.loss_type),
+        f"--loss_weights={shown(cfg.loss_weights)}: must be one weight per loss of "
+        f"--loss_type={chosen}")
   for name, h in hyperparameters().items():
     value = getattr(cfg, name)
-    if not h.valid(value):
-      raise ValueError(f"--{name} must be {h.rule}, got {value!r}")
     if value == h.default or name == BETA.name:  # beta also scales every reported reward
       continue
     who = readers(name)
@@ -575,15 +606,17 @@ def _validate(cfg) -> None:
       mod = MODIFIERS[h.modifier]
       if getattr(cfg, mod.name) == mod.default:
         who = [l for l in who if any(x.name == name for x in LOSSES[l].hyperparameters)]
-    if not set(who) & set(cfg.loss_type):
-      raise ValueError(f"--{name}={value!r} is read by none of --loss_type={chosen}"
-                       f" (it applies to {', '.join(who)})")
+    check(bool(set(who) & set(cfg.loss_type)),
+          f"--{name}={shown(value)}: must go with a loss that reads it ({', '.join(who)}); "
+          f"none of --loss_type={chosen} does")
     ignoring = [t for t in cfg.loss_type if LOSSES[t].reference and t not in who]
-    if h.every and ignoring:
-      raise ValueError(f"--{name}={value!r} does not apply to {', '.join(ignoring)} of "
-                       f"--loss_type={chosen} (it applies to {', '.join(who)})")
-    if h.read_when and getattr(cfg, h.read_when[0]) != h.read_when[1]:
-      raise ValueError(f"--{name}={value!r} is read only with --{h.read_when[0]}={h.read_when[1]}")
+    check(not (h.every and ignoring),
+          f"--{name}={shown(value)}: must apply to every loss of --loss_type={chosen} that "
+          f"reads the reference; {', '.join(ignoring)} does not (it applies to {', '.join(who)})")
+    if h.read_when:
+      field, wanted = h.read_when
+      check(getattr(cfg, field) == wanted,
+            f"--{name}={shown(value)}: must go with --{field}={wanted} (read only there)")
 
 
 def _field(h: Hyperparameter):

@@ -6,7 +6,7 @@ tensors that are not projections. The projections' names (q_proj, ..., down_proj
 q/k/v biases) are the same in every family and live with the LoRA targets (models/lora.py
 TARGETS), since PEFT addresses the same modules. models/hf.py reads both.
 
-This module imports nothing from the project, so configs.py can take `ARCHS` from it.
+This module imports nothing from the project, so models/config.py can take `ARCHS` from it.
 """
 
 from __future__ import annotations

@@ -30,17 +30,17 @@ import json
 import math
 import os
 import shutil
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from configs import LoraConfig, ModelConfig
 from models import archs
 from models import lora as lora_lib
 from models import quant, sharding, transformer
+from models.config import LoraConfig, ModelConfig
 
 
 class HFError(ValueError):
@@ -401,23 +401,36 @@ def _to_hf(value: np.ndarray, spec, stacked: bool) -> list[np.ndarray]:
   return [v.reshape(shape) for v in per_layer]
 
 
-def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConfig | None = None,
-         source: dict | None = None, dtype: str = "float32", max_shard_bytes: int = 4 << 30,
-         metadata: dict[str, str] | None = None):
+class Lora(NamedTuple):
+  """LoRA factors (models/lora.py's pytree) and their config: what `save` merges into the base."""
+  factors: dict
+  cfg: LoraConfig
+
+
+class SaveOptions(NamedTuple):
+  """How `save` writes the folder."""
+  source: dict | None = None             # the config.json imported from (its keys carry over)
+  dtype: str = "float32"                 # of the tensors written: float32 or bfloat16
+  max_shard_bytes: int = 4 << 30         # a larger model is split into indexed shards
+  metadata: dict[str, str] | None = None  # in every safetensors header
+
+
+def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
+         options: SaveOptions = SaveOptions()):
   """Writes config.json + model(-0000k-of-0000n).safetensors of params (+ merged LoRA).
 
   A quantized base is dequantized first, so the export is the model the policy computes;
-  `metadata` goes into every safetensors header (e.g. that the base was dequantized).
+  `options.metadata` goes into every safetensors header (e.g. that the base was dequantized).
   Every process takes part in gathering; only process 0 writes. Raises HFError before writing
   anything when `cfg` cannot be expressed as a transformers config.json.
   """
-  config = hf_config(cfg, source)
-  config["torch_dtype"] = dtype
+  config = hf_config(cfg, options.source)
+  config["torch_dtype"] = options.dtype
   params = jax.tree.map(lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, params,
                         is_leaf=quant.is_quantized)
   if lora is not None:
-    params = lora_lib.merge(params, lora, lora_cfg)
-  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    params = lora_lib.merge(params, lora.factors, lora.cfg)
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if options.dtype == "bfloat16" else options.dtype)
   names = _tensor_names(cfg.arch)
   tensors = {}
   for path, spec in _flat_specs(transformer.param_specs(cfg)).items():
@@ -431,19 +444,19 @@ def save(directory: str, cfg: ModelConfig, params, lora=None, lora_cfg: LoraConf
   os.makedirs(directory, exist_ok=True)
   shards, current, size = [], {}, 0
   for name, t in tensors.items():
-    if current and size + t.nbytes > max_shard_bytes:
+    if current and size + t.nbytes > options.max_shard_bytes:
       shards.append(current)
       current, size = {}, 0
     current[name] = t
     size += t.nbytes
   shards.append(current)
   if len(shards) == 1:
-    write_safetensors(os.path.join(directory, "model.safetensors"), shards[0], metadata)
+    write_safetensors(os.path.join(directory, "model.safetensors"), shards[0], options.metadata)
   else:
     weight_map = {}
     for k, shard in enumerate(shards):
       fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-      write_safetensors(os.path.join(directory, fname), shard, metadata)
+      write_safetensors(os.path.join(directory, fname), shard, options.metadata)
       weight_map.update({name: fname for name in shard})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},

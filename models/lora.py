@@ -23,7 +23,7 @@ from models import transformer
 from models.transformer import ParamSpec
 
 if TYPE_CHECKING:
-  from configs import LoraConfig, ModelConfig
+  from models.config import LoraConfig, ModelConfig
 
 
 class Target(NamedTuple):

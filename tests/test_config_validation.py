@@ -1,5 +1,6 @@
-"""A config that refuses nonsense before any work: one line naming the flag, the value and what
-is allowed (configs.py's section checks), and exit status 2 from launch.py."""
+"""A config that refuses nonsense before any work: one line, `--flag=value: must ...`, naming
+what is allowed (the sections' `rules` and `check`, models/config.py), and exit status 2 from
+launch.py."""
 
 import math
 import os
@@ -26,6 +27,12 @@ REFUSED = [
     ("eval_split", 1.0), ("task_train_pairs", 0), ("eval_temperature", NAN),
     ("ref_update_alpha", 0.0), ("keep_checkpoints", 0), ("log_every", 0), ("lora_dropout", 1.0),
     ("sft_steps", 0),
+    # Choices, and rules that read another field, in the same form.
+    ("compute_dtype", "float16"), ("arch", "gpt2"), ("mlp_act", "relu"), ("rope_scaling", "yarn"),
+    ("base_quant", "int4"), ("matmul_backward", "manual"), ("ref_update", "sometimes"),
+    ("resume", "sometimes"), ("wandb_mode", "sometimes"), ("f_divergence", "kl"),
+    ("stage", "sft,sft"), ("head_dim", 33), ("n_kv_heads", 3), ("logits_chunk", 7),
+    ("gradient_accumulation_steps", 3), ("scan_unroll", 0),
 ]
 
 
@@ -35,8 +42,9 @@ def test_nonsense_is_refused_in_one_line(name, value):
     configs.DEFAULT.replace(**{name: value})
   message = str(e.value)
   assert "\n" not in message
-  assert f"--{name}" in message and ("nan" in message if math.isnan(value) else repr(value)
-                                     in message or str(value) in message), message
+  assert message.startswith(f"--{name}="), message
+  nan = isinstance(value, float) and math.isnan(value)
+  assert ("nan" in message if nan else repr(value) in message or str(value) in message), message
   assert "must" in message
 
 
@@ -50,13 +58,13 @@ def test_launch_prints_one_line_and_exits_2():
                      capture_output=True, text=True, timeout=120,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 2
-  assert r.stderr.strip() == "error: --beta must be > 0, got nan", r.stderr
+  assert r.stderr.strip() == "error: --beta=nan: must be > 0", r.stderr
 
 
 def test_remat_needs_the_layer_scan():
   """Unrolled layers would keep the activations remat frees, so the pair is refused by name;
   bench-small (which unrolls) takes --remat with --scan_unroll=1."""
-  with pytest.raises(ValueError, match=r"--remat .* needs --scan_unroll=1 \(got 8\)"):
+  with pytest.raises(ValueError, match=r"--remat=True: must go with --scan_unroll=1, not 8"):
     configs.get_config("bench-small").replace(remat=True)
   assert configs.get_config("bench-small").replace(remat=True, scan_unroll=1).model.remat
   assert configs.get_config("bench-small").replace(remat=True, n_layers=1).model.remat  # no unroll

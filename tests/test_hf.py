@@ -11,6 +11,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -130,7 +132,8 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   policy = np.asarray(transformer.forward(cfg, params, transformer.Inputs(tokens, positions, seg),
       transformer.Adapter(lora, lcfg.scale)))
   out = tmp_path / "export"
-  hf.save(str(out), cfg, params, lora, lcfg, source=json.load(open(src / "config.json")))
+  hf.save(str(out), cfg, params, hf.Lora(lora, lcfg),
+          hf.SaveOptions(source=json.load(open(src / "config.json"))))
   back = transformers.AutoModelForCausalLM.from_pretrained(
       out, attn_implementation="eager", dtype=torch.float32).eval()
   assert type(back).__name__ == archs.ARCHITECTURES[arch].hf_class
@@ -192,6 +195,18 @@ def test_registry_switches_are_model_config_fields():
     assert fields[name].type in (bool, "bool"), name
 
 
+def test_models_import_neither_configs_nor_dpo():
+  """ModelConfig and LoraConfig live in models/config.py, so models.hf, which reads them, runs
+  without configs.py or dpo/ (configs.py imports models, not the other way round)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import sys\n"
+          "import models.config, models.hf, models.lora, models.quant, models.archs\n"
+          "bad = sorted(m for m in sys.modules if m == 'configs' or m.startswith('dpo'))\n"
+          "assert not bad, bad\n")
+  subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                 env={**os.environ, "PYTHONPATH": root})
+
+
 def test_export_rejects_switches_the_family_lacks():
   cfg = configs.ModelConfig(arch="llama", post_norms=True)
   with pytest.raises(hf.HFError, match=r"post_norms=True does not match model_type llama"):
@@ -240,7 +255,8 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path, mesh):
 def test_sharded_checkpoint_and_bfloat16(llama_dir, tmp_path, mesh):
   """A multi-file checkpoint with an index, stored in bfloat16, loads to the same values."""
   cfg, params = hf.load(str(llama_dir), mesh)
-  hf.save(str(tmp_path / "s"), cfg, params, dtype="bfloat16", max_shard_bytes=20_000)
+  hf.save(str(tmp_path / "s"), cfg, params,
+          options=hf.SaveOptions(dtype="bfloat16", max_shard_bytes=20_000))
   assert os.path.exists(tmp_path / "s" / "model.safetensors.index.json")
   assert len([f for f in os.listdir(tmp_path / "s") if f.endswith(".safetensors")]) > 2
   cfg2, params2 = hf.load(str(tmp_path / "s"), mesh)

@@ -268,7 +268,33 @@ def test_each_loss_declares_exactly_the_hyperparameters_it_reads():
     got, _ = loss.fn(lp, **{h.name: h.default for h in loss.hyperparameters})
     assert got.shape == (B,), name
   with pytest.raises(TypeError, match="signature"):
-    losses.register("bad", losses.BETA)(lambda lp, beta, extra: (lp.policy_chosen, {}))
+    losses.register("bad", losses.BETA, call=lambda lp, c: (lp.policy_chosen, {}))(
+        lambda lp, beta, extra: (lp.policy_chosen, {}))
+
+
+class _Reads:
+  """A LossConfig that records, in order, the fields read from it."""
+
+  def __init__(self, cfg):
+    self.cfg, self.names = cfg, []
+
+  def __getattr__(self, name):
+    self.names.append(name)
+    return getattr(self.cfg, name)
+
+
+def test_each_loss_call_reads_exactly_its_declared_hyperparameters():
+  """Each registered `call` (lambda lp, c: fn(lp, c.beta, ...), written out so grep follows a
+  field to its loss) reads the declared hyperparameters, each once, in the declared order (the
+  order of fn's parameters, which register() checks), and computes what fn does with them."""
+  lp = to_logps(random_inputs(4))
+  cfg = losses.LossConfig(beta=0.3)  # beta off its default: a call that dropped it would differ
+  for name, loss in losses.LOSSES.items():
+    reads = _Reads(cfg)
+    got, _ = loss.call(lp, reads)
+    assert reads.names == [h.name for h in loss.hyperparameters], name
+    want, _ = loss.fn(lp, **{h.name: getattr(cfg, h.name) for h in loss.hyperparameters})
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
 
 def test_loss_config_fields_are_the_registry_hyperparameters():
@@ -285,27 +311,34 @@ def test_loss_config_fields_are_the_registry_hyperparameters():
 
 
 @pytest.mark.parametrize("flags,match", [
-    (dict(simpo_gamma=2.0), "simpo_gamma=2.0 is read by none of --loss_type=sigmoid"),
-    (dict(loss_type=("ipo",), label_smoothing=0.1), "label_smoothing=0.1 is read by none"),
-    (dict(loss_type=("sigmoid_norm",), label_smoothing=0.1), "label_smoothing=0.1 is read by none"),
+    (dict(simpo_gamma=2.0),
+     "--simpo_gamma=2.0: must go with a loss that reads it .*; none of --loss_type=sigmoid"),
+    (dict(loss_type=("ipo",), label_smoothing=0.1), "label_smoothing=0.1: must go with a loss"),
+    (dict(loss_type=("sigmoid_norm",), label_smoothing=0.1),
+     "label_smoothing=0.1: must go with a loss"),
     (dict(loss_type=("nca_pair",), f_divergence="forward_kl"),
-     "f_divergence='forward_kl' is read by none"),
+     "f_divergence='forward_kl': must go with a loss that reads it"),
     # TRL refuses an f-divergence that one loss of the combination would ignore; so do we.
     (dict(loss_type=("sigmoid", "bco_pair"), f_divergence="js_divergence"),
-     "f_divergence='js_divergence' does not apply to bco_pair of --loss_type=sigmoid,bco_pair"),
-    (dict(loss_type=("sigmoid", "aot"), wpo=True), "wpo=True does not apply to aot"),
-    (dict(loss_type=("simpo",), wpo=True), "wpo=True is read by none of --loss_type=simpo"),
-    (dict(loss_type=("cpo",), rpo_alpha=1.0), "rpo_alpha=1.0 is read by none"),
-    (dict(loss_type=("sft",), ld_alpha=0.5), "ld_alpha=0.5 is read by none"),
-    (dict(nll_per_pair=True), "nll_per_pair=True is read by none of --loss_type=sigmoid"),
-    (dict(loss_type=("exo_pair",), exo_epsilon=0.0), r"exo_epsilon must be in \(0, 0.5\)"),
-    (dict(loss_type=("alphapo",), alphapo_alpha=0.0), "alphapo_alpha must be != 0"),
-    (dict(f_alpha=0.3), "f_alpha=0.3 is read only with --f_divergence=alpha_divergence"),
-    (dict(beta=0.0), "beta must be > 0"),
-    (dict(label_smoothing=0.5), r"label_smoothing must be in \[0, 0.5\)"),
-    (dict(loss_type=("sigmoid", "sigmoid")), "each must appear once"),
-    (dict(loss_type=("dpo",)), "each must appear once, from sigmoid"),
-    (dict(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,)), "one weight per"),
+     "f_divergence='js_divergence': must apply to every loss of --loss_type=sigmoid,bco_pair "
+     "that reads the reference; bco_pair does not"),
+    (dict(loss_type=("sigmoid", "aot"), wpo=True),
+     "wpo=True: must apply to every loss .*; aot does not"),
+    (dict(loss_type=("simpo",), wpo=True),
+     "wpo=True: must go with a loss that reads it .*; none of --loss_type=simpo"),
+    (dict(loss_type=("cpo",), rpo_alpha=1.0), "rpo_alpha=1.0: must go with a loss"),
+    (dict(loss_type=("sft",), ld_alpha=0.5), "ld_alpha=0.5: must go with a loss"),
+    (dict(nll_per_pair=True), "nll_per_pair=True: must go .*; none of --loss_type=sigmoid"),
+    (dict(loss_type=("exo_pair",), exo_epsilon=0.0), r"--exo_epsilon=0.0: must be in \(0, 0.5\)"),
+    (dict(loss_type=("alphapo",), alphapo_alpha=0.0), "--alphapo_alpha=0.0: must be != 0"),
+    (dict(f_alpha=0.3), "--f_alpha=0.3: must go with --f_divergence=alpha_divergence"),
+    (dict(beta=0.0), "--beta=0.0: must be > 0"),
+    (dict(label_smoothing=0.5), r"--label_smoothing=0.5: must be in \[0, 0.5\)"),
+    (dict(loss_type=("sigmoid", "sigmoid")), "--loss_type=sigmoid,sigmoid: must be losses from"),
+    (dict(loss_type=("dpo",)),
+     "--loss_type=dpo: must be losses from sigmoid, .*, each at most once"),
+    (dict(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,)),
+     "--loss_weights=1.0: must be one weight per loss of --loss_type=sigmoid,ipo"),
 ])
 def test_config_refuses_what_nothing_reads(flags, match):
   with pytest.raises(ValueError, match=match):

@@ -347,7 +347,7 @@ def test_loader_packs_only_this_process_block():
 def test_packing_run_logs_the_fill_rate_and_the_unpacked_losses(tmp_path, caplog, varied_pairs):
   """A --packing run (two devices, dropout off) logs the same losses as without packing, the
   fill rate at start and as a metric; --packing without prefix sharing is refused."""
-  with pytest.raises(ValueError, match="--packing packs shared-prefix rows; it needs --pref"):
+  with pytest.raises(ValueError, match=r"--packing=True: must go with --prefix_sharing=True"):
     configs.DEFAULT.replace(packing=True, prefix_sharing=False)
   records = {}
   for packed in (False, True):

@@ -83,7 +83,7 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   policy = weights(state)
   handed_on = _save_policy(c, params, policy, int(state.step), reference_path)
   if c.checkpoint.export_hf:
-    _export_hf(c, params, policy, int(state.step), p.data, model.path)
+    _export_hf(c, policy, int(state.step), p.data, model.path)
   final, samples = evaluate_state(c.optim.steps, state)
   summary.update(final)
   summary["skipped_steps"] = int(state.skipped)
@@ -187,14 +187,14 @@ def _save_policy(c, base, weights: evaluate.Weights, step: int,
   return algorithms.Model(merged, os.path.abspath(policy_out))
 
 
-def _export_hf(c, base, weights: evaluate.Weights, step: int, data, started_from: str) -> None:
-  """--export_hf: a folder transformers loads as it is: the merged policy with the tokenizer
-  (and the chat template the data was rendered with) and generation_config.json (stopping at
-  every end-of-turn id). With LoRA, `adapter/` holds the PEFT adapter; its base is the
-  `hf:` folder the DPO stage started from (`started_from`, its Model.path), else the DPO
-  stage's base (the SFT model, a random base, or a quantized base dequantized), exported as
-  `base/` beside it."""
-  policy, lora = weights
+def _export_hf(c, weights: evaluate.Weights, step: int, data, started_from: str) -> None:
+  """--export_hf: a folder transformers loads as it is: the policy (`weights`: all its params,
+  or with LoRA the frozen base and the factors, merged) with the tokenizer (and the chat
+  template the data was rendered with) and generation_config.json (stopping at every
+  end-of-turn id). With LoRA, `adapter/` holds the PEFT adapter; its base is the `hf:` folder
+  the DPO stage started from (`started_from`, its Model.path), else the DPO stage's base (the
+  SFT model, a random base, or a quantized base dequantized), exported as `base/` beside it."""
+  params, lora = weights
   quantized = c.model.base_quant != "none"
   out_hf, init_from = c.checkpoint.export_hf, c.checkpoint.init_from
   from models import hf
@@ -213,8 +213,9 @@ def _export_hf(c, base, weights: evaluate.Weights, step: int, data, started_from
     hf.save_generation_config(directory, tok.bos_id, chat.end_of_turn_ids(template, tok),
                               tok.pad_id)
 
-  hf.save(out_hf, c.model, policy, lora, c.lora, source=hf.source_config(init_from),
-          metadata={f"dpo_jax_{k}": v for k, v in info.items()})
+  source = hf.source_config(init_from)
+  hf.save(out_hf, c.model, params, None if lora is None else hf.Lora(lora, c.lora),
+          hf.SaveOptions(source, metadata={f"dpo_jax_{k}": v for k, v in info.items()}))
   extras(out_hf)
   if not isinstance(tok, tokenizer_lib.HFTokenizer):
     logging.warning("--export_hf: the byte tokenizer has no Hugging Face form; %s has no "
@@ -229,8 +230,8 @@ def _export_hf(c, base, weights: evaluate.Weights, step: int, data, started_from
       adapter_base = os.path.abspath(started_from[3:])
     else:
       adapter_base = os.path.abspath(os.path.join(out_hf, "base"))
-      hf.save(adapter_base, c.model, base, source=hf.source_config(init_from),
-              metadata={f"dpo_jax_{k}": v for k, v in {**info, "role": "adapter base"}.items()})
+      hf.save(adapter_base, c.model, params, options=hf.SaveOptions(source, metadata={
+          f"dpo_jax_{k}": v for k, v in {**info, "role": "adapter base"}.items()}))
       extras(adapter_base)
       logging.info("exported the adapter's base (%s) to %s", f"{c.model.base_quant}-dequantized"
                    if quantized else f"the DPO stage's start, {started_from or 'a random init'}",

@@ -1,7 +1,7 @@
 """Benchmarks and one-off checks, apart from the library; each runs as `python -m dpo.tools.NAME`.
 
 Every tool takes absl flags: those that read a config take `--config` and every config field
-(configs.define_flags), plus a few flags of their own.
+(dpo.cli.define_flags), plus a few flags of their own.
 
   bench                 DPO step time, pairs/s, tokens/s and utilisation (bench-small workload)
   bench_precompute_ref  the run's jitted DPO step with the reference forward vs precomputed log-probs

@@ -53,7 +53,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import batches, packing, prepare, train
+from dpo import batches, cli, packing, prepare, train
 from dpo import tokenizer as tokenizer_lib
 from models import quant, sharding, transformer
 
@@ -238,30 +238,9 @@ def _layout_flags(cfg, layout: str) -> list[str]:
           f"--attention_block={block}"]
 
 
-def main(argv):
-  del argv
-  unknown = set(FLAGS.layouts) - set(LAYOUTS)
-  if unknown:
-    raise app.UsageError(f"--layouts: unknown {sorted(unknown)}; give {', '.join(LAYOUTS)}")
-  if FLAGS.workload == "hh-rlhf" and importlib.util.find_spec("tokenizers") is None:
-    raise app.UsageError("--workload=hh-rlhf tokenises with GPT-2's tokenizer, which needs the "
-                         "`tokenizers` package: pip install -e '.[hf]'")
-  if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
-    FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
-  cfg = configs.from_flags()
-  if FLAGS.worker_json:
-    with open(FLAGS.worker_json, "w") as f:
-      json.dump(time_config(cfg), f)
-    return
-  variants = [v for v in FLAGS.variants if v != "full" or cfg.model.base_quant == "none"]
-  if len(variants) < len(FLAGS.variants):
-    print(f"no full fine-tuning variant: --base_quant={cfg.model.base_quant} needs LoRA")
-  plain_script = os.path.join(FLAGS.plain_dir, "plain_jax_dpo.py")
-  plain = os.path.exists(plain_script) and _plain_applies(cfg)
-  peak = matmul_peak(FLAGS.matmul_size)
-  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; float32 "
-        f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s; plain JAX step: "
-        f"{plain_script if plain else 'not run (absent, or not the bench-small workload)'}")
+def _run_processes(cfg, variants: list[str], plain_script: str | None) -> dict:
+  """{(variant, layout): [figures of each round]}: every layout of every variant in its own
+  process, with the plain JAX step (`plain_script`, when given) as one more per variant."""
   tmp = tempfile.mkdtemp(prefix="dpo_bench_")
   results: dict[tuple[str, str], list[dict]] = {}
   for r in range(FLAGS.rounds_of_processes):
@@ -269,12 +248,17 @@ def main(argv):
       jobs = [(layout, [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(),
                         f"--lora_rank={cfg.lora.lora_rank if v == 'lora' else 0}",
                         *_layout_flags(cfg, layout)]) for layout in FLAGS.layouts]
-      if plain:
+      if plain_script:
         jobs.append(("plain JAX", [sys.executable, plain_script, "--variant", v]))
       for layout, cmd in jobs:
         out = os.path.join(tmp, f"{v}_{layout.replace(' ', '_')}_{r}.json")
         cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
         results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
+  return results
+
+
+def _print_table(cfg, variants: list[str], results: dict, plain: bool, peak: float) -> None:
+  """One row per variant and layout: the median round's rate, utilisations, memory, ratios."""
   print(f"workload {FLAGS.workload}, {cfg.optim.global_batch_size} pairs per step")
   print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'fill':>5} {'step s':>7} {'pairs/s':>8} "
         f"{'tokens/s':>8} {'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} "
@@ -310,8 +294,36 @@ def main(argv):
             f"{fmt(rate.get('unshared') and rate[layout] / rate['unshared'], '{:9.2f}x'):>10}")
 
 
+def main(argv):
+  del argv
+  unknown = set(FLAGS.layouts) - set(LAYOUTS)
+  if unknown:
+    raise app.UsageError(f"--layouts: unknown {sorted(unknown)}; give {', '.join(LAYOUTS)}")
+  if FLAGS.workload == "hh-rlhf" and importlib.util.find_spec("tokenizers") is None:
+    raise app.UsageError("--workload=hh-rlhf tokenises with GPT-2's tokenizer, which needs the "
+                         "`tokenizers` package: pip install -e '.[hf]'")
+  if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
+    FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
+  cfg = cli.from_flags()
+  if FLAGS.worker_json:
+    with open(FLAGS.worker_json, "w") as f:
+      json.dump(time_config(cfg), f)
+    return
+  variants = [v for v in FLAGS.variants if v != "full" or cfg.model.base_quant == "none"]
+  if len(variants) < len(FLAGS.variants):
+    print(f"no full fine-tuning variant: --base_quant={cfg.model.base_quant} needs LoRA")
+  plain_script = os.path.join(FLAGS.plain_dir, "plain_jax_dpo.py")
+  plain = os.path.exists(plain_script) and _plain_applies(cfg)
+  peak = matmul_peak(FLAGS.matmul_size)
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; float32 "
+        f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s; plain JAX step: "
+        f"{plain_script if plain else 'not run (absent, or not the bench-small workload)'}")
+  results = _run_processes(cfg, variants, plain_script if plain else None)
+  _print_table(cfg, variants, results, plain, peak)
+
+
 if __name__ == "__main__":
-  configs.define_flags()
+  cli.define_flags()
   FLAGS.set_default("config", "bench-small")
   flags.DEFINE_list("variants", ["lora", "full"], "lora (the config's LoRA) and/or full (every "
                     "weight trains, frozen reference copy).")

@@ -28,8 +28,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-import configs
-from dpo import loop, reference, train
+from dpo import cli, loop, reference, train
 from dpo.batches import PairBatch
 from models import sharding, transformer
 
@@ -40,7 +39,7 @@ BLOCK = 5  # steps per variant before switching to the other
 
 def main(argv) -> None:
   del argv
-  cfg = configs.from_flags().replace(precompute_ref=True)
+  cfg = cli.from_flags().replace(precompute_ref=True)
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   data = loop.Data(cfg)
   key = jax.random.key(cfg.run.seed)
@@ -98,6 +97,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  configs.define_flags()
+  cli.define_flags()
   flags.DEFINE_integer("timed_steps", 30, "Timed steps per variant.", lower_bound=1)
   app.run(main)

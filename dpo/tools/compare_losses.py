@@ -23,7 +23,7 @@ import time
 from absl import app, flags
 
 import configs
-from dpo import checkpoint, loop, losses
+from dpo import checkpoint, cli, loop, losses
 from models import sharding
 
 FLAGS = flags.FLAGS
@@ -44,7 +44,7 @@ def main(argv) -> None:
     if FLAGS[name].present:
       raise app.UsageError(f"--{name} is set per run by compare_losses; use --losses")
   FLAGS.loss_type = FLAGS.losses  # loss hyperparameter flags are checked against these losses
-  cfg = configs.from_flags()
+  cfg = cli.from_flags()
   out = cfg.run.output_dir
   runs = {loss: cfg.replace(stage="dpo", loss_type=(loss,), output_dir=os.path.join(out, loss))
           for loss in FLAGS.losses}
@@ -62,7 +62,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  configs.define_flags()
+  cli.define_flags()
   FLAGS.set_default("output_dir", "runs/compare_losses")
   flags.DEFINE_list("losses", list(losses.LOSSES), "Loss types to compare, one DPO run each.")
   flags.register_validator("losses", lambda names: names and set(names) <= set(losses.LOSSES),

@@ -22,7 +22,7 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import configs
-from dpo import batches, train
+from dpo import batches, cli, train
 from models import sharding, transformer
 
 FLAGS = flags.FLAGS
@@ -91,7 +91,7 @@ def main(argv) -> None:
   if FLAGS.fake_devices:  # before anything touches a device
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", FLAGS.fake_devices)
-  cfg = configs.from_flags()
+  cfg = cli.from_flags()
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   seq_len = cfg.data.max_prompt_length + cfg.data.max_target_length
   est = train.memory_estimate(train.StepConfig.dpo(cfg), mesh)
@@ -111,6 +111,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  configs.define_flags()
+  cli.define_flags()
   flags.DEFINE_integer("fake_devices", 8, "Fake CPU devices to compile for (0: use real devices).")
   app.run(main)

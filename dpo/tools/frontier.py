@@ -33,8 +33,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-import configs
-from dpo import evaluate, loop
+from dpo import cli, evaluate, loop
 from dpo.tools import compare_losses
 from models import sharding
 
@@ -142,7 +141,7 @@ def main(argv) -> None:
   for name in ("loss_type", "loss_weights", "stage", "beta", "rpo_alpha"):
     if FLAGS[name].present:
       raise app.UsageError(f"--{name} is set per run by the frontier tool")
-  cfg = configs.from_flags().replace(rpo_alpha=0.0)
+  cfg = cli.from_flags().replace(rpo_alpha=0.0)
   if max(int(n) for n in FLAGS.best_of) > FLAGS.best_of_max:
     raise app.UsageError("--best_of_max must be at least the largest --best_of")
   if cfg.data.train_data:
@@ -184,7 +183,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  configs.define_flags()
+  cli.define_flags()
   FLAGS.set_default("output_dir", "runs/frontier")
   FLAGS.set_default("eval_every", 50)
   flags.DEFINE_list("betas", ["0.02", "0.05", "0.1", "0.3", "1.0"], "DPO betas, one run each.")
