@@ -139,8 +139,7 @@ LLAMA31 = r"""{{- bos_token }}
 QWEN25 = r"""{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
 {%- else %}
-    {{- '<|im_start|>system\nYou are Qwen,
-        created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
     {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}

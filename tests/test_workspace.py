@@ -1,8 +1,13 @@
 """WORKSPACE.md is the map of the tree: every module has its line, and no line names a file
 that is gone."""
 
+import json
 import os
 import re
+
+import pytest
+
+from dpo.runner import Hook, Rollback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,3 +28,156 @@ def test_layout_lists_every_module_and_only_existing_ones():
   listed = set(re.findall(r"^\| `([\w/.]+\.py)` \|", layout, flags=re.M))
   assert _modules() - listed == set(), "modules missing from WORKSPACE.md's layout"
   assert listed - _modules() == set(), "WORKSPACE.md lists files that do not exist"
+
+
+# --- what a run writes ---------------------------------------------------------------------------
+
+def _section(title: str) -> str:
+  with open(os.path.join(ROOT, "WORKSPACE.md")) as f:
+    text = f.read()
+  start = text.index(f"## {title}")
+  return text[start:text.index("\n## ", start + 1)]
+
+
+def _rows(section: str, first: str) -> dict[str, list[str]]:
+  """{first cell without backticks: [the backticked names of each later cell]} of the table
+  whose header's first cell is `first`."""
+  table = section[section.index(f"| {first} |"):].split("\n\n")[0].splitlines()[2:]
+  out = {}
+  for line in table:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    out[cells[0].replace("`", "")] = [re.findall(r"`([^`]+)`", c) for c in cells[1:]]
+  return out
+
+
+def _documented_paths():
+  """{path pattern: written always?} of the run-directory table."""
+  rows = _rows(_section("What a run directory holds"), "path")
+  return {path: cells[0] == [] and "always" in _cell(path, "written") for path, cells in rows.items()}
+
+
+def _cell(path: str, column: str) -> str:
+  section = _section("What a run directory holds")
+  header = [c.strip() for c in section[section.index("| path |"):].splitlines()[0].strip("|")
+            .split("|")]
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if cells and cells[0].replace("`", "") == path:
+      return cells[header.index(column)]
+  raise KeyError(path)
+
+
+def _written(out: str) -> set[str]:
+  """The run directory's entries as the table names them: top-level files and folders, and
+  checkpoints/<name>/ with step numbers as <N> and stage names as <stage>."""
+  found = set()
+  for name in os.listdir(out):
+    if name != "checkpoints":
+      found.add(name + ("/" if os.path.isdir(os.path.join(out, name)) else ""))
+  for name in os.listdir(os.path.join(out, "checkpoints")):
+    inner = os.listdir(os.path.join(out, "checkpoints", name))
+    if any(re.fullmatch(r"step_\d{8}", i) for i in inner):
+      found.add("checkpoints/<stage>/step_<N>/")
+    else:
+      found.add(f"checkpoints/{name}/")
+  return found
+
+
+def _metric_keys(records: list[dict], stage: str) -> set[str]:
+  keys = set()
+  for r in records:
+    if r.get("stage") == stage and "event" not in r:
+      keys |= set(r) - {"stage", "step"}
+  return keys
+
+
+class _Rollback(Hook):
+  """Rolls the DPO stage back once, at its second step."""
+
+  def __init__(self):
+    self.done = False
+
+  def metrics(self, run, step, metrics):
+    if step == 2 and not self.done:
+      self.done = True
+      raise Rollback(step, "a test rollback", 0.5, 1)
+
+
+@pytest.mark.slow
+def test_the_tables_of_what_a_run_writes_are_what_a_run_writes(tmp_path):
+  """A small sft,dpo run (precomputed reference, the token KL, one rollback): every file and
+  metrics.jsonl key it writes is in WORKSPACE.md's tables, and each entry written always is
+  there."""
+  import configs
+  from dpo import loop
+  out = str(tmp_path / "run")
+  cfg = configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, task_train_pairs=32,
+      task_sft_examples=32, task_eval_pairs=8, task_eval_prompts=4, eval_max_new_tokens=4,
+      global_batch_size=8, sft_steps=2, steps=3, log_every=1, eval_every=2, checkpoint_every=1,
+      precompute_ref=True, output_dir=out)
+  loop.run(cfg, extra_hooks={"dpo": [_Rollback()]})
+  paths = _documented_paths()
+  written = _written(out)
+  assert written - set(paths) == set(), "written but not in WORKSPACE.md's table"
+  assert {p for p, always in paths.items() if always} - written == set()
+
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  rows = _rows(_section("What a run directory holds"), "record")
+  for stage in ("sft", "dpo", "eval"):
+    always, conditional = rows[stage]
+    got = _metric_keys(records, stage)
+    assert set(always) - got == set(), f"{stage}: documented as always written, not written"
+    assert got - set(always) - set(conditional) == set(), f"{stage}: written, not documented"
+  rollback = [r for r in records if r.get("event") == "rollback"]
+  assert rollback and set(rollback[0]) - {"stage", "step"} == set(rows["a rollback (dpo)"][0])
+
+
+@pytest.mark.slow
+def test_the_dpo_step_metrics_are_the_documented_ones():
+  """The DPO step's metric names, traced (jax.eval_shape) for every registered loss, a loss
+  combination, RPO, WPO, the token KL and packed rows: the always-written ones in each, and
+  their union exactly WORKSPACE.md's dpo row (BCO's shift adds its own)."""
+  import configs
+  import jax
+  import jax.numpy as jnp
+  from dpo import batches, losses, train
+  from models import sharding, transformer
+  always, conditional = _rows(_section("What a run directory holds"), "record")["dpo"]
+  documented = set(always) | {k for k in conditional if "<" not in k and not k.startswith("--")}
+  base = configs.DEFAULT.replace(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                                 mlp_dim=16, global_batch_size=2, log_kl=False, rpo_alpha=0.0)
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  B, T, R, K, P = 2, 8, 1, 8, 2
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  rows = batches.Rows(i32(B, 2, T), i32(B, 2, T), i32(B, 2, T), f32(B, 2, T))
+  shared = batches.SharedRows(i32(R, T), i32(R, T), i32(R, T), i32(R, T), i32(R, K), i32(R, K),
+                              i32(R, K), f32(R, K), f32(R, K))
+  packed = batches.PairBatch(rows, shared, batches.Packed(i32(R, K), f32(R, P), i32(B), i32(R, T)))
+
+  def names(cfg, batch=batches.PairBatch(rows)):
+    spec = train.StepConfig.dpo(cfg)
+    params = transformer.abstract(transformer.param_specs(cfg.model))
+    trainable = transformer.abstract(train.trainable_specs(cfg.model, cfg.lora))
+    opt, _ = spec.optimizer()
+    scalar = lambda d: jax.ShapeDtypeStruct((), d)
+    state = train.TrainState(scalar(jnp.int32), trainable, jax.eval_shape(opt.init, trainable),
+                             jax.ShapeDtypeStruct((2,), jnp.uint32), scalar(jnp.float32),
+                             scalar(jnp.int32))
+    step = train.with_mesh(mesh, lambda s, f, b: train.dpo_step(spec, s, f, b))
+    _, metrics = jax.eval_shape(step, state, train.initial_frozen(params), batch)
+    return set(metrics) | {"tokens_per_sec"}  # the rate LogMetrics adds to each record
+
+  seen = set()
+  for name in losses.LOSSES:
+    got = names(base.replace(loss_type=(name,)))
+    assert set(always) - got == set(), name
+    seen |= got
+  seen |= names(base.replace(loss_type=("sigmoid", "ipo"), rpo_alpha=1.0, wpo=True, log_kl=True))
+  seen |= names(base.replace(packing=True), packed)
+  seen |= names(base.replace(loss_type=("bco_pair",), bco_shift=True))
+  combined = {k for k in seen if k.startswith("loss/")}
+  assert combined == {"loss/sigmoid", "loss/ipo"} and "loss/<name>" in conditional
+  assert seen - combined == documented, (seen - combined ^ documented)
