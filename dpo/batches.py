@@ -7,7 +7,8 @@ rows become one of the pytrees below (`Rows.of`, `PairBatch.of`), so the code in
 reads fields and asks only whether an optional part is None, never which keys a dict holds.
 
 Shapes: N sequences (SFT) or B pairs, T slots a sequence; R shared-prefix rows of S slots with
-K scored slots each; P pairs a packed row.
+K scored slots each; P pairs a packed row. Fields are typed as the host's numpy arrays; inside
+`jit` the same fields are jax arrays (or ShapeDtypeStructs when lowered abstractly).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Rows(NamedTuple):
     return cls(*(arrays[name] for name in cls._fields))
 
   def inputs(self) -> transformer.Inputs:
+    """The forward's inputs of [N, T] rows (pair rows: one side, after a vmap over axis 1)."""
     return transformer.Inputs(self.tokens, self.positions, self.segment_ids)
 
 
@@ -48,6 +50,8 @@ class SharedRows(NamedTuple):
 
   @classmethod
   def of(cls, arrays: Mapping[str, np.ndarray]) -> "SharedRows":
+    """From the host arrays `shared_tokens`, `shared_positions`, `shared_segment_ids`,
+    `shared_branch` and the `score_*` arrays of the same names."""
     return cls(*(arrays[name if name.startswith("score_") else "shared_" + name]
                  for name in cls._fields))
 
@@ -66,7 +70,8 @@ class Packed(NamedTuple):
 
   @classmethod
   def of(cls, arrays: Mapping[str, np.ndarray]) -> "Packed":
-    return cls(*(arrays.get(name) for name in cls._fields))
+    return cls(arrays["score_pair"], arrays["pair_valid"], arrays["pair_index"],
+               arrays.get("dropout_source"))
 
 
 class RefStats(NamedTuple):

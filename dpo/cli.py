@@ -62,7 +62,8 @@ def from_flags() -> Config:
         try:
           value = tuple(elem(v) for v in value)
         except ValueError:
-          raise ValueError(f"--{name}={','.join(value)}: each item must be {elem.__name__}") from None
+          raise ValueError(f"--{name}={','.join(value)}: each item must be "
+                           f"{elem.__name__}") from None
       overrides[name] = value
   preset = configs.get_config(values.config)
   if _drops_preset_rpo(preset, overrides.get("loss_type", preset.loss.loss_type)) and (

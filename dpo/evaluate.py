@@ -128,7 +128,7 @@ def sampling_config(cfg, tok, stop_ids: Sequence[int] = ()) -> sampler.SamplingC
       banned_ids=tuple(i for i in (tok.pad_id, tok.bos_id) if i is not None))
 
 
-def sample(cfg, mesh, scfg: sampler.SamplingConfig, model: Weights,
+def sample(cfg, mesh, scfg: sampler.SamplingConfig, weights: Weights,
            prompts: Sequence[Sequence[int]], key: jax.Array) -> list[list[int]]:
   """One completion (token ids, EOS included if emitted) per prompt, in batches.
 
@@ -144,8 +144,8 @@ def sample(cfg, mesh, scfg: sampler.SamplingConfig, model: Weights,
     tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8)
     # Every process holds all prompts, so each passes the whole batch.
     batch = train.device_batch(mesh, sampler.Prompts(tokens, segments), len(chunk))
-    adapter = None if model.lora is None else transformer.Adapter(model.lora, cfg.lora.scale)
-    samples = sampler.generate(cfg.model, scfg, model.params, batch,
+    adapter = None if weights.lora is None else transformer.Adapter(weights.lora, cfg.lora.scale)
+    samples = sampler.generate(cfg.model, scfg, weights.params, batch,
                                jax.random.fold_in(key, start), adapter)
     out += sampler.completions(_replicated(mesh, samples))[:n]
   return out

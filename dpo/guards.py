@@ -1,14 +1,14 @@
 """The KL-spike guard: host-side bookkeeping the KL-guard hook consults once per DPO step.
 
-The step reports `kl`, the mean token-level KL(pi || pi_ref) over the batch's completion tokens
-(see `dpo.logprobs.token_kl`), or the hook hands in an estimate of it (dpo/hooks.py). A spike is
-a KL above `kl_max`, or above `spike_factor` times the largest of the last `window` accepted
-values. The relative test waits until `window` values exist (KL grows from exactly 0 at the
-first LoRA step, many-fold per step at first) and ignores KL below `spike_min`. It compares with
-the window's largest value, not its mean: during warmup KL grows several-fold within a window
-while growing only a little per step (docs/presets.md has the default task's figures), and
-batch-to-batch noise stays under the window's maximum; an update gone wrong jumps far past it. The runner answers a spike by rolling back to the last
-good checkpoint and cutting the learning rate 10x; that policy lives in dpo/hooks.py and
+The step reports `kl`, the mean token-level KL(pi || pi_ref) over the batch's completion tokens (see
+`dpo.logprobs.token_kl`), or the hook hands in an estimate of it (dpo/hooks.py). A spike is a KL
+above `kl_max`, or above `spike_factor` times the largest of the last `window` accepted values. The
+relative test waits until `window` values exist (KL grows from exactly 0 at the first LoRA step,
+many-fold per step at first) and ignores KL below `spike_min`. It compares with the window's largest
+value, not its mean: during warmup KL grows several-fold within a window while growing only a little
+per step (docs/presets.md has the default task's figures), and batch-to-batch noise stays under the
+window's maximum; an update gone wrong jumps far past it. The runner answers a spike by rolling back
+to the last good checkpoint and cutting the learning rate 10x; that policy lives in dpo/hooks.py and
 dpo/runner.py, the detection here, so each can be tested alone.
 """
 

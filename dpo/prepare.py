@@ -80,11 +80,11 @@ def _file_digest(path: str) -> str:
   return h.hexdigest()
 
 
-def cache_key(path: str, how: Preparation, template: str, eval_split: float) -> str:
-  """The cache file's key: the file's bytes, the tokenizer's fingerprint, the rendered
-  template's (`template`), and every setting that changes the arrays."""
+def cache_key(path: str, how: Preparation, template_fingerprint: str, eval_split: float) -> str:
+  """The cache file's key: the file's bytes, the tokenizer's fingerprint, the chat template's
+  (`chat.template_fingerprint`), and every setting that changes the arrays."""
   parts = [_VERSION, _file_digest(path), how.tok.fingerprint(),
-           repr(dataclasses.astuple(how.spec)), template, repr(tuple(how.lens)),
+           repr(dataclasses.astuple(how.spec)), template_fingerprint, repr(tuple(how.lens)),
            repr(float(eval_split)), repr(bool(how.skip_bad))]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 

@@ -39,10 +39,11 @@ class Program:
   summary: dict = dataclasses.field(default_factory=dict)
 
   def stage(self, algorithm, start: Start, arrays, hooks: list,
-            packed: dict | None = None) -> Stage:
+            to_pack: dict | None = None) -> Stage:
     """The stage of `algorithm` (dpo/algorithms) over `arrays` from `start`, resuming from
     <output_dir>/checkpoints/<name>; the stage's fingerprint is what a checkpoint must match to
-    be resumed. `packed` (every pair's shared-prefix rows) packs each batch's rows (--packing)."""
+    be resumed. `to_pack` (every pair's shared-prefix rows) packs each batch's rows from them
+    (--packing)."""
     c, o, name = self.cfg, self.cfg.optim, algorithm.name
     spec = algorithm.step_config(c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
@@ -54,9 +55,9 @@ class Program:
 
     loader = data_lib.Loader(arrays, o.global_batch_size, c.run.seed + algorithm.data_seed,
                              (pid, nproc))
-    if packed is not None:
+    if to_pack is not None:
       k = o.gradient_accumulation_steps
-      packer = packing.Packer(packed, o.global_batch_size, nproc, k,
+      packer = packing.Packer(to_pack, o.global_batch_size, nproc, k,
                               sharding.batch_shards(self.mesh) * k)
       logging.info("%s", packer.fit(loader.batch_rows(0)[:_FIT_BATCHES]))
       loader.pack = packer.pack

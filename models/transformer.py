@@ -158,9 +158,9 @@ def rope(x_BTHK: jax.Array, positions_BT: jax.Array, freq_k: jax.Array) -> jax.A
 
 
 class Slots(NamedTuple):
-  """Where each of [B, N] slots sits for attention: its segment (0 = padding), its slot index
-  (causality) and, in shared-prefix rows, its branch (0 prompt, b > 0 completion b; None when
-  rows have no branches)."""
+  """Where each slot of a [B, T] (queries) or [B, S] (keys) layout sits for attention: its
+  segment (0 = padding), its slot index (causality) and, in shared-prefix rows, its branch
+  (0 prompt, b > 0 completion b; None when rows have no branches)."""
   segment: jax.Array
   index: jax.Array
   branch: jax.Array | None = None
@@ -192,9 +192,10 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
   return cap * jnp.tanh(x / cap) if cap else x
 
 
-class Lora(NamedTuple):
-  """What a projection needs to add its LoRA delta: factors, scale, dropout key and rate, and
-  where each slot's dropout mask comes from (`DropoutSource`, or None: drawn for x itself)."""
+class Delta(NamedTuple):
+  """What one projection (`dense`) needs to add its LoRA delta: its factors A and B, the scale,
+  the dropout key and rate, and where each slot's dropout mask comes from (`DropoutSource`, or
+  None: drawn for x itself)."""
   a: jax.Array
   b: jax.Array
   scale: float
@@ -203,11 +204,14 @@ class Lora(NamedTuple):
   source: DropoutSource | None = None
 
 
-class DropoutSource(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("index_BT",),
+                   meta_fields=("rows",))
+@dataclasses.dataclass(frozen=True)
+class DropoutSource:
   """Dropout masks drawn over a [rows, T] grid of slots and gathered: slot (b, t) takes the
   mask of grid slot index_BT[b, t] (flattened, row * T + slot). Packed rows (dpo/packing.py)
   take their pairs' masks from the grid of the unpacked shared-prefix rows, so the masks do not
-  depend on how pairs were packed (nor, through that, on the mesh)."""
+  depend on how pairs were packed (nor, through that, on the mesh). `rows` is static (a shape)."""
   index_BT: jax.Array
   rows: int
 
@@ -227,7 +231,8 @@ class Inputs(NamedTuple):
                    meta_fields=("scale", "dropout_rate"))
 @dataclasses.dataclass(frozen=True)
 class Adapter:
-  """A LoRA delta on the frozen base: the LoRA pytree (models/lora.py), its scale alpha / rank,
+  """A LoRA delta on the frozen base: the LoRA pytree (models/lora.py: {"layers": {target:
+  {"a", "b"}}}; after `at_layer`, one layer's {target: {"a", "b"}}), its scale alpha / rank,
   and the dropout on its input path, applied only with a `dropout_key` (training); masks come
   from `dropout_source`'s grid when given (packed rows), else are drawn per slot. Scale and
   rate are static (part of a jitted function's cache key), the rest are arrays."""
@@ -277,7 +282,7 @@ def _matmul_bwd(n_in, res, dy):
 _explicit_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def dense(x: jax.Array, w, n_in: int, lora: Lora | None = None,
+def dense(x: jax.Array, w, n_in: int, lora: Delta | None = None,
           explicit: bool = False) -> jax.Array:
   """x[..., *in] @ w[*in, *out] (+ scale * dropout(x) @ A[*in, R] @ B[R, *out]).
 
@@ -319,7 +324,7 @@ class _LayerInputs(NamedTuple):
   positions_BT: jax.Array
   mask_BTS: jax.Array
   freq_k: jax.Array
-  cache: Callable | None = None
+  cache_writer: Callable | None = None
 
 
 def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerInputs):
@@ -333,8 +338,8 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
       # matrices in param_specs order.
       key = adapter.dropout_key
       key = None if key is None else jax.random.fold_in(key, _matrices(cfg).index(name))
-      y = dense(inp, p[name], n_in, Lora(lp["a"], lp["b"], adapter.scale, key,
-                                         adapter.dropout_rate, adapter.dropout_source),
+      y = dense(inp, p[name], n_in, Delta(lp["a"], lp["b"], adapter.scale, key,
+                                          adapter.dropout_rate, adapter.dropout_source),
                 cfg.explicit_backward)
     bias = p.get(name + "_bias")
     return y if bias is None else y + bias.astype(y.dtype)
@@ -352,12 +357,12 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
   k_BTKk = c(rope(k_BTKk, inputs.positions_BT, inputs.freq_k), _ACT_KV)
   v_BTKk = c(v_BTKk, _ACT_KV)
   cache = None
-  if inputs.cache is not None:
-    k_BTKk, v_BTKk, cache = inputs.cache(k_BTKk, v_BTKk)
+  if inputs.cache_writer is not None:
+    k_BTKk, v_BTKk, cache = inputs.cache_writer(k_BTKk, v_BTKk)
   G = cfg.n_heads // cfg.n_kv_heads
   q_BTKGk = q_BTHk.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
   attn_BTKGk = _blocked_attention(cfg, q_BTKGk, k_BTKk, v_BTKk,
-                                  inputs.mask_BTS, inputs.cache is None)
+                                  inputs.mask_BTS, inputs.cache_writer is None)
   out_BTD = proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
   x_BTD = x_BTD + (norm("post_attn_norm", out_BTD) if cfg.post_norms else out_BTD)
 
@@ -404,8 +409,9 @@ def _matrices(cfg: ModelConfig) -> list[str]:
 class KVCache(NamedTuple):
   """Keys and values of every layer for S slots, and the segment id of each slot.
 
-  Slots are written in order by successive `forward` calls (`cache_index` = first slot of the
-  call's tokens); a slot with segment 0 (padding or not yet written) is never attended to.
+  Slots are written in order by successive `forward` / `hidden` calls with `Decode(cache,
+  index)` (`index` = the first slot of the call's tokens); a slot with segment 0 (padding or not
+  yet written) is never attended to.
   """
   k: jax.Array            # [L, B, S, K, head_dim] in the compute dtype
   v: jax.Array            # [L, B, S, K, head_dim]

@@ -27,7 +27,8 @@ class Algorithm:
   """One training algorithm, registered under its stage name."""
   name: str                      # --stage entry, checkpoints/<name>/, metrics' "stage"
   step: Callable                 # the pure step (StepConfig, state, frozen, batch) -> (state, metrics)
-  batch: Callable                # host arrays of a step's rows -> the typed batch (dpo/batches.py)
+  batch: Callable                # host arrays of a step's rows -> the typed batch (dpo/batches.py);
+                                 # every leaf has a leading row axis, the first is the token rows
   step_config: Callable          # cfg -> train.StepConfig, the jitted step's static argument
   run: Callable                  # (Program, Model) -> Model: build the stage, run it, hand on
   hyperparameters: Callable      # cfg -> {name: value}: what its result depends on (identity)

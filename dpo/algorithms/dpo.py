@@ -81,7 +81,7 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   state = p.stage(DPO, start, pairs, _hooks(c, p.data, evaluate_state), packed).run()
   summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy = weights(state)
-  handed_on = _save_policy(c, params, policy, int(state.step), reference_path)
+  handed_on = _save_policy(c, policy, int(state.step), reference_path)
   if c.checkpoint.export_hf:
     _export_hf(c, policy, int(state.step), p.data, model.path)
   final, samples = evaluate_state(c.optim.steps, state)
@@ -129,7 +129,7 @@ def _quantized_base(c, mesh, params, summary: dict):
 
 def _training_rows(p, spec: train.StepConfig, frozen: train.Frozen):
   """(the pair arrays the stage's loader indexes, the shared-prefix rows each batch's packed
-  rows are built from or None): the tokenized pairs, with the precomputed reference
+  rows are built from (`Program.stage`'s `to_pack`) or None): the tokenized pairs, with the precomputed reference
   statistics (--precompute_ref) and the shared-prefix rows (--prefix_sharing) beside them."""
   c, pairs = p.cfg, p.data.pairs
   if c.reference.precompute_ref:
@@ -169,18 +169,18 @@ def _write_jsonl(path: str, records: Sequence[dict]) -> None:
   os.replace(path + ".tmp", path)
 
 
-def _save_policy(c, base, weights: evaluate.Weights, step: int,
+def _save_policy(c, weights: evaluate.Weights, step: int,
                  reference_path: str) -> algorithms.Model:
   """The policy (LoRA merged) as a dpo-jax params checkpoint, checkpoints/policy. With a
   quantized base there is no float policy to save (the adapters are in the step checkpoints):
   what is handed on is Model(None, "")."""
-  policy, lora = weights
+  params, lora = weights  # with LoRA, params is the frozen base
   policy_out = os.path.join(c.run.output_dir, "checkpoints", "policy")
   if c.model.base_quant != "none":
     logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
                  c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
     return algorithms.Model(None, "")
-  merged = lora_lib.merge(base, lora, c.lora) if lora is not None else policy
+  merged = lora_lib.merge(params, lora, c.lora) if lora is not None else params
   checkpoint.save_params(policy_out, merged, c.model, stage="dpo", step=step,
                          reference=reference_path)
   logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
