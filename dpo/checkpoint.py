@@ -117,16 +117,24 @@ def is_no_space(e: BaseException) -> bool:
   return any(s in str(e) for s in ("No space left on device", "Disk quota exceeded", "ENOSPC"))
 
 
+def _discard(path: str) -> None:
+  """Removes `path`, a directory or a file (a stray file named like a checkpoint's temporary
+  copy must not stop the run)."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  elif os.path.lexists(path):
+    os.remove(path)
+
+
 def _remove(path: str) -> None:
   """Deletes a directory so that a kill leaves it whole or invisible: rename aside, then remove."""
   if not os.path.exists(path):
     return
   gone = path + ".deleted"
-  if os.path.exists(gone):
-    shutil.rmtree(gone)
+  _discard(gone)
   os.rename(path, gone)
   _fsync_dir(os.path.dirname(path))
-  shutil.rmtree(gone)
+  _discard(gone)
 
 
 def _flip(tmp: str, path: str) -> None:
@@ -134,27 +142,28 @@ def _flip(tmp: str, path: str) -> None:
   `<path>.old`, rename `tmp`, remove the old copy): `path` is at every instant absent, the old
   checkpoint or the new one, and while it is absent `tmp` is complete (`recover` rolls forward)."""
   old = path + ".old"
-  if os.path.exists(old):
-    shutil.rmtree(old)
+  _discard(old)
   if os.path.exists(path):
     os.rename(path, old)
   os.rename(tmp, path)
   _fsync_dir(os.path.dirname(path))
-  if os.path.exists(old):
-    shutil.rmtree(old)
+  _discard(old)
 
 
 def recover(path: str) -> None:
   """Finishes an interrupted save or replace of `path` (process 0, while nothing writes it): a
   complete `<path>.tmp` with no `path` is flipped in; leftovers of finished or abandoned
-  operations (an incomplete .tmp, .old, .deleted) are removed."""
+  operations (an incomplete .tmp, .old, .deleted) are removed; a file under one of those names
+  (no save writes one) is removed with a warning naming it."""
   tmp = path + ".tmp"
   if not os.path.exists(path) and os.path.isfile(os.path.join(tmp, MANIFEST)):
     logging.warning("checkpoint: completing the interrupted save of %s", path)
     _flip(tmp, path)
-  for suffix in (".tmp", ".old", ".deleted"):
-    if os.path.exists(path + suffix):
-      shutil.rmtree(path + suffix)
+  for leftover in (path + suffix for suffix in (".tmp", ".old", ".deleted")):
+    if os.path.lexists(leftover) and not os.path.isdir(leftover):
+      logging.warning("checkpoint: removing %s, a file where only a checkpoint's temporary "
+                      "directory belongs (%d bytes)", leftover, os.lstat(leftover).st_size)
+    _discard(leftover)
 
 
 def is_complete(path: str) -> bool:
@@ -178,6 +187,8 @@ def read_meta(path: str) -> dict:
   """meta.json, checked against the manifest's checksum, with the manifest's leaf table as
   meta["leaves"]. Raises CheckpointError (Damaged when the files disagree)."""
   if not os.path.isdir(path):
+    if os.path.lexists(path):
+      raise Damaged(f"{path}: a file, not a checkpoint directory")
     raise CheckpointError(f"{path}: not a complete checkpoint (no such directory)")
   if not os.path.isfile(os.path.join(path, MANIFEST)):
     what = ("an interrupted save leaves only a .tmp directory" if path.endswith(".tmp") else
@@ -269,8 +280,7 @@ def save(path: str, tree, meta: dict) -> str:
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     recover(path)
-    if os.path.exists(tmp):
-      shutil.rmtree(tmp)  # left by a save that was killed before it committed
+    _discard(tmp)  # left by a save that was killed before it committed
     _check_space(path, need)
     os.makedirs(os.path.join(tmp, "arrays"))
   _barrier(f"ckpt-mkdir:{path}")
@@ -518,8 +528,7 @@ def move_aside(path: str) -> None:
   _barrier(f"ckpt-damaged:{path}")
   if jax.process_index() == 0:
     aside = path + ".damaged"
-    if os.path.exists(aside):
-      shutil.rmtree(aside)
+    _discard(aside)
     os.rename(path, aside)
     _fsync_dir(os.path.dirname(path))
   _barrier(f"ckpt-moved:{path}")

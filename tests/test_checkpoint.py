@@ -297,6 +297,34 @@ def test_missing_chunk_reads_as_an_error_not_zeros(tmp_path, monkeypatch):
     checkpoint.load(path, checkpoint.like_of(_tree(mesh, 0)))
 
 
+def test_stray_files_named_like_a_checkpoint_are_removed_with_a_warning(tmp_path, caplog):
+  """A file (not a directory) named like an interrupted save, a replaced or deleted copy, or a
+  step: the rerun removes the first three with a warning naming each, moves the step aside as
+  damaged, and resumes from the newest intact step."""
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  for step in (1, 2):
+    mgr.save(step, _tree(mesh, step), {})
+  stray = [mgr.path(3) + ".tmp", mgr.path(2) + ".old", mgr.path(1) + ".deleted", mgr.path(4)]
+  for f in stray:
+    _edit(f, "not a checkpoint")
+  with caplog.at_level(logging.WARNING):
+    rerun = checkpoint.Manager(tmp_path / "ck", keep=3)
+    step, state, _ = rerun.restore_latest(checkpoint.like_of(_tree(mesh, 0)))
+  assert step == 2
+  assert_tree_bitwise(state, _tree(mesh, 2))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  for f in stray[:3]:
+    assert not os.path.lexists(f)
+    assert any(f in w and "a file where" in w for w in warnings), warnings
+  assert any("step_00000004 is damaged (a file, not a checkpoint directory)" in w
+             for w in warnings), warnings
+  assert os.path.isfile(mgr.path(4) + ".damaged")
+  _edit(mgr.path(3) + ".tmp", "again")  # the save of step 3 clears its own stray file too
+  rerun.save(3, _tree(mesh, 3), {})
+  assert rerun.steps() == [1, 2, 3]
+
+
 # --- a kill at each phase -------------------------------------------------------------------------
 
 # (operation, phase) -> the step and tree version a rerun resumes: old (the state before the
