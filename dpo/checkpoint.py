@@ -20,7 +20,8 @@ one whole (a kill between the two renames of a replace leaves a complete `.tmp`,
 Restoring verifies the manifest first (every file present, sizes and checksums equal, meta.json
 unchanged), then reads with missing chunks as errors, never as zeros. A `Manager` that finds its
 newest step damaged warns once, naming it and the damage, moves it to `<dir>.damaged`, and falls
-back to the newest intact step (or the fresh start when none is left).
+back to the newest intact step (or the fresh start when none is left). A checkpoint this process
+may not read is not damaged: `Unreadable` names the path and leaves it where it is.
 
 Before writing, the free space of the filesystem is checked against the arrays' size; running
 out anyway (another writer) removes the half-written `.tmp` and raises `DiskFull`, one line naming
@@ -42,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from typing import Any
 
 import jax
@@ -67,6 +69,28 @@ class Damaged(CheckpointError):
 
 class DiskFull(CheckpointError):
   """A write ran out of space (its half-written files are removed)."""
+
+
+class Unreadable(CheckpointError):
+  """This process may not read a checkpoint's files (permissions): never taken for damage."""
+
+
+def _unreadable(path: str, e: OSError) -> Unreadable:
+  what = e.filename if e.filename and os.fspath(e.filename) != path else "the directory"
+  return Unreadable(f"{path}: permission denied reading {os.fspath(what)} (as uid {os.geteuid()}); "
+                    f"the checkpoint is left in place: give this user read access "
+                    f"(chmod -R u+rX) and rerun")
+
+
+def _is_file(path: str, checkpoint: str) -> bool:
+  """os.path.isfile, except that a permission error raises `Unreadable` instead of reading as
+  absence (an intact checkpoint behind chmod 000 must not be moved aside as damaged)."""
+  try:
+    return stat.S_ISREG(os.stat(path).st_mode)
+  except PermissionError as e:
+    raise _unreadable(checkpoint, e) from None
+  except (FileNotFoundError, NotADirectoryError):
+    return False
 
 
 def _leaves(tree) -> tuple[list[str], list[Any]]:
@@ -176,6 +200,8 @@ def _read_json(path: str, name: str) -> dict:
   try:
     with open(os.path.join(path, name)) as f:
       obj = json.load(f)
+  except PermissionError as e:
+    raise _unreadable(path, e) from None
   except (OSError, ValueError) as e:
     raise Damaged(f"{path}: {name} unreadable ({type(e).__name__}: {e})") from None
   if not isinstance(obj, dict):
@@ -185,22 +211,25 @@ def _read_json(path: str, name: str) -> dict:
 
 def read_meta(path: str) -> dict:
   """meta.json, checked against the manifest's checksum, with the manifest's leaf table as
-  meta["leaves"]. Raises CheckpointError (Damaged when the files disagree)."""
+  meta["leaves"]. Raises CheckpointError (Damaged when the files disagree, Unreadable when this
+  process may not read them)."""
   if not os.path.isdir(path):
     if os.path.lexists(path):
       raise Damaged(f"{path}: a file, not a checkpoint directory")
     raise CheckpointError(f"{path}: not a complete checkpoint (no such directory)")
-  if not os.path.isfile(os.path.join(path, MANIFEST)):
+  if not _is_file(os.path.join(path, MANIFEST), path):
     what = ("an interrupted save leaves only a .tmp directory" if path.endswith(".tmp") else
             "a save writes it last; this one was interrupted, damaged, or predates checksums")
     raise Damaged(f"{path}: not a complete checkpoint (no {MANIFEST}; {what})")
   manifest = _read_json(path, MANIFEST)
   if manifest.get("format") != FORMAT or not isinstance(manifest.get("leaves"), list):
     raise Damaged(f"{path}: {MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT}")
-  if not os.path.isfile(os.path.join(path, META)):
+  if not _is_file(os.path.join(path, META), path):
     raise Damaged(f"{path}: {META} is missing")
   try:
     meta_sha = _sha256(os.path.join(path, META))
+  except PermissionError as e:
+    raise _unreadable(path, e) from None
   except OSError as e:
     raise Damaged(f"{path}: {META} unreadable ({e})") from None
   if meta_sha != manifest.get("meta_sha256"):
@@ -222,13 +251,15 @@ def verify(path: str) -> dict:
   for leaf in meta["leaves"]:
     for rel, (size, digest) in leaf["files"].items():
       f, what = os.path.join(path, rel), f"{rel} (of leaf {leaf['path']})"
-      if not os.path.isfile(f):
+      if not _is_file(f, path):
         raise Damaged(f"{path}: {what} is missing")
       if os.path.getsize(f) != size:
         raise Damaged(f"{path}: {what} has {os.path.getsize(f)} bytes, the manifest recorded "
                       f"{size}")
       try:
         ok = _sha256(f) == digest
+      except PermissionError as e:
+        raise _unreadable(path, e) from None
       except OSError as e:
         raise Damaged(f"{path}: {what} unreadable ({e})") from None
       if not ok:
@@ -493,7 +524,8 @@ class Manager:
 
     A damaged step (files that fail the manifest, a directory without one) is moved aside to
     `<dir>.damaged` with one warning naming it and the damage; the next older step is tried.
-    A step of another run (identity) is refused, not skipped.
+    A step of another run (identity) is refused, not skipped; so is one this process may not
+    read (`Unreadable`, left in place).
     """
     for step in reversed(self._dirs()):
       if before is not None and step >= before:

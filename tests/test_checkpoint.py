@@ -325,6 +325,88 @@ def test_stray_files_named_like_a_checkpoint_are_removed_with_a_warning(tmp_path
   assert rerun.steps() == [1, 2, 3]
 
 
+def _deny(monkeypatch, root):
+  """Reads of anything inside `root` fail as they do for another user's chmod 000 directory
+  (so the test runs as root too, whom permissions do not stop)."""
+  import builtins
+  inside = lambda p: os.fspath(p).startswith(os.path.join(str(root), ""))
+
+  def guard(real):
+    def call(path, *args, **kwargs):
+      if isinstance(path, (str, bytes, os.PathLike)) and inside(path):
+        raise PermissionError(13, "Permission denied", os.fspath(path))
+      return real(path, *args, **kwargs)
+    return call
+  monkeypatch.setattr(os, "stat", guard(os.stat))
+  monkeypatch.setattr(builtins, "open", guard(builtins.open))
+
+
+def _unreadable_step_is_an_error_left_in_place(tmp_path, deny):
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  for step in (1, 2):
+    mgr.save(step, _tree(mesh, step), {})
+  checkpoint._VERIFIED.clear()
+  with deny(mgr.path(2)):
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      checkpoint.Manager(tmp_path / "ck", keep=3).restore_latest(
+          checkpoint.like_of(_tree(mesh, 0)))
+  message = str(e.value)
+  assert "\n" not in message and message.startswith(mgr.path(2) + ": permission denied")
+  assert "left in place" in message and "not a complete checkpoint" not in message
+  assert sorted(os.listdir(tmp_path / "ck")) == ["step_00000001", "step_00000002"]
+  assert checkpoint.Manager(tmp_path / "ck", keep=3).restore_latest(
+      checkpoint.like_of(_tree(mesh, 0)))[0] == 2  # readable again: resumed, nothing lost
+  # An unreadable SFT model export stops the run the same way instead of being rebuilt.
+  from dpo import identity
+  export = checkpoint.save(str(tmp_path / "sft_model"), _tree(mesh, 1), {"kind": "params"})
+  with deny(export):
+    with pytest.raises(checkpoint.CheckpointError, match="sft_model: permission denied"):
+      identity.reusable(export, {})
+  assert os.path.isdir(export) and not os.path.exists(export + ".damaged")
+
+
+def test_unreadable_checkpoint_is_an_error_left_in_place(tmp_path, monkeypatch):
+  import contextlib
+
+  @contextlib.contextmanager
+  def deny(path):
+    with monkeypatch.context() as m:
+      _deny(m, path)
+      yield
+  _unreadable_step_is_an_error_left_in_place(tmp_path, deny)
+
+
+def _permissions_bind() -> bool:
+  """Whether a chmod 000 stops this process (root with CAP_DAC_OVERRIDE reads through it)."""
+  import tempfile
+  with tempfile.TemporaryDirectory() as d:
+    os.chmod(d, 0)
+    try:
+      os.listdir(d)
+      return False
+    except PermissionError:
+      return True
+    finally:
+      os.chmod(d, 0o700)
+
+
+@pytest.mark.skipif(not _permissions_bind(), reason=f"uid {os.geteuid()} (root) reads a chmod "
+                    f"000 directory; test_unreadable_checkpoint_is_an_error_left_in_place "
+                    f"simulates the denial instead")
+def test_chmod_000_checkpoint_is_an_error_left_in_place(tmp_path):
+  import contextlib
+
+  @contextlib.contextmanager
+  def deny(path):
+    os.chmod(path, 0)
+    try:
+      yield
+    finally:
+      os.chmod(path, 0o755)
+  _unreadable_step_is_an_error_left_in_place(tmp_path, deny)
+
+
 # --- a kill at each phase -------------------------------------------------------------------------
 
 # (operation, phase) -> the step and tree version a rerun resumes: old (the state before the
