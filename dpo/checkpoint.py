@@ -284,11 +284,20 @@ def nbytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _check_space(path: str, need: int) -> None:
-  free = shutil.disk_usage(os.path.dirname(path)).free
-  if free < need:
-    raise DiskFull(f"{path}: no space for the checkpoint: it needs {need:,} bytes, the "
-                   f"filesystem has {free:,} free; free space or point --output_dir elsewhere")
+def _check_space(path: str, size: int, keep: int, kept: int) -> None:
+  """Refuses a save that the filesystem cannot hold. A stage's directory (`keep` > 0) grows to
+  `keep` checkpoints, and each save writes the new one before it removes the oldest: with `kept`
+  saved, it still needs keep + 1 - kept copies (one, once it holds `keep`); an export, one."""
+  copies = max(keep + 1 - kept, 1)
+  need, free = size * copies, shutil.disk_usage(os.path.dirname(path)).free
+  if free >= need:
+    return
+  count = (f"{copies} x {size:,} bytes: the stage keeps --keep_checkpoints={keep}, has {kept}, "
+           f"and writes each new one before removing the oldest" if keep else
+           f"{size:,} bytes")
+  advice = "free space, lower --keep_checkpoints," if keep else "free space"
+  raise DiskFull(f"{path}: no space for the checkpoint: it needs {need:,} bytes ({count}), the "
+                 f"filesystem has {free:,} free; {advice} or point --output_dir elsewhere")
 
 
 def _serialize(leaves: list, specs: list[dict]) -> None:
@@ -302,8 +311,9 @@ def _serialize(leaves: list, specs: list[dict]) -> None:
     raise errors[0]
 
 
-def save(path: str, tree, meta: dict) -> str:
-  """Writes `tree` (a pytree of jax.Arrays) and `meta` to `path`, atomically. Collective."""
+def save(path: str, tree, meta: dict, keep: int = 0, kept: int = 0) -> str:
+  """Writes `tree` (a pytree of jax.Arrays) and `meta` to `path`, atomically. Collective.
+  `keep` and `kept`: the step checkpoints its directory retains and holds (the space check)."""
   path = os.path.abspath(path)
   tmp = path + ".tmp"
   names, leaves = _leaves(tree)
@@ -312,7 +322,7 @@ def save(path: str, tree, meta: dict) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     recover(path)
     _discard(tmp)  # left by a save that was killed before it committed
-    _check_space(path, need)
+    _check_space(path, need, keep, kept)
     os.makedirs(os.path.join(tmp, "arrays"))
   _barrier(f"ckpt-mkdir:{path}")
   try:
@@ -478,7 +488,7 @@ class Manager:
 
   def save(self, step: int, state, meta: dict) -> str:
     out = save(self.path(step), state, {"kind": "state", "step": step, **meta, **self.info,
-                                        **self.identity})
+                                        **self.identity}, self.keep, len(self.steps()))
     if jax.process_index() == 0:
       for old in self.steps()[:-self.keep]:
         _remove(self.path(old))

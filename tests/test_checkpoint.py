@@ -407,6 +407,30 @@ def test_chmod_000_checkpoint_is_an_error_left_in_place(tmp_path):
   _unreadable_step_is_an_error_left_in_place(tmp_path, deny)
 
 
+def test_free_space_check_counts_the_kept_checkpoints(tmp_path, monkeypatch):
+  """With --keep_checkpoints=3 a stage's directory grows to 3 checkpoints and writes a 4th
+  before pruning: the first save needs room for 4, a save beside 3 kept ones for 1."""
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  size = checkpoint.nbytes(_tree(mesh, 0)) + 2**20  # what save() counts per checkpoint
+  usage = checkpoint.shutil.disk_usage
+  free = lambda n: monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                                       lambda p: usage(p)._replace(free=n))
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  free(3 * size)
+  with pytest.raises(checkpoint.DiskFull) as e:
+    mgr.save(1, _tree(mesh, 1), {})
+  message = str(e.value)
+  assert "\n" not in message and f"it needs {4 * size:,} bytes (4 x {size:,} bytes" in message
+  assert "--keep_checkpoints=3" in message and f"{3 * size:,} free" in message
+  assert os.listdir(tmp_path / "ck") == []
+  free(4 * size)
+  for step in (1, 2, 3):
+    mgr.save(step, _tree(mesh, step), {})
+  free(size)
+  mgr.save(4, _tree(mesh, 4), {})  # beside 3 kept ones: the new one, then the oldest goes
+  assert mgr.steps() == [2, 3, 4]
+
+
 # --- a kill at each phase -------------------------------------------------------------------------
 
 # (operation, phase) -> the step and tree version a rerun resumes: old (the state before the
