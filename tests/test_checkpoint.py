@@ -559,6 +559,63 @@ def test_damaged_sft_model_and_step_are_rebuilt(tmp_path, reference_run, caplog)
     assert_tree_bitwise(v, _loop_outputs(reference_run)[k])
 
 
+@pytest.mark.parametrize("sft_steps_lost", ["the last", "all"])
+@pytest.mark.slow
+def test_rebuilt_sft_model_keeps_the_metrics_history(tmp_path, reference_run, caplog,
+                                                     sft_steps_lost):
+  """A finished run whose SFT model is damaged, with its last SFT step checkpoint (the SFT stage
+  runs again from step 2) or all of them (from the start): the rebuilt stage writes its records
+  again into the SFT section, before the DPO stage's, which stay; the DPO stage resumes from its
+  last checkpoint. The records equal the uninterrupted run's, none lost or out of order."""
+  out = tmp_path / "run"
+  loop.run(tiny_cfg(out))
+  os.remove(_chunk(out / "checkpoints" / "sft_model", "embed"))
+  sft_dir = out / "checkpoints" / "sft"
+  if sft_steps_lost == "all":
+    checkpoint.shutil.rmtree(sft_dir)
+  else:
+    os.remove(_chunk(sft_dir / "step_00000004", "embed"))
+  with caplog.at_level(logging.INFO):
+    loop.run(tiny_cfg(out))
+  assert "sft_model is damaged" in caplog.text
+  assert records(out) == records(reference_run)
+  # What the resumes dropped is counted: SFT steps after its checkpoint, the final evaluation.
+  assert "dropped 1 record of stage dpo written after" in caplog.text
+  dropped_sft = 4 if sft_steps_lost == "all" else 2
+  assert f"dropped {dropped_sft} records of stage sft" in caplog.text
+
+
+def test_metrics_sections_follow_the_recipe(tmp_path, caplog):
+  """The stage order is the recipe's, whatever its stages are named: a first stage run again
+  writes into its own section, before the second's records, which a rewind of the first keeps;
+  an evaluation record belongs to the stage whose records follow it, or at the end to the last;
+  records of a registered stage outside the recipe (an earlier run's) stay in front."""
+  from dpo.runner import MetricsWriter
+  rec = lambda stage, step: {"stage": stage, "step": step}
+  names = lambda: [(r["stage"], r["step"])
+                   for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
+  w = MetricsWriter(str(tmp_path), ("warmup", "align"))
+  for r in [rec("warmup", 1), rec("warmup", 2), rec("eval", 0), rec("align", 1), rec("eval", 1)]:
+    w.write(r)
+  with caplog.at_level(logging.INFO):
+    w.rewind(1, "warmup step 1", "warmup")  # the first stage is rebuilt from its step 1
+  assert names() == [("warmup", 1), ("eval", 0), ("align", 1), ("eval", 1)]
+  assert "dropped 1 record of stage warmup written after warmup step 1" in caplog.text
+  w.write(rec("warmup", 2))
+  assert names() == [("warmup", 1), ("warmup", 2), ("eval", 0), ("align", 1), ("eval", 1)]
+  assert w.count == 2
+  w.rewind(4, "align step 1", "align")  # the second resumes: its final evaluation runs again
+  assert names() == [("warmup", 1), ("warmup", 2), ("eval", 0), ("align", 1)]
+  w.rewind_stage("warmup")  # the first starts afresh; the second's records stay
+  assert names() == [("eval", 0), ("align", 1)] and (w.count, w.later) == (0, 2)
+  # Another recipe over the same file: "warmup" is a registered stage outside it.
+  (tmp_path / "metrics.jsonl").write_text(json.dumps(rec("warmup", 1)) + "\n" +
+                                          json.dumps(rec("align", 1)) + "\n")
+  w = MetricsWriter(str(tmp_path), ("align",), ("warmup", "align"))
+  w.rewind_stage("align")
+  assert names() == [("warmup", 1)]
+
+
 # --- metrics.jsonl and a full disk ----------------------------------------------------------------
 
 @pytest.mark.slow
