@@ -420,10 +420,44 @@ def load_params(path: str, model_cfg, mesh) -> Any:
                       transformer.abstract(specs), transformer.shardings(specs, mesh))
   if meta.get("kind") == "params":
     return load(path, like)[0]
-  if meta.get("kind") == "state" and not meta.get("lora"):
+  if _full_weights(meta):
     return load(path, like, prefix=meta.get("params_prefix", ".params"))[0]
-  raise CheckpointError(f"{path}: kind {meta.get('kind')!r} (lora={meta.get('lora')}) holds no "
-                        f"full model weights; export one with the final policy or an SFT run")
+  raise CheckpointError(f"{path}: {_no_weights(meta)}")
+
+
+def _full_weights(meta: dict) -> bool:
+  """Whether a checkpoint holds a whole model: a params export, or a LoRA-off training state."""
+  return meta.get("kind") == "params" or (meta.get("kind") == "state" and not meta.get("lora"))
+
+
+def _no_weights(meta: dict) -> str:
+  return (f"kind {meta.get('kind')!r} (lora={meta.get('lora')}) holds no full model weights; "
+          f"give the exported policy (checkpoints/policy) or the SFT model "
+          f"(checkpoints/sft_model)")
+
+
+def check_model_source(flag: str, source: str) -> None:
+  """Refuses, before any work, a model source (`--init_from`) that cannot give full weights: a
+  missing path, a checkpoint without them (a LoRA training state), a Hugging Face folder (`hf:`)
+  without config.json. One CheckpointError line naming `--flag=source` and the file."""
+  kind, _, folder = source.partition(":")
+  if kind == "hf":
+    config = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+      why = f"{folder} is not a folder" if os.path.lexists(folder) else f"no such folder {folder}"
+    elif not os.path.isfile(config):
+      why = f"{config} is missing (a Hugging Face model folder holds config.json and *.safetensors)"
+    else:
+      return
+  else:
+    try:
+      meta = read_meta(source)
+    except CheckpointError as e:
+      raise CheckpointError(f"--{flag}={source}: {str(e).removeprefix(source + ': ')}") from None
+    if _full_weights(meta):
+      return
+    why = _no_weights(meta)
+  raise CheckpointError(f"--{flag}={source}: {why}")
 
 
 # --- a directory of step checkpoints --------------------------------------------------------------
