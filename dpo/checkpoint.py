@@ -78,8 +78,15 @@ class Unreadable(CheckpointError):
 def _unreadable(path: str, e: OSError) -> Unreadable:
   what = e.filename if e.filename and os.fspath(e.filename) != path else "the directory"
   return Unreadable(f"{path}: permission denied reading {os.fspath(what)} (as uid {os.geteuid()}); "
-                    f"the checkpoint is left in place: give this user read access "
-                    f"(chmod -R u+rX) and rerun")
+                    f"left in place: give this user read access (chmod -R u+rX) and rerun")
+
+
+def _names(directory: str) -> list[str]:
+  """os.listdir of a stage's checkpoint directory; a permission error raises `Unreadable`."""
+  try:
+    return os.listdir(directory)
+  except PermissionError as e:
+    raise _unreadable(directory, e) from None
 
 
 def _is_file(path: str, checkpoint: str) -> bool:
@@ -496,7 +503,7 @@ class Manager:
     self.identity = json.loads(json.dumps(identity or {}))  # as meta.json reads back
     self.info = dict(info or {})
     if jax.process_index() == 0 and os.path.isdir(self.directory):
-      for name in os.listdir(self.directory):
+      for name in _names(self.directory):
         m = re.match(r"^(step_\d{8})(\.tmp|\.old|\.deleted)?$", name)
         if m:
           recover(os.path.join(self.directory, m.group(1)))
@@ -509,7 +516,7 @@ class Manager:
     """Steps with a step_N directory, complete or not."""
     if not os.path.isdir(self.directory):
       return []
-    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(self.directory)) if m)
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, _names(self.directory)) if m)
 
   def steps(self) -> list[int]:
     """Committed steps (manifest present; `restore_latest` verifies their contents)."""

@@ -329,15 +329,16 @@ def _deny(monkeypatch, root):
   """Reads of anything inside `root` fail as they do for another user's chmod 000 directory
   (so the test runs as root too, whom permissions do not stop)."""
   import builtins
-  inside = lambda p: os.fspath(p).startswith(os.path.join(str(root), ""))
 
-  def guard(real):
+  def guard(real, root_too=False):  # `root` itself can be stat'ed (its parent is readable)
     def call(path, *args, **kwargs):
-      if isinstance(path, (str, bytes, os.PathLike)) and inside(path):
-        raise PermissionError(13, "Permission denied", os.fspath(path))
+      p = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+      if p.startswith(os.path.join(str(root), "")) or (root_too and p == str(root)):
+        raise PermissionError(13, "Permission denied", p)
       return real(path, *args, **kwargs)
     return call
   monkeypatch.setattr(os, "stat", guard(os.stat))
+  monkeypatch.setattr(os, "listdir", guard(os.listdir, root_too=True))
   monkeypatch.setattr(builtins, "open", guard(builtins.open))
 
 
@@ -357,6 +358,10 @@ def _unreadable_step_is_an_error_left_in_place(tmp_path, deny):
   assert sorted(os.listdir(tmp_path / "ck")) == ["step_00000001", "step_00000002"]
   assert checkpoint.Manager(tmp_path / "ck", keep=3).restore_latest(
       checkpoint.like_of(_tree(mesh, 0)))[0] == 2  # readable again: resumed, nothing lost
+  with deny(tmp_path / "ck"):  # the stage's directory itself
+    with pytest.raises(checkpoint.CheckpointError, match=r"ck: permission denied reading the "
+                                                         r"directory .*left in place"):
+      checkpoint.Manager(tmp_path / "ck", keep=3)
   # An unreadable SFT model export stops the run the same way instead of being rebuilt.
   from dpo import identity
   export = checkpoint.save(str(tmp_path / "sft_model"), _tree(mesh, 1), {"kind": "params"})
