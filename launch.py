@@ -12,6 +12,7 @@ see WORKSPACE.md, "Multi-host".
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -74,6 +75,23 @@ def _parse(argv: list[str]) -> list[str]:
   return rest
 
 
+# Files a run reads from its first step: a missing one is refused before any work, naming the flag.
+_DATA_FLAGS = ("train_data", "sft_data", "eval_data")
+
+
+def _check_inputs(cfg) -> None:
+  """One line naming the flag and the file for an input that cannot be read: a data file that
+  does not exist, an --init_from that holds no full model (dpo/checkpoint.py)."""
+  from dpo import checkpoint  # after distributed start-up, as main's imports
+  for flag in _DATA_FLAGS:
+    path = getattr(cfg.data, flag)
+    if path and not os.path.exists(path):
+      where = "" if os.path.isabs(path) else f" ({os.path.abspath(path)})"
+      raise ValueError(f"--{flag}={path}: no such file{where}")
+  if cfg.checkpoint.init_from:
+    checkpoint.check_model_source("init_from", cfg.checkpoint.init_from)
+
+
 def main(argv) -> None:
   del argv
   logging.set_verbosity(logging.INFO)
@@ -90,6 +108,7 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
   from dpo import checkpoint, data, loop, tracking
   try:
+    _check_inputs(cfg)
     summary = loop.run(cfg)
     distributed.finished()
   except (ValueError, data.DataError, checkpoint.CheckpointError, tracking.MissingExtra) as e:

@@ -20,7 +20,8 @@ one whole (a kill between the two renames of a replace leaves a complete `.tmp`,
 Restoring verifies the manifest first (every file present, sizes and checksums equal, meta.json
 unchanged), then reads with missing chunks as errors, never as zeros. A `Manager` that finds its
 newest step damaged warns once, naming it and the damage, moves it to `<dir>.damaged`, and falls
-back to the newest intact step (or the fresh start when none is left).
+back to the newest intact step (or the fresh start when none is left). A checkpoint this process
+may not read is not damaged: `Unreadable` names the path and leaves it where it is.
 
 Before writing, the free space of the filesystem is checked against the arrays' size; running
 out anyway (another writer) removes the half-written `.tmp` and raises `DiskFull`, one line naming
@@ -42,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from typing import Any
 
 import jax
@@ -67,6 +69,35 @@ class Damaged(CheckpointError):
 
 class DiskFull(CheckpointError):
   """A write ran out of space (its half-written files are removed)."""
+
+
+class Unreadable(CheckpointError):
+  """This process may not read a checkpoint's files (permissions): never taken for damage."""
+
+
+def _unreadable(path: str, e: OSError) -> Unreadable:
+  what = e.filename if e.filename and os.fspath(e.filename) != path else "the directory"
+  return Unreadable(f"{path}: permission denied reading {os.fspath(what)} (as uid {os.geteuid()}); "
+                    f"left in place: give this user read access (chmod -R u+rX) and rerun")
+
+
+def _names(directory: str) -> list[str]:
+  """os.listdir of a stage's checkpoint directory; a permission error raises `Unreadable`."""
+  try:
+    return os.listdir(directory)
+  except PermissionError as e:
+    raise _unreadable(directory, e) from None
+
+
+def _is_file(path: str, checkpoint: str) -> bool:
+  """os.path.isfile, except that a permission error raises `Unreadable` instead of reading as
+  absence (an intact checkpoint behind chmod 000 must not be moved aside as damaged)."""
+  try:
+    return stat.S_ISREG(os.stat(path).st_mode)
+  except PermissionError as e:
+    raise _unreadable(checkpoint, e) from None
+  except (FileNotFoundError, NotADirectoryError):
+    return False
 
 
 def _leaves(tree) -> tuple[list[str], list[Any]]:
@@ -117,16 +148,24 @@ def is_no_space(e: BaseException) -> bool:
   return any(s in str(e) for s in ("No space left on device", "Disk quota exceeded", "ENOSPC"))
 
 
+def _discard(path: str) -> None:
+  """Removes `path`, a directory or a file (a stray file named like a checkpoint's temporary
+  copy must not stop the run)."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  elif os.path.lexists(path):
+    os.remove(path)
+
+
 def _remove(path: str) -> None:
   """Deletes a directory so that a kill leaves it whole or invisible: rename aside, then remove."""
   if not os.path.exists(path):
     return
   gone = path + ".deleted"
-  if os.path.exists(gone):
-    shutil.rmtree(gone)
+  _discard(gone)
   os.rename(path, gone)
   _fsync_dir(os.path.dirname(path))
-  shutil.rmtree(gone)
+  _discard(gone)
 
 
 def _flip(tmp: str, path: str) -> None:
@@ -134,27 +173,28 @@ def _flip(tmp: str, path: str) -> None:
   `<path>.old`, rename `tmp`, remove the old copy): `path` is at every instant absent, the old
   checkpoint or the new one, and while it is absent `tmp` is complete (`recover` rolls forward)."""
   old = path + ".old"
-  if os.path.exists(old):
-    shutil.rmtree(old)
+  _discard(old)
   if os.path.exists(path):
     os.rename(path, old)
   os.rename(tmp, path)
   _fsync_dir(os.path.dirname(path))
-  if os.path.exists(old):
-    shutil.rmtree(old)
+  _discard(old)
 
 
 def recover(path: str) -> None:
   """Finishes an interrupted save or replace of `path` (process 0, while nothing writes it): a
   complete `<path>.tmp` with no `path` is flipped in; leftovers of finished or abandoned
-  operations (an incomplete .tmp, .old, .deleted) are removed."""
+  operations (an incomplete .tmp, .old, .deleted) are removed; a file under one of those names
+  (no save writes one) is removed with a warning naming it."""
   tmp = path + ".tmp"
   if not os.path.exists(path) and os.path.isfile(os.path.join(tmp, MANIFEST)):
     logging.warning("checkpoint: completing the interrupted save of %s", path)
     _flip(tmp, path)
-  for suffix in (".tmp", ".old", ".deleted"):
-    if os.path.exists(path + suffix):
-      shutil.rmtree(path + suffix)
+  for leftover in (path + suffix for suffix in (".tmp", ".old", ".deleted")):
+    if os.path.lexists(leftover) and not os.path.isdir(leftover):
+      logging.warning("checkpoint: removing %s, a file where only a checkpoint's temporary "
+                      "directory belongs (%d bytes)", leftover, os.lstat(leftover).st_size)
+    _discard(leftover)
 
 
 def is_complete(path: str) -> bool:
@@ -167,6 +207,8 @@ def _read_json(path: str, name: str) -> dict:
   try:
     with open(os.path.join(path, name)) as f:
       obj = json.load(f)
+  except PermissionError as e:
+    raise _unreadable(path, e) from None
   except (OSError, ValueError) as e:
     raise Damaged(f"{path}: {name} unreadable ({type(e).__name__}: {e})") from None
   if not isinstance(obj, dict):
@@ -176,20 +218,25 @@ def _read_json(path: str, name: str) -> dict:
 
 def read_meta(path: str) -> dict:
   """meta.json, checked against the manifest's checksum, with the manifest's leaf table as
-  meta["leaves"]. Raises CheckpointError (Damaged when the files disagree)."""
+  meta["leaves"]. Raises CheckpointError (Damaged when the files disagree, Unreadable when this
+  process may not read them)."""
   if not os.path.isdir(path):
+    if os.path.lexists(path):
+      raise Damaged(f"{path}: a file, not a checkpoint directory")
     raise CheckpointError(f"{path}: not a complete checkpoint (no such directory)")
-  if not os.path.isfile(os.path.join(path, MANIFEST)):
+  if not _is_file(os.path.join(path, MANIFEST), path):
     what = ("an interrupted save leaves only a .tmp directory" if path.endswith(".tmp") else
             "a save writes it last; this one was interrupted, damaged, or predates checksums")
     raise Damaged(f"{path}: not a complete checkpoint (no {MANIFEST}; {what})")
   manifest = _read_json(path, MANIFEST)
   if manifest.get("format") != FORMAT or not isinstance(manifest.get("leaves"), list):
     raise Damaged(f"{path}: {MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT}")
-  if not os.path.isfile(os.path.join(path, META)):
+  if not _is_file(os.path.join(path, META), path):
     raise Damaged(f"{path}: {META} is missing")
   try:
     meta_sha = _sha256(os.path.join(path, META))
+  except PermissionError as e:
+    raise _unreadable(path, e) from None
   except OSError as e:
     raise Damaged(f"{path}: {META} unreadable ({e})") from None
   if meta_sha != manifest.get("meta_sha256"):
@@ -211,13 +258,15 @@ def verify(path: str) -> dict:
   for leaf in meta["leaves"]:
     for rel, (size, digest) in leaf["files"].items():
       f, what = os.path.join(path, rel), f"{rel} (of leaf {leaf['path']})"
-      if not os.path.isfile(f):
+      if not _is_file(f, path):
         raise Damaged(f"{path}: {what} is missing")
       if os.path.getsize(f) != size:
         raise Damaged(f"{path}: {what} has {os.path.getsize(f)} bytes, the manifest recorded "
                       f"{size}")
       try:
         ok = _sha256(f) == digest
+      except PermissionError as e:
+        raise _unreadable(path, e) from None
       except OSError as e:
         raise Damaged(f"{path}: {what} unreadable ({e})") from None
       if not ok:
@@ -242,11 +291,20 @@ def nbytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _check_space(path: str, need: int) -> None:
-  free = shutil.disk_usage(os.path.dirname(path)).free
-  if free < need:
-    raise DiskFull(f"{path}: no space for the checkpoint: it needs {need:,} bytes, the "
-                   f"filesystem has {free:,} free; free space or point --output_dir elsewhere")
+def _check_space(path: str, size: int, keep: int, kept: int) -> None:
+  """Refuses a save that the filesystem cannot hold. A stage's directory (`keep` > 0) grows to
+  `keep` checkpoints, and each save writes the new one before it removes the oldest: with `kept`
+  saved, it still needs keep + 1 - kept copies (one, once it holds `keep`); an export, one."""
+  copies = max(keep + 1 - kept, 1)
+  need, free = size * copies, shutil.disk_usage(os.path.dirname(path)).free
+  if free >= need:
+    return
+  count = (f"{copies} x {size:,} bytes: the stage keeps --keep_checkpoints={keep}, has {kept}, "
+           f"and writes each new one before removing the oldest" if keep else
+           f"{size:,} bytes")
+  advice = "free space, lower --keep_checkpoints," if keep else "free space"
+  raise DiskFull(f"{path}: no space for the checkpoint: it needs {need:,} bytes ({count}), the "
+                 f"filesystem has {free:,} free; {advice} or point --output_dir elsewhere")
 
 
 def _serialize(leaves: list, specs: list[dict]) -> None:
@@ -260,8 +318,9 @@ def _serialize(leaves: list, specs: list[dict]) -> None:
     raise errors[0]
 
 
-def save(path: str, tree, meta: dict) -> str:
-  """Writes `tree` (a pytree of jax.Arrays) and `meta` to `path`, atomically. Collective."""
+def save(path: str, tree, meta: dict, keep: int = 0, kept: int = 0) -> str:
+  """Writes `tree` (a pytree of jax.Arrays) and `meta` to `path`, atomically. Collective.
+  `keep` and `kept`: the step checkpoints its directory retains and holds (the space check)."""
   path = os.path.abspath(path)
   tmp = path + ".tmp"
   names, leaves = _leaves(tree)
@@ -269,9 +328,8 @@ def save(path: str, tree, meta: dict) -> str:
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     recover(path)
-    if os.path.exists(tmp):
-      shutil.rmtree(tmp)  # left by a save that was killed before it committed
-    _check_space(path, need)
+    _discard(tmp)  # left by a save that was killed before it committed
+    _check_space(path, need, keep, kept)
     os.makedirs(os.path.join(tmp, "arrays"))
   _barrier(f"ckpt-mkdir:{path}")
   try:
@@ -369,10 +427,44 @@ def load_params(path: str, model_cfg, mesh) -> Any:
                       transformer.abstract(specs), transformer.shardings(specs, mesh))
   if meta.get("kind") == "params":
     return load(path, like)[0]
-  if meta.get("kind") == "state" and not meta.get("lora"):
+  if _full_weights(meta):
     return load(path, like, prefix=meta.get("params_prefix", ".params"))[0]
-  raise CheckpointError(f"{path}: kind {meta.get('kind')!r} (lora={meta.get('lora')}) holds no "
-                        f"full model weights; export one with the final policy or an SFT run")
+  raise CheckpointError(f"{path}: {_no_weights(meta)}")
+
+
+def _full_weights(meta: dict) -> bool:
+  """Whether a checkpoint holds a whole model: a params export, or a LoRA-off training state."""
+  return meta.get("kind") == "params" or (meta.get("kind") == "state" and not meta.get("lora"))
+
+
+def _no_weights(meta: dict) -> str:
+  return (f"kind {meta.get('kind')!r} (lora={meta.get('lora')}) holds no full model weights; "
+          f"give the exported policy (checkpoints/policy) or the SFT model "
+          f"(checkpoints/sft_model)")
+
+
+def check_model_source(flag: str, source: str) -> None:
+  """Refuses, before any work, a model source (`--init_from`) that cannot give full weights: a
+  missing path, a checkpoint without them (a LoRA training state), a Hugging Face folder (`hf:`)
+  without config.json. One CheckpointError line naming `--flag=source` and the file."""
+  kind, _, folder = source.partition(":")
+  if kind == "hf":
+    config = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+      why = f"{folder} is not a folder" if os.path.lexists(folder) else f"no such folder {folder}"
+    elif not os.path.isfile(config):
+      why = f"{config} is missing (a Hugging Face model folder holds config.json and *.safetensors)"
+    else:
+      return
+  else:
+    try:
+      meta = read_meta(source)
+    except CheckpointError as e:
+      raise CheckpointError(f"--{flag}={source}: {str(e).removeprefix(source + ': ')}") from None
+    if _full_weights(meta):
+      return
+    why = _no_weights(meta)
+  raise CheckpointError(f"--{flag}={source}: {why}")
 
 
 # --- a directory of step checkpoints --------------------------------------------------------------
@@ -411,7 +503,7 @@ class Manager:
     self.identity = json.loads(json.dumps(identity or {}))  # as meta.json reads back
     self.info = dict(info or {})
     if jax.process_index() == 0 and os.path.isdir(self.directory):
-      for name in os.listdir(self.directory):
+      for name in _names(self.directory):
         m = re.match(r"^(step_\d{8})(\.tmp|\.old|\.deleted)?$", name)
         if m:
           recover(os.path.join(self.directory, m.group(1)))
@@ -424,7 +516,7 @@ class Manager:
     """Steps with a step_N directory, complete or not."""
     if not os.path.isdir(self.directory):
       return []
-    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(self.directory)) if m)
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, _names(self.directory)) if m)
 
   def steps(self) -> list[int]:
     """Committed steps (manifest present; `restore_latest` verifies their contents)."""
@@ -437,7 +529,7 @@ class Manager:
 
   def save(self, step: int, state, meta: dict) -> str:
     out = save(self.path(step), state, {"kind": "state", "step": step, **meta, **self.info,
-                                        **self.identity})
+                                        **self.identity}, self.keep, len(self.steps()))
     if jax.process_index() == 0:
       for old in self.steps()[:-self.keep]:
         _remove(self.path(old))
@@ -483,7 +575,8 @@ class Manager:
 
     A damaged step (files that fail the manifest, a directory without one) is moved aside to
     `<dir>.damaged` with one warning naming it and the damage; the next older step is tried.
-    A step of another run (identity) is refused, not skipped.
+    A step of another run (identity) is refused, not skipped; so is one this process may not
+    read (`Unreadable`, left in place).
     """
     for step in reversed(self._dirs()):
       if before is not None and step >= before:
@@ -518,8 +611,7 @@ def move_aside(path: str) -> None:
   _barrier(f"ckpt-damaged:{path}")
   if jax.process_index() == 0:
     aside = path + ".damaged"
-    if os.path.exists(aside):
-      shutil.rmtree(aside)
+    _discard(aside)
     os.rename(path, aside)
     _fsync_dir(os.path.dirname(path))
   _barrier(f"ckpt-moved:{path}")

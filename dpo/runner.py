@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import jax
 import numpy as np
@@ -79,28 +79,49 @@ class TrainingStopped(RuntimeError):
   """The run cannot continue (e.g. more KL-spike rollbacks than --max_rollbacks)."""
 
 
+def sections(names: Sequence, recipe: Sequence[str], stages: Collection[str]) -> list[int]:
+  """The section of metrics.jsonl that each record belongs to, from each record's "stage": the
+  index in `recipe` of its stage; -1 (before the recipe's sections) for one of `stages` (every
+  registered stage) outside the recipe, an earlier run's; and a record of no stage (an
+  evaluation's, "eval") belongs to the stage of the next record that has one (an evaluation
+  before a stage's first logged step is that stage's), or at the end of the file to the recipe's
+  last stage (the final evaluation's)."""
+  out, following = [], len(recipe) - 1
+  for name in reversed(names):
+    if name in recipe:
+      following = recipe.index(name)
+    out.append(-1 if name in stages and name not in recipe else following)
+  return out[::-1]
+
+
 class MetricsWriter:
   """One JSON object per line in <output_dir>/metrics.jsonl (process 0 only).
 
-  The file is a log that a resume rewinds: each checkpoint records how many records existed
-  when it was saved (`count`), and resuming from it keeps exactly those (`rewind`), so records
-  that a resumed or rolled-back run writes again replace the old ones instead of duplicating
-  them. A torn last line (a kill or a full disk mid-write) is dropped with a warning when the
-  file is opened; a write that runs out of space truncates its partial line and raises DiskFull.
+  The file is a log that a resume rewinds, in sections, one per stage of the recipe (`recipe`,
+  the run's `--stage`, in order; `sections` says which record is whose). Each checkpoint records
+  how many records its stage's section and those before it held when it was saved (`count`),
+  and resuming from it keeps exactly those and every later stage's section (`rewind`), so
+  records that a resumed or rolled-back run writes again replace the old ones instead of
+  duplicating them, and a stage run again to rebuild its export (a damaged SFT model) writes
+  into its own section, before the later stages' records, which stay. Dropped records are
+  counted in a log line. A torn last line (a kill or a full disk mid-write) is dropped with a
+  warning when the file is opened; a write that runs out of space truncates its partial line
+  and raises DiskFull.
   """
 
-  def __init__(self, output_dir: str):
+  def __init__(self, output_dir: str, recipe: Sequence[str], stages: Collection[str] = ()):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(output_dir, "metrics.jsonl")
-    self.count = 0  # records in the file (process 0)
+    self.recipe, self.stages = tuple(recipe), {*stages, *recipe}
+    self.count = 0  # records through the section being written (process 0)
+    self.later = 0  # records of later stages' sections, after it
     self.listeners: list = []  # called with each record once it is in the file (tracking.Mirror)
     if not self.enabled:
       return
     os.makedirs(output_dir, exist_ok=True)
-    records = self._read()
-    self.count = len(records)
+    self.count = len(self._read())
 
-  def _read(self) -> list[str]:
+  def _read(self) -> list[bytes]:
     """The file's complete records (lines); a torn or unparsable last line is dropped."""
     if not os.path.exists(self.path):
       return []
@@ -121,7 +142,7 @@ class MetricsWriter:
       logging.warning("%s: dropping a torn last line (%d bytes, from an interrupted write): %r",
                       self.path, len(tail), tail[:80])
       self._replace(lines)
-    return [l.decode() for l in lines]
+    return lines
 
   def _replace(self, lines: list) -> None:
     tmp = self.path + ".tmp"
@@ -143,6 +164,24 @@ class MetricsWriter:
     if not self.enabled:
       return
     line = (json.dumps(record) + "\n").encode()
+    if self.later:  # the end of this stage's section is before the later stages' records
+      lines = self._read()
+      self._replace(lines[:self.count] + [line.rstrip(b"\n")] + lines[self.count:])
+    else:
+      self._append(line)
+    self.count += 1
+    for listener in self.listeners:  # the TensorBoard / W&B mirror, on the same disk
+      try:
+        listener(record)
+      except OSError as e:
+        if not checkpoint.is_no_space(e):
+          raise
+        where = os.fsdecode(e.filename) if e.filename else os.path.dirname(self.path)
+        raise checkpoint.DiskFull(f"{where}: out of disk "
+                                  f"space mirroring a metrics record ({len(line):,} bytes in "
+                                  f"metrics.jsonl); free space and rerun to resume") from None
+
+  def _append(self, line: bytes) -> None:
     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
       start = os.fstat(fd).st_size
@@ -159,48 +198,44 @@ class MetricsWriter:
         raise
     finally:
       os.close(fd)
-    self.count += 1
-    for listener in self.listeners:  # the TensorBoard / W&B mirror, on the same disk
-      try:
-        listener(record)
-      except OSError as e:
-        if not checkpoint.is_no_space(e):
-          raise
-        where = os.fsdecode(e.filename) if e.filename else os.path.dirname(self.path)
-        raise checkpoint.DiskFull(f"{where}: out of disk "
-                                  f"space mirroring a metrics record ({len(line):,} bytes in "
-                                  f"metrics.jsonl); free space and rerun to resume") from None
 
-  @staticmethod
-  def _order(stage) -> int:
-    return 0 if stage == "sft" else 1  # sft, then dpo and its evaluations
+  def _sections(self, stage: str) -> tuple[list[bytes], ...]:
+    """The file's records and, of them, the sections before `stage`'s, its own, the later ones."""
+    lines, rank = self._read(), self.recipe.index(stage)
+    owners = sections([json.loads(l).get("stage") for l in lines], self.recipe, self.stages)
+    part = lambda keep: [l for l, o in zip(lines, owners) if keep(o - rank)]
+    return lines, part(lambda d: d < 0), part(lambda d: d == 0), part(lambda d: d > 0)
+
+  def _keep(self, lines: list[bytes], through: list[bytes], later: list[bytes], stage: str,
+            why: str) -> None:
+    """The file becomes `through` + `later`, and writing goes on at the end of `through`."""
+    if through + later != lines:
+      self._replace(through + later)
+    dropped = len(lines) - len(through) - len(later)
+    if dropped:
+      logging.info("%s: dropped %d record%s of stage %s %s", self.path, dropped,
+                   "s" * (dropped != 1), stage, why)
+    self.count, self.later = len(through), len(later)
 
   def rewind(self, count: int, what: str, stage: str) -> None:
-    """Keeps the first `count` records (the file as it was when `what`, a checkpoint of
-    `stage`, was saved) and any later stage's records after them (an SFT stage resumed only to
-    rebuild its export leaves the DPO stage's records to the DPO stage)."""
+    """Keeps the first `count` records of `stage`'s section and those before it (the file as it
+    was when `what`, a checkpoint of `stage`, was saved) and every later stage's section (an
+    SFT stage run again to rebuild its export leaves the DPO stage's records to it)."""
     if not self.enabled:
       return
-    lines = [l.encode() for l in self._read()]
-    if len(lines) < count:
+    lines, before, own, later = self._sections(stage)
+    if len(before + own) < count:
       logging.warning("%s has %d records but %s was saved after %d; the missing ones are not "
-                      "rewritten", self.path, len(lines), what, count)
-    later = [l for l in lines[count:] if self._order(json.loads(l).get("stage")) >
-             self._order(stage)]
-    keep = lines[:count] + later
-    if len(keep) < len(lines):
-      self._replace(keep)
-    self.count = len(keep)
+                      "rewritten", self.path, len(before + own), what, count)
+    self._keep(lines, (before + own)[:count], later, stage,
+               f"written after {what} (its later steps run again)")
 
   def rewind_stage(self, stage: str) -> None:
-    """Drops the records of `stage` and the stages after it (a stage that starts afresh)."""
+    """Drops `stage`'s section (a stage that starts afresh); the others stay."""
     if not self.enabled:
       return
-    lines = self._read()
-    keep = [l.encode() for l in lines if self._order(json.loads(l).get("stage")) < self._order(stage)]
-    if len(keep) < len(lines):
-      self._replace(keep)
-    self.count = len(keep)
+    lines, before, _, later = self._sections(stage)
+    self._keep(lines, before, later, stage, "(the stage starts afresh)")
 
 
 @dataclasses.dataclass

@@ -297,6 +297,145 @@ def test_missing_chunk_reads_as_an_error_not_zeros(tmp_path, monkeypatch):
     checkpoint.load(path, checkpoint.like_of(_tree(mesh, 0)))
 
 
+def test_stray_files_named_like_a_checkpoint_are_removed_with_a_warning(tmp_path, caplog):
+  """A file (not a directory) named like an interrupted save, a replaced or deleted copy, or a
+  step: the rerun removes the first three with a warning naming each, moves the step aside as
+  damaged, and resumes from the newest intact step."""
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  for step in (1, 2):
+    mgr.save(step, _tree(mesh, step), {})
+  stray = [mgr.path(3) + ".tmp", mgr.path(2) + ".old", mgr.path(1) + ".deleted", mgr.path(4)]
+  for f in stray:
+    _edit(f, "not a checkpoint")
+  with caplog.at_level(logging.WARNING):
+    rerun = checkpoint.Manager(tmp_path / "ck", keep=3)
+    step, state, _ = rerun.restore_latest(checkpoint.like_of(_tree(mesh, 0)))
+  assert step == 2
+  assert_tree_bitwise(state, _tree(mesh, 2))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  for f in stray[:3]:
+    assert not os.path.lexists(f)
+    assert any(f in w and "a file where" in w for w in warnings), warnings
+  assert any("step_00000004 is damaged (a file, not a checkpoint directory)" in w
+             for w in warnings), warnings
+  assert os.path.isfile(mgr.path(4) + ".damaged")
+  _edit(mgr.path(3) + ".tmp", "again")  # the save of step 3 clears its own stray file too
+  rerun.save(3, _tree(mesh, 3), {})
+  assert rerun.steps() == [1, 2, 3]
+
+
+def _deny(monkeypatch, root):
+  """Reads of anything inside `root` fail as they do for another user's chmod 000 directory
+  (so the test runs as root too, whom permissions do not stop)."""
+  import builtins
+
+  def guard(real, root_too=False):  # `root` itself can be stat'ed (its parent is readable)
+    def call(path, *args, **kwargs):
+      p = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+      if p.startswith(os.path.join(str(root), "")) or (root_too and p == str(root)):
+        raise PermissionError(13, "Permission denied", p)
+      return real(path, *args, **kwargs)
+    return call
+  monkeypatch.setattr(os, "stat", guard(os.stat))
+  monkeypatch.setattr(os, "listdir", guard(os.listdir, root_too=True))
+  monkeypatch.setattr(builtins, "open", guard(builtins.open))
+
+
+def _unreadable_step_is_an_error_left_in_place(tmp_path, deny):
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  for step in (1, 2):
+    mgr.save(step, _tree(mesh, step), {})
+  checkpoint._VERIFIED.clear()
+  with deny(mgr.path(2)):
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      checkpoint.Manager(tmp_path / "ck", keep=3).restore_latest(
+          checkpoint.like_of(_tree(mesh, 0)))
+  message = str(e.value)
+  assert "\n" not in message and message.startswith(mgr.path(2) + ": permission denied")
+  assert "left in place" in message and "not a complete checkpoint" not in message
+  assert sorted(os.listdir(tmp_path / "ck")) == ["step_00000001", "step_00000002"]
+  assert checkpoint.Manager(tmp_path / "ck", keep=3).restore_latest(
+      checkpoint.like_of(_tree(mesh, 0)))[0] == 2  # readable again: resumed, nothing lost
+  with deny(tmp_path / "ck"):  # the stage's directory itself
+    with pytest.raises(checkpoint.CheckpointError, match=r"ck: permission denied reading the "
+                                                         r"directory .*left in place"):
+      checkpoint.Manager(tmp_path / "ck", keep=3)
+  # An unreadable SFT model export stops the run the same way instead of being rebuilt.
+  from dpo import identity
+  export = checkpoint.save(str(tmp_path / "sft_model"), _tree(mesh, 1), {"kind": "params"})
+  with deny(export):
+    with pytest.raises(checkpoint.CheckpointError, match="sft_model: permission denied"):
+      identity.reusable(export, {})
+  assert os.path.isdir(export) and not os.path.exists(export + ".damaged")
+
+
+def test_unreadable_checkpoint_is_an_error_left_in_place(tmp_path, monkeypatch):
+  import contextlib
+
+  @contextlib.contextmanager
+  def deny(path):
+    with monkeypatch.context() as m:
+      _deny(m, path)
+      yield
+  _unreadable_step_is_an_error_left_in_place(tmp_path, deny)
+
+
+def _permissions_bind() -> bool:
+  """Whether a chmod 000 stops this process (root with CAP_DAC_OVERRIDE reads through it)."""
+  import tempfile
+  with tempfile.TemporaryDirectory() as d:
+    os.chmod(d, 0)
+    try:
+      os.listdir(d)
+      return False
+    except PermissionError:
+      return True
+    finally:
+      os.chmod(d, 0o700)
+
+
+@pytest.mark.skipif(not _permissions_bind(), reason=f"uid {os.geteuid()} (root) reads a chmod "
+                    f"000 directory; test_unreadable_checkpoint_is_an_error_left_in_place "
+                    f"simulates the denial instead")
+def test_chmod_000_checkpoint_is_an_error_left_in_place(tmp_path):
+  import contextlib
+
+  @contextlib.contextmanager
+  def deny(path):
+    os.chmod(path, 0)
+    try:
+      yield
+    finally:
+      os.chmod(path, 0o755)
+  _unreadable_step_is_an_error_left_in_place(tmp_path, deny)
+
+
+def test_free_space_check_counts_the_kept_checkpoints(tmp_path, monkeypatch):
+  """With --keep_checkpoints=3 a stage's directory grows to 3 checkpoints and writes a 4th
+  before pruning: the first save needs room for 4, a save beside 3 kept ones for 1."""
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  size = checkpoint.nbytes(_tree(mesh, 0)) + 2**20  # what save() counts per checkpoint
+  usage = checkpoint.shutil.disk_usage
+  free = lambda n: monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                                       lambda p: usage(p)._replace(free=n))
+  mgr = checkpoint.Manager(tmp_path / "ck", keep=3)
+  free(3 * size)
+  with pytest.raises(checkpoint.DiskFull) as e:
+    mgr.save(1, _tree(mesh, 1), {})
+  message = str(e.value)
+  assert "\n" not in message and f"it needs {4 * size:,} bytes (4 x {size:,} bytes" in message
+  assert "--keep_checkpoints=3" in message and f"{3 * size:,} free" in message
+  assert os.listdir(tmp_path / "ck") == []
+  free(4 * size)
+  for step in (1, 2, 3):
+    mgr.save(step, _tree(mesh, step), {})
+  free(size)
+  mgr.save(4, _tree(mesh, 4), {})  # beside 3 kept ones: the new one, then the oldest goes
+  assert mgr.steps() == [2, 3, 4]
+
+
 # --- a kill at each phase -------------------------------------------------------------------------
 
 # (operation, phase) -> the step and tree version a rerun resumes: old (the state before the
@@ -423,6 +562,63 @@ def test_damaged_sft_model_and_step_are_rebuilt(tmp_path, reference_run, caplog)
   assert records(out) == records(reference_run)
   for k, v in _loop_outputs(out).items():
     assert_tree_bitwise(v, _loop_outputs(reference_run)[k])
+
+
+@pytest.mark.parametrize("sft_steps_lost", ["the last", "all"])
+@pytest.mark.slow
+def test_rebuilt_sft_model_keeps_the_metrics_history(tmp_path, reference_run, caplog,
+                                                     sft_steps_lost):
+  """A finished run whose SFT model is damaged, with its last SFT step checkpoint (the SFT stage
+  runs again from step 2) or all of them (from the start): the rebuilt stage writes its records
+  again into the SFT section, before the DPO stage's, which stay; the DPO stage resumes from its
+  last checkpoint. The records equal the uninterrupted run's, none lost or out of order."""
+  out = tmp_path / "run"
+  loop.run(tiny_cfg(out))
+  os.remove(_chunk(out / "checkpoints" / "sft_model", "embed"))
+  sft_dir = out / "checkpoints" / "sft"
+  if sft_steps_lost == "all":
+    checkpoint.shutil.rmtree(sft_dir)
+  else:
+    os.remove(_chunk(sft_dir / "step_00000004", "embed"))
+  with caplog.at_level(logging.INFO):
+    loop.run(tiny_cfg(out))
+  assert "sft_model is damaged" in caplog.text
+  assert records(out) == records(reference_run)
+  # What the resumes dropped is counted: SFT steps after its checkpoint, the final evaluation.
+  assert "dropped 1 record of stage dpo written after" in caplog.text
+  dropped_sft = 4 if sft_steps_lost == "all" else 2
+  assert f"dropped {dropped_sft} records of stage sft" in caplog.text
+
+
+def test_metrics_sections_follow_the_recipe(tmp_path, caplog):
+  """The stage order is the recipe's, whatever its stages are named: a first stage run again
+  writes into its own section, before the second's records, which a rewind of the first keeps;
+  an evaluation record belongs to the stage whose records follow it, or at the end to the last;
+  records of a registered stage outside the recipe (an earlier run's) stay in front."""
+  from dpo.runner import MetricsWriter
+  rec = lambda stage, step: {"stage": stage, "step": step}
+  names = lambda: [(r["stage"], r["step"])
+                   for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
+  w = MetricsWriter(str(tmp_path), ("warmup", "align"))
+  for r in [rec("warmup", 1), rec("warmup", 2), rec("eval", 0), rec("align", 1), rec("eval", 1)]:
+    w.write(r)
+  with caplog.at_level(logging.INFO):
+    w.rewind(1, "warmup step 1", "warmup")  # the first stage is rebuilt from its step 1
+  assert names() == [("warmup", 1), ("eval", 0), ("align", 1), ("eval", 1)]
+  assert "dropped 1 record of stage warmup written after warmup step 1" in caplog.text
+  w.write(rec("warmup", 2))
+  assert names() == [("warmup", 1), ("warmup", 2), ("eval", 0), ("align", 1), ("eval", 1)]
+  assert w.count == 2
+  w.rewind(4, "align step 1", "align")  # the second resumes: its final evaluation runs again
+  assert names() == [("warmup", 1), ("warmup", 2), ("eval", 0), ("align", 1)]
+  w.rewind_stage("warmup")  # the first starts afresh; the second's records stay
+  assert names() == [("eval", 0), ("align", 1)] and (w.count, w.later) == (0, 2)
+  # Another recipe over the same file: "warmup" is a registered stage outside it.
+  (tmp_path / "metrics.jsonl").write_text(json.dumps(rec("warmup", 1)) + "\n" +
+                                          json.dumps(rec("align", 1)) + "\n")
+  w = MetricsWriter(str(tmp_path), ("align",), ("warmup", "align"))
+  w.rewind_stage("align")
+  assert names() == [("warmup", 1)]
 
 
 # --- metrics.jsonl and a full disk ----------------------------------------------------------------

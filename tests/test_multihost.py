@@ -226,3 +226,66 @@ def test_killed_peer_then_the_rerun_resumes_to_the_uninterrupted_run(tmp_path, u
   for name in ("policy", "dpo/step_00000004"):  # every array file's sha256 (the manifests')
     assert (checkpoint.digest(str(out / "checkpoints" / name)) ==
             checkpoint.digest(str(multi / "checkpoints" / name))), name
+
+
+# --- how a survivor sees a death at once (dpo/distributed.py), without a second process --------
+
+@pytest.fixture
+def losses(monkeypatch):
+  """distributed's module state afresh, and `_peer_lost` recording its reason instead of exiting."""
+  import threading
+  from dpo import distributed
+  seen = []
+  monkeypatch.setattr(distributed, "_peer_lost", seen.append)
+  for name in ("_JOINED", "_FINISHED"):
+    monkeypatch.setattr(distributed, name, threading.Event())
+  monkeypatch.setattr(distributed, "_DONE", set())
+  monkeypatch.setattr(distributed, "_LINKS", [])
+  return distributed, seen
+
+
+def _settle(condition, timeout=5.0):
+  deadline = time.monotonic() + timeout
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.01)
+
+
+def test_a_link_closed_without_goodbye_is_a_loss_and_one_with_it_is_not(losses):
+  distributed, seen = losses
+  dead, ours = socket.socketpair()
+  distributed._watch_link(ours, "process 1")
+  dead.close()  # what the kernel does to a killed process's sockets
+  _settle(lambda: seen)
+  assert seen == ["process 1 closed its connection: it exited or was killed"]
+  done, ours = socket.socketpair()
+  distributed._watch_link(ours, "process 2")
+  done.sendall(distributed._GOODBYE)  # `finished`, then the process exits
+  done.close()
+  _settle(lambda: "process 2" in distributed._DONE)
+  assert distributed._DONE == {"process 2"} and len(seen) == 1
+
+
+def test_the_relay_carries_the_service_and_reports_its_close_first(losses):
+  """Bytes pass both ways; the service's side closing during the run is reported (the relay
+  keeps JAX's client from seeing it first); before the run is joined it is not."""
+  distributed, seen = losses
+  with socket.create_server(("127.0.0.1", 0)) as service:
+    relay = distributed._relay(service.getsockname())
+    client = socket.create_connection(distributed._split_address(relay))
+    upstream, _ = service.accept()
+    client.sendall(b"ping")
+    assert upstream.recv(4) == b"ping"
+    upstream.sendall(b"pong")
+    assert client.recv(4) == b"pong"
+    distributed._JOINED.set()
+    upstream.close()  # process 0, and its service, killed
+    _settle(lambda: seen)
+    assert seen == [f"{distributed._COORDINATOR} closed the coordination service's connection: "
+                    f"it exited or was killed"]
+    seen.clear()
+    distributed._DONE.add(distributed._COORDINATOR)  # process 0 finished: its close is no loss
+    client = socket.create_connection(distributed._split_address(relay))
+    upstream, _ = service.accept()
+    upstream.close()
+    assert client.recv(4) == b""  # the close reaches the client
+    assert seen == []

@@ -66,7 +66,7 @@ def assert_mirrored(records, out, wandb=True):
 def test_mirror_forwards_every_record_the_writer_appends(tmp_path):
   cfg = configs.DEFAULT.replace(output_dir=str(tmp_path), wandb_project="test",
                                 wandb_mode="offline")
-  writer = MetricsWriter(str(tmp_path))
+  writer = MetricsWriter(str(tmp_path), ("sft", "dpo"))
   records = [{"stage": "sft", "step": 2, "loss": 5.0, "tokens_per_sec": 10.0},
              {"stage": "dpo", "step": 2, "loss": 0.69, "rewards/margins": 0.0, "kl": 0.01},
              {"stage": "eval", "step": 2, "eval/win_rate": 0.5, "eval/perplexity": None},

@@ -3,6 +3,7 @@ launch.py prints as one `error:` line with exit status 2), never a crash deeper 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -82,4 +83,39 @@ def test_launch_prints_one_line_and_exits_2(tmp_path):
   assert r.returncode == 2, r.stderr[-2000:]
   errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
   assert errors == [f"error: {tmp_path}: is a directory; give a JSONL or JSON file"]
+  assert "Traceback" not in r.stderr
+
+
+def _lora_state(tmp_path):
+  """A LoRA training state checkpoint (adapters and moments, no full model weights)."""
+  import jax
+  import numpy as np
+  from dpo import checkpoint
+  path = tmp_path / "lora_state"
+  checkpoint.Manager(path, 1).save(3, {"a": jax.numpy.asarray(np.zeros(4, np.float32))},
+                                   {"lora": True})
+  return str(path / "step_00000003")
+
+
+INPUTS = {  # name: (make the flag's value, the message after `--flag=value: `)
+    "init_from, missing": ("init_from", lambda p: str(p / "nope"), r"not a complete checkpoint"),
+    "init_from, a LoRA training state": (
+        "init_from", _lora_state, r"kind 'state' \(lora=True\) holds no full model weights"),
+    "init_from, hf: without config.json": (
+        "init_from", lambda p: f"hf:{p}", r"/config\.json is missing"),
+    "train_data, missing": ("train_data", lambda p: str(p / "pairs.jsonl"), r"no such file$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INPUTS))
+def test_an_unusable_input_is_one_line_naming_the_flag_and_file(tmp_path, case):
+  flag, value, pattern = INPUTS[case]
+  value = value(tmp_path)
+  r = subprocess.run([sys.executable, "launch.py", f"--{flag}={value}",
+                      f"--output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 2, r.stderr[-2000:]
+  errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+  assert len(errors) == 1 and errors[0].startswith(f"error: --{flag}={value}: "), r.stderr[-2000:]
+  assert re.search(pattern, errors[0]), errors[0]
   assert "Traceback" not in r.stderr
