@@ -118,7 +118,7 @@ class Data:
     """At least one global batch for each stage that trains on it, and (--packing) pairs whose
     rows share a prompt: refused before any stage runs, not when the DPO stage starts."""
     d, batch, stages = cfg.data, cfg.optim.global_batch_size, cfg.run.stages
-    for arrays, used, what in ((self.pairs, "dpo" in stages,
+    for arrays, used, what in ((self.pairs, "dpo" in stages or "rm" in stages,
                                 d.train_data or "the embedded task's pairs"),
                                (self.sft, "sft" in stages,
                                 d.sft_data or d.train_data or "the embedded task's SFT data")):

@@ -381,6 +381,21 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
   return cfg, params
 
 
+def load_score(directory: str, cfg: ModelConfig, mesh: Mesh) -> jax.Array:
+  """The reward head [D, 1] of a `*ForSequenceClassification` folder with one label: its
+  `score.weight` [1, D], transposed, replicated over `mesh` as the head's ParamSpec says
+  (dpo/algorithms/rm.py). Raises HFError naming the folder when it is missing or misshapen."""
+  files = SafetensorsDir(directory)
+  got = files.shape("score.weight")
+  if got != (1, cfg.d_model):
+    raise HFError(f"{directory}: tensor 'score.weight' is "
+                  f"{'missing' if got is None else f'of shape {list(got)}'}; a reward model "
+                  f"has one label, shape [1, {cfg.d_model}]")
+  spec = transformer.score_spec(cfg)
+  value = np.asarray(files.get("score.weight"), np.float32).T
+  return jax.device_put(value, transformer.shardings(spec, mesh))
+
+
 def source_config(init_from: str) -> dict | None:
   """The config.json of an `hf:DIR` init, to carry token ids etc. into an export."""
   if not init_from.startswith("hf:"):

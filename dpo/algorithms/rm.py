@@ -1,0 +1,173 @@
+"""Reward-model training: a scalar head on the transformer, trained on the preference pairs with
+the Bradley-Terry objective of TRL's `RewardTrainer` (Ouyang et al. 2022, eq. 1;
+`-log sigmoid(r_chosen - r_rejected - margin)`), with LoRA (the head trains too, as PEFT's
+`modules_to_save` keeps `score` trainable) or every weight.
+
+The reward of a sequence is the final hidden state (after the final norm) at its last scored
+token times the head `score` [D, 1], as transformers' `*ForSequenceClassification` reads the last
+non-padding token with `score.weight`. Pair rows are right-padded, so that is the last slot
+whose segment id is not 0; in shared-prefix rows (--prefix_sharing) it is the last slot of each
+side's branch.
+
+The stage's trainable tree is {"body": the LoRA factors or every weight, "score": [D, 1]}; with
+LoRA the frozen part is the base (`train.Frozen`), else None.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from dpo import algorithms, batches, checkpoint, hooks, identity, packing, train
+from dpo.batches import PairBatch
+from dpo.program import Start
+from models import lora as lora_lib
+from models import transformer
+
+
+def trainable_specs(model, lora) -> dict:
+  """ParamSpecs of what the reward stage trains: {"body": LoRA factors or every weight,
+  "score": the head}; init, shardings and the optimizer's state all derive from these."""
+  return {"body": train.trainable_specs(model, lora), "score": transformer.score_spec(model)}
+
+
+def initial_trainable(model, lora, base, key: jax.Array, mesh):
+  """Fresh LoRA factors (or a copy of `base`) and a head ~ N(0, init_std^2), born sharded."""
+  k_body, k_head = jax.random.split(key)
+  spec = transformer.score_spec(model)
+  head = jax.jit(lambda k: transformer.init_from_specs(spec, k, model.init_std),
+                 out_shardings=transformer.shardings(spec, mesh))(k_head)
+  return {"body": train.initial_trainable(model, lora, base, k_body, mesh), "score": head}
+
+
+def _last_slot(valid_BT: jax.Array) -> jax.Array:
+  """[B] int32: the last slot where `valid_BT` holds (0 for a row with none)."""
+  T = valid_BT.shape[1]
+  return jnp.max(jnp.where(valid_BT, jnp.arange(T), 0), axis=1)
+
+
+def rewards(model, params, score_D1, batch: PairBatch, adapter=None) -> jax.Array:
+  """[B, 2] float32 rewards of chosen and rejected: the final hidden state at each sequence's
+  last scored token times `score_D1`. Runs on the shared-prefix rows when the batch has them
+  (one pair a row; packed rows are refused by the stage)."""
+  if batch.shared is None:
+    rows = batch.pairs
+    B, _, T = rows.tokens.shape
+    flat = lambda x: x.reshape(2 * B, T)
+    inputs = transformer.Inputs(flat(rows.tokens), flat(rows.positions), flat(rows.segment_ids))
+    h_NTD = transformer.hidden(model, params, inputs, adapter)
+    last_N = _last_slot(inputs.segment_ids_BT != 0)
+    h_ND = jnp.take_along_axis(h_NTD, last_N[:, None, None], axis=1)[:, 0]
+    h_B2D = h_ND.reshape(B, 2, -1)
+  else:
+    sh = batch.shared
+    h_BSD = transformer.hidden(model, params, sh.inputs(), adapter)
+    live_BS = sh.segment_ids != 0
+    last_B2 = jnp.stack([_last_slot(live_BS & (sh.branch == b)) for b in (1, 2)], axis=1)
+    h_B2D = jnp.take_along_axis(h_BSD, last_B2[:, :, None], axis=1)
+  return jnp.einsum("bsd,do->bs", h_B2D.astype(jnp.float32), score_D1.astype(jnp.float32))
+
+
+def bradley_terry(r_B2: jax.Array, margin_B: jax.Array | None, center_coef: float):
+  """(loss, metrics) of TRL 1.16 RewardTrainer.compute_loss: the mean over pairs of
+  -log sigmoid(r_c - r_r - margin), plus center_coef * mean((r_c + r_r)^2) when center_coef > 0;
+  metrics under TRL's names (accuracy counts strict r_c > r_r, as TRL does)."""
+  r_c, r_r = r_B2[:, 0], r_B2[:, 1]
+  diff_B = r_c - r_r
+  loss = -jax.nn.log_sigmoid(diff_B - (0.0 if margin_B is None else margin_B)).mean()
+  if center_coef:
+    loss = loss + center_coef * jnp.mean((r_c + r_r) ** 2)
+  r_g = jax.lax.stop_gradient(r_B2)
+  metrics = {"accuracy": (r_g[:, 0] > r_g[:, 1]).astype(jnp.float32).mean(),
+             "margin": (r_g[:, 0] - r_g[:, 1]).mean(), "min_reward": r_g.min(),
+             "mean_reward": r_g.mean(), "max_reward": r_g.max()}
+  return loss, metrics
+
+
+def microbatch_loss(spec: train.StepConfig, frozen, trainable, batch: PairBatch, dropout_key):
+  """(loss, metrics) of one (micro)batch of pairs under the reward model `trainable` (with LoRA
+  on the frozen base `frozen.params`)."""
+  params, adapter = trainable["body"], None
+  if spec.lora.enabled:
+    params, adapter = frozen.params, transformer.Adapter(
+        trainable["body"], spec.lora.scale, dropout_key, spec.lora.lora_dropout)
+  r_B2 = rewards(spec.model, params, trainable["score"], batch, adapter)
+  return bradley_terry(r_B2, batch.margin, spec.reward.center_rewards_coefficient)
+
+
+def rm_step(spec: train.StepConfig, state: train.TrainState, frozen,
+            batch: PairBatch) -> tuple[train.TrainState, dict]:
+  """One reward-model update on a batch of pairs; with gradient_accumulation_steps = K the
+  loss, gradient and metrics are the means over K microbatches (min/max rewards too, as TRL
+  averages them over its logging window)."""
+  lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
+
+  def grad_fn(trainable, micro, i):
+    key = train.step_key(state) if k == 1 else jax.random.fold_in(train.step_key(state), i)
+    return jax.value_and_grad(microbatch_loss, argnums=2, has_aux=True)(
+        spec, frozen, trainable, micro, key if lora_on else None)
+
+  (loss, metrics), grads = train.accumulate(grad_fn, state.params, batch, k)
+  return train.apply_update(state, *spec.optimizer(), loss, grads, metrics)
+
+
+def step_config(cfg) -> train.StepConfig:
+  """The reward step's static argument: model, optimizer, LoRA and the reward section."""
+  r = cfg.reward
+  return train.StepConfig(cfg.model, cfg.optim, r.rm_learning_rate, r.rm_steps, cfg.lora,
+                          reward=r)
+
+
+def reward_model(c, params, trainable) -> dict:
+  """The reward model's params: the transformer's (LoRA merged) and the head `score`."""
+  body = (lora_lib.merge(params, trainable["body"], c.lora) if c.lora.enabled
+          else trainable["body"])
+  return {**body, "score": trainable["score"]}
+
+
+def run(p, model: algorithms.Model) -> algorithms.Model:
+  """The reward stage from `model` (the transformer the head is put on); saves the reward model
+  to checkpoints/rm_model and hands on `model` unchanged (a reward model is not a policy)."""
+  c, mesh = p.cfg, p.mesh
+  if c.model.packing:
+    raise ValueError("--packing: the rm stage reads one pair a row; run it without --packing")
+  if c.model.base_quant != "none":
+    raise ValueError(f"--base_quant={c.model.base_quant}: the rm stage trains on a float base")
+  opt, _ = step_config(c).optimizer()
+  key = jax.random.fold_in(jax.random.key(c.run.seed), 3)
+  trainable = lambda: initial_trainable(c.model, c.lora, model.params, key, mesh)
+  fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
+  frozen = train.Frozen(model.params) if c.lora.enabled else None
+  start = Start(fresh, frozen, identity.model_digest(model.path),
+                {"init_from": model.path, "lora": c.lora.enabled})
+  stage_hooks = [hooks.LogMetrics(c.run.log_every),
+                 hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
+  t_rm = time.perf_counter()
+  state = p.stage(RM, start, _rows(c, p.data.pairs), stage_hooks).run()
+  out = os.path.join(c.run.output_dir, "checkpoints", "rm_model")
+  checkpoint.save_params(out, reward_model(c, model.params, state.params), c.model, stage="rm",
+                         step=int(state.step), base=model.path)
+  p.summary["rm_model"] = os.path.abspath(out)
+  p.summary["rm_time_s"] = round(time.perf_counter() - t_rm, 1)
+  logging.info("rm: reward model -> %s", out)
+  return model
+
+
+def _rows(c, pairs: dict) -> dict:
+  """The pairs, with their shared-prefix rows beside them under --prefix_sharing when it
+  applies (the forward then runs on those)."""
+  if not c.model.prefix_sharing:
+    return pairs
+  shared, note = packing.shared_prefix(pairs)
+  logging.info("%s", note)
+  return pairs if shared is None else {**pairs, **shared}
+
+
+RM = algorithms.register(algorithms.Algorithm(
+    name="rm", step=rm_step, batch=batches.PairBatch.of, step_config=step_config, run=run,
+    hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "reward")),
+    data_files=("train_data", "tokenizer"), data_seed=3, steps_flag="--rm_steps"))

@@ -1,0 +1,181 @@
+"""dpo/algorithms/rm.py against transformers and TRL 1.16's RewardTrainer, the oracles users
+compare with: a tiny random `LlamaForSequenceClassification` (one label), saved and imported
+into ours (models/hf.py, with `score.weight`), gives per-sequence rewards equal to its logits,
+and TRL's own `compute_loss` on the same batch gives our loss and metrics. TRL's trainer is
+built with `object.__new__` and the attributes `compute_loss` reads, as tests/test_losses_trl.py
+does for DPO.
+"""
+
+import collections
+import json
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+trl_rm = pytest.importorskip("trl.trainer.reward_trainer")
+
+from dpo import batches, train  # noqa: E402
+from dpo.algorithms import rm  # noqa: E402
+from models import hf, sharding  # noqa: E402
+
+B, T, PROMPT, V, PAD = 6, 14, 3, 64, 0
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+  """(transformers model, our ModelConfig, our params, our head [D, 1]) of one random Llama."""
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+      tie_word_embeddings=True, num_labels=1, pad_token_id=PAD, rms_norm_eps=1e-6)
+  model = transformers.LlamaForSequenceClassification(config).float()
+  with torch.no_grad():  # a non-trivial head (transformers inits it small)
+    model.score.weight.normal_(0.0, 1.0)
+  directory = str(tmp_path_factory.mktemp("llama_rm"))
+  model.save_pretrained(directory, safe_serialization=True)
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  cfg, params = hf.load(directory, mesh)
+  return model, cfg, params, hf.load_score(directory, cfg, mesh)
+
+
+def pair_rows(seed=0):
+  """Right-padded [B, 2, T] pair rows: a shared PROMPT-token prompt, completions of random
+  lengths; token ids avoid PAD so transformers' last non-pad token is ours."""
+  rng = np.random.default_rng(seed)
+  n = rng.integers(2, T - PROMPT + 1, (B, 2))
+  tokens = rng.integers(1, V, (B, 2, T)).astype(np.int32)
+  tokens[:, 1, :PROMPT] = tokens[:, 0, :PROMPT]
+  pos = np.arange(T)
+  live = pos < PROMPT + n[..., None]
+  tokens = np.where(live, tokens, PAD).astype(np.int32)
+  return batches.Rows(tokens, np.broadcast_to(pos, tokens.shape).astype(np.int32),
+                      live.astype(np.int32), (live & (pos >= PROMPT)).astype(np.float32))
+
+
+def transformers_rewards(model, rows):
+  """[B, 2] logits of LlamaForSequenceClassification on TRL's layout (chosen rows, then
+  rejected rows)."""
+  ids = torch.from_numpy(np.concatenate([rows.tokens[:, 0], rows.tokens[:, 1]]).astype(np.int64))
+  with torch.no_grad():
+    logits = model(input_ids=ids, attention_mask=(ids != PAD).long()).logits[:, 0].numpy()
+  return np.stack([logits[:B], logits[B:]], axis=1)
+
+
+class _Accelerator:
+  gather_for_metrics = gather = staticmethod(lambda t: t)
+
+
+def trl_loss(model, rows, margin=None, center=None):
+  """(loss, metrics) of TRL RewardTrainer.compute_loss on the pairs `rows`."""
+  t = object.__new__(trl_rm.RewardTrainer)
+  t.__dict__.update(model=model, accelerator=_Accelerator(),
+                    args=types.SimpleNamespace(center_rewards_coefficient=center),
+                    _metrics={"train": collections.defaultdict(list)}, _total_train_tokens=0,
+                    _tp_size=1)
+  model.train()  # compute_loss's mode; the tiny Llama has no dropout
+  ids = torch.from_numpy(np.concatenate([rows.tokens[:, 0], rows.tokens[:, 1]]).astype(np.int64))
+  inputs = {"input_ids": ids, "attention_mask": (ids != PAD).long()}
+  if margin is not None:
+    inputs["margin"] = torch.from_numpy(margin)
+  with torch.no_grad():
+    loss = float(t.compute_loss(model, inputs))
+  model.eval()
+  metrics = {k: v[-1] for k, v in t._metrics["train"].items() if k != "num_tokens"}
+  return loss, metrics
+
+
+def test_rewards_equal_transformers_logits(reward_model):
+  model, cfg, params, score = reward_model
+  rows = pair_rows()
+  ours = np.asarray(rm.rewards(cfg, params, score, batches.PairBatch(rows)))
+  theirs = transformers_rewards(model, rows)
+  np.testing.assert_allclose(ours, theirs, **TOL)
+  print(f"max |reward ours - transformers| = {np.abs(ours - theirs).max():.2e}")
+
+
+@pytest.mark.parametrize("margin,center", [(False, None), (True, None), (False, 0.01),
+                                           (True, 0.1)])
+def test_loss_and_metrics_equal_trl_reward_trainer(reward_model, margin, center):
+  model, cfg, params, score = reward_model
+  rows = pair_rows(1)
+  m = np.random.default_rng(2).uniform(-1, 1, B).astype(np.float32) if margin else None
+  batch = batches.PairBatch(rows, margin=m)
+  r = rm.rewards(cfg, params, score, batch)
+  loss, metrics = rm.bradley_terry(r, None if m is None else jnp.asarray(m), center or 0.0)
+  want_loss, want = trl_loss(model, rows, m, center)
+  assert set(metrics) == set(want)  # TRL's names: accuracy, margin, min/mean/max_reward
+  np.testing.assert_allclose(float(loss), want_loss, **TOL)
+  for k in want:
+    np.testing.assert_allclose(float(metrics[k]), want[k], **TOL, err_msg=k)
+
+
+def test_shared_prefix_rows_give_the_same_rewards(reward_model):
+  """Prefix sharing (prompt | chosen | rejected in one row) reads each side's last token."""
+  from dpo import packing
+  _, cfg, params, score = reward_model
+  rows = pair_rows(3)
+  arrays = dict(rows._asdict())
+  shared, note = packing.shared_prefix(arrays)
+  assert shared is not None, note
+  plain = rm.rewards(cfg, params, score, batches.PairBatch(rows))
+  both = rm.rewards(cfg, params, score, batches.PairBatch.of({**arrays, **shared}))
+  np.testing.assert_allclose(np.asarray(both), np.asarray(plain), **TOL)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_step_trains_the_head_and_the_body(reward_model, lora_rank):
+  """One jitted reward step: full fine-tuning or LoRA, the head moves either way and the loss
+  equals `bradley_terry` of the start's rewards."""
+  import configs
+  _, mcfg, params, score = reward_model
+  cfg = configs.DEFAULT.replace(lora_rank=lora_rank, lora_dropout=0.0, rm_steps=10,
+                                rm_learning_rate=1e-2, global_batch_size=B, warmup_ratio=0.0)
+  cfg = cfg.replace(**{f.name: getattr(mcfg, f.name) for f in __import__(
+      "dataclasses").fields(mcfg)})
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  spec = rm.step_config(cfg)
+  opt, _ = spec.optimizer()
+  trainable = rm.initial_trainable(cfg.model, cfg.lora, params, jax.random.key(0), mesh)
+  trainable["score"] = score.copy()  # the state is donated to the step
+  state = train.init_state(trainable, opt, 0, mesh)
+  frozen = train.Frozen(params) if cfg.lora.enabled else None
+  batch = batches.PairBatch(pair_rows(4))
+  want, _ = rm.bradley_terry(rm.rewards(cfg.model, params, score, batch), None, 0.0)
+  step = train.jit_step(rm.rm_step, spec, mesh, state, frozen)
+  new, metrics = step(state, frozen, train.device_batch(mesh, batch))
+  np.testing.assert_allclose(float(metrics["loss"]), float(want), **TOL)
+  assert np.abs(np.asarray(new.params["score"]) - np.asarray(score)).max() > 0
+  assert {"accuracy", "margin", "mean_reward", "min_reward", "max_reward"} <= set(metrics)
+
+
+@pytest.mark.slow
+def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
+  """--stage=sft,rm on the embedded task: accuracy on the training pairs rises above chance,
+  checkpoints/rm/step_<N> and checkpoints/rm_model are written, the summary names them."""
+  import configs
+  from dpo import checkpoint, loop
+  out = str(tmp_path / "run")
+  cfg = configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+      task_train_pairs=64, task_sft_examples=32, task_eval_pairs=8, task_eval_prompts=4,
+      global_batch_size=16, sft_steps=2, rm_steps=40, rm_learning_rate=3e-3, log_every=5,
+      checkpoint_every=20, stage="sft,rm", output_dir=out)
+  loop.run(cfg)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f if '"stage": "rm"' in line]
+  assert [r["step"] for r in records][-1] == 40
+  assert np.mean([r["accuracy"] for r in records[-3:]]) > 0.6, records
+  assert os.path.isdir(os.path.join(out, "checkpoints", "rm", "step_00000040"))
+  saved = checkpoint.read_meta(os.path.join(out, "checkpoints", "rm_model"))
+  assert saved["stage"] == "rm" and saved["step"] == 40
+  with open(os.path.join(out, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["rm_model"].endswith("rm_model")
