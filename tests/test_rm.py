@@ -130,6 +130,7 @@ def test_shared_prefix_rows_give_the_same_rewards(reward_model):
   np.testing.assert_allclose(np.asarray(both), np.asarray(plain), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_step_trains_the_head_and_the_body(reward_model, lora_rank):
   """One jitted reward step: full fine-tuning or LoRA, the head moves either way and the loss
