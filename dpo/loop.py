@@ -58,6 +58,10 @@ class Data:
     self.reports = []
     self.pairs, self.held = self._task_pairs(cfg) if self.embedded else self._file_pairs(cfg)
     self.sft = self._sft(cfg)
+    if "margin" in self.pairs:
+      logging.log(logging.INFO if "rm" in cfg.run.stages else logging.WARNING,
+                  "%s: per-pair margins, read by the rm stage only%s", d.train_data,
+                  "" if "rm" in cfg.run.stages else " (not in this --stage; unused)")
     if check_sizes:
       self._check_sizes(cfg)
     self._sampling_prompts(cfg)
@@ -112,7 +116,7 @@ class Data:
     if self.embedded:
       return data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, cfg.run.seed), self.tok,
                                    *lens, what="sft data")
-    return {k: v[:, 0] for k, v in self.pairs.items()}
+    return {k: v[:, 0] for k, v in self.pairs.items() if k != "margin"}  # margin: [N]
 
   def _check_sizes(self, cfg) -> None:
     """At least one global batch for each stage that trains on it, and (--packing) pairs whose

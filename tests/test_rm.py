@@ -9,6 +9,7 @@ does for DPO.
 import collections
 import json
 import os
+import re
 import types
 
 import jax
@@ -180,3 +181,57 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
   with open(os.path.join(out, "summary.json")) as f:
     summary = json.load(f)
   assert summary["rm_model"].endswith("rm_model")
+
+
+def _write_jsonl(path, records):
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_margin_column_is_read_from_the_data_file(tmp_path):
+  """TRL's `margin` column reaches the rm step's batch, aligned with its pair; a record
+  without one in a file that has them, or a non-number, is a one-line error naming it."""
+  import configs
+  from dpo import prepare, tokenizer
+  from dpo.data import DataError
+  records = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}", "margin": i / 4}
+             for i in range(12)]
+  _write_jsonl(tmp_path / "m.jsonl", records)
+  tok = tokenizer.load_tokenizer(configs.DEFAULT.data.tokenizer)
+  how = prepare.Preparation(tok, max_prompt_length=16, max_target_length=16)
+  got = prepare.prepare_pairs(str(tmp_path / "m.jsonl"), how, cache_dir=str(tmp_path / "c"))
+  again = prepare.prepare_pairs(str(tmp_path / "m.jsonl"), how, cache_dir=str(tmp_path / "c"))
+  chosen = [tok.decode(t[m > 0].tolist()) for t, m in zip(got.train["tokens"][:, 0],
+                                                          got.train["loss_mask"][:, 0])]
+  want = [int(re.search(r"good (\d+)", c).group(1)) / 4 for c in chosen]
+  assert batches.PairBatch.of(got.train).margin.shape == (12,)
+  np.testing.assert_allclose(got.train["margin"], want)
+  np.testing.assert_array_equal(again.train["margin"], got.train["margin"])  # from the cache
+  records[3].pop("margin")
+  _write_jsonl(tmp_path / "bad.jsonl", records)
+  with pytest.raises(DataError, match=r"bad.jsonl:4: field 'margin' is missing"):
+    prepare.prepare_pairs(str(tmp_path / "bad.jsonl"), how)
+  records[3]["margin"] = "big"
+  _write_jsonl(tmp_path / "bad.jsonl", records)
+  with pytest.raises(DataError, match=r"bad.jsonl:4: field 'margin' is 'big'"):
+    prepare.prepare_pairs(str(tmp_path / "bad.jsonl"), how)
+
+
+@pytest.mark.slow
+def test_rm_run_on_a_file_with_margins(tmp_path):
+  """--stage=rm --train_data with a margin column: the step reads each pair's margin (the loss
+  of a batch whose margins are all 5 is far above log 2 at the start)."""
+  import configs
+  from dpo import loop
+  records = [{"prompt": f"question {i}?", "chosen": f"yes {i}", "rejected": f"no {i}",
+              "margin": 5.0} for i in range(32)]
+  _write_jsonl(tmp_path / "m.jsonl", records)
+  out = str(tmp_path / "run")
+  cfg = configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+      train_data=str(tmp_path / "m.jsonl"), eval_split=0.0, global_batch_size=8, rm_steps=2,
+      log_every=1, stage="rm", output_dir=out)
+  loop.run(cfg)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    first = [json.loads(line) for line in f if '"stage": "rm"' in line][0]
+  assert first["loss"] > 4.0, first  # -log sigmoid(r_c - r_r - 5) with r near 0
