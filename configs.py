@@ -130,6 +130,9 @@ class RewardConfig:
   center_rewards_coefficient: float = option(
       0.0, "Adds coef * mean((r_chosen + r_rejected)^2) to the reward loss, pulling rewards "
       "towards zero mean (TRL's center_rewards_coefficient, Eisenstein et al. 2023); 0 = none.")
+  export_rm_hf: str = option("", "Also export the trained reward model to this directory as a "
+                             "transformers *ForSequenceClassification folder (one label, "
+                             "score.weight) with the tokenizer; empty = none.")
 
   def __post_init__(self):
     rules(self, rm_steps=NONNEG, rm_learning_rate=FINITE_POS,

@@ -428,6 +428,7 @@ class SaveOptions(NamedTuple):
   dtype: str = "float32"                 # of the tensors written: float32 or bfloat16
   max_shard_bytes: int = 4 << 30         # a larger model is split into indexed shards
   metadata: dict[str, str] | None = None  # in every safetensors header
+  extra: dict[str, np.ndarray] | None = None  # tensors written beside the model's (HF names)
 
 
 def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
@@ -454,6 +455,7 @@ def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
     stacked = path[0] == "layers"
     for i, t in enumerate(_to_hf(value, spec, stacked)):
       tensors[template.format(i=i)] = t.astype(np_dtype)
+  tensors.update({k: v.astype(np_dtype) for k, v in (options.extra or {}).items()})
   if jax.process_index() != 0:
     return
   os.makedirs(directory, exist_ok=True)
@@ -478,6 +480,27 @@ def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
                  "weight_map": weight_map}, f, indent=2)
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
+
+
+def save_reward_model(directory: str, cfg: ModelConfig, params, pad_id: int,
+                      options: SaveOptions = SaveOptions()) -> None:
+  """A transformers `*ForSequenceClassification` folder with one label from a reward model's
+  params (the transformer's and the head `score` [D, 1], dpo/algorithms/rm.py): the model's
+  tensors, `score.weight` [1, D] and a config.json with one label and `pad_token_id` (which
+  transformers needs to find each row's last non-padding token)."""
+  body = {k: v for k, v in params.items() if k != "score"}
+  score = np.ascontiguousarray(sharding.to_host(params["score"]).T)
+  source = {**(options.source or {}), "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+            "pad_token_id": pad_id}
+  save(directory, cfg, body, None, options._replace(source=source, extra={"score.weight": score}))
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  head = archs.ARCHITECTURES[cfg.arch].hf_class.replace("ForCausalLM", "ForSequenceClassification")
+  with open(path, "w") as f:
+    json.dump({**config, "architectures": [head]}, f, indent=2)
 
 
 def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,

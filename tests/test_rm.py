@@ -7,6 +7,7 @@ does for DPO.
 """
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -61,12 +62,12 @@ def pair_rows(seed=0):
                       live.astype(np.int32), (live & (pos >= PROMPT)).astype(np.float32))
 
 
-def transformers_rewards(model, rows):
+def transformers_rewards(model, rows, pad=PAD):
   """[B, 2] logits of LlamaForSequenceClassification on TRL's layout (chosen rows, then
   rejected rows)."""
   ids = torch.from_numpy(np.concatenate([rows.tokens[:, 0], rows.tokens[:, 1]]).astype(np.int64))
   with torch.no_grad():
-    logits = model(input_ids=ids, attention_mask=(ids != PAD).long()).logits[:, 0].numpy()
+    logits = model(input_ids=ids, attention_mask=(ids != pad).long()).logits[:, 0].numpy()
   return np.stack([logits[:B], logits[B:]], axis=1)
 
 
@@ -132,6 +133,26 @@ def test_shared_prefix_rows_give_the_same_rewards(reward_model):
 
 
 @pytest.mark.slow
+def test_exported_reward_model_loads_in_transformers_with_our_rewards(reward_model, tmp_path):
+  """Our own random reward model, exported as a *ForSequenceClassification folder, loads with
+  AutoModelForSequenceClassification and scores every pair as we do."""
+  from models import transformer
+  _, cfg, _, _ = reward_model
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  params = transformer.init(dataclasses.replace(cfg, init_std=0.3), jax.random.key(7), mesh)
+  params["score"] = jax.random.normal(jax.random.key(8), (cfg.d_model, 1))
+  hf.save_reward_model(str(tmp_path / "rm"), cfg, params, PAD)
+  loaded = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"))
+  assert type(loaded).__name__ == "LlamaForSequenceClassification"
+  assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == PAD
+  rows = pair_rows(5)
+  ours = np.asarray(rm.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
+  theirs = transformers_rewards(loaded.float().eval(), rows)
+  np.testing.assert_allclose(ours, theirs, **TOL)
+  print(f"max |reward ours - exported in transformers| = {np.abs(ours - theirs).max():.2e}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_step_trains_the_head_and_the_body(reward_model, lora_rank):
   """One jitted reward step: full fine-tuning or LoRA, the head moves either way and the loss
@@ -140,8 +161,7 @@ def test_step_trains_the_head_and_the_body(reward_model, lora_rank):
   _, mcfg, params, score = reward_model
   cfg = configs.DEFAULT.replace(lora_rank=lora_rank, lora_dropout=0.0, rm_steps=10,
                                 rm_learning_rate=1e-2, global_batch_size=B, warmup_ratio=0.0)
-  cfg = cfg.replace(**{f.name: getattr(mcfg, f.name) for f in __import__(
-      "dataclasses").fields(mcfg)})
+  cfg = cfg.replace(**{f.name: getattr(mcfg, f.name) for f in dataclasses.fields(mcfg)})
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   spec = rm.step_config(cfg)
   opt, _ = spec.optimizer()
@@ -169,7 +189,7 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
       d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
       task_train_pairs=64, task_sft_examples=32, task_eval_pairs=8, task_eval_prompts=4,
       global_batch_size=16, sft_steps=2, rm_steps=40, rm_learning_rate=3e-3, log_every=5,
-      checkpoint_every=20, stage="sft,rm", output_dir=out)
+      checkpoint_every=20, stage="sft,rm", output_dir=out, export_rm_hf=str(tmp_path / "hf"))
   loop.run(cfg)
   with open(os.path.join(out, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f if '"stage": "rm"' in line]
@@ -181,6 +201,15 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
   with open(os.path.join(out, "summary.json")) as f:
     summary = json.load(f)
   assert summary["rm_model"].endswith("rm_model")
+  # The trained reward model, exported: transformers scores pairs as we do (byte PAD = 256).
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  params = rm.load(summary["rm_model"], cfg.model, mesh)
+  loaded = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf"))
+  rows = pair_rows(6)
+  rows = rows._replace(tokens=np.where(rows.segment_ids != 0, rows.tokens, 256).astype(np.int32))
+  ours = np.asarray(rm.rewards(cfg.model, params, params["score"], batches.PairBatch(rows)))
+  theirs = transformers_rewards(loaded.float().eval(), rows, pad=256)
+  np.testing.assert_allclose(ours, theirs, **TOL)
 
 
 def _write_jsonl(path, records):

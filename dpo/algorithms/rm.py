@@ -22,7 +22,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dpo import algorithms, batches, checkpoint, hooks, identity, packing, train
+from dpo import algorithms, batches, chat, checkpoint, hooks, identity, packing, train
+from dpo import tokenizer as tokenizer_lib
 from dpo.batches import PairBatch
 from dpo.program import Start
 from models import lora as lora_lib
@@ -129,6 +130,19 @@ def reward_model(c, params, trainable) -> dict:
   return {**body, "score": trainable["score"]}
 
 
+def load(path: str, model_cfg, mesh) -> dict:
+  """A reward model the stage saved (checkpoints/rm_model): the transformer's params and
+  `score`, sharded for `mesh`; a checkpoint of another stage is a CheckpointError naming it."""
+  stage = checkpoint.read_meta(path).get("stage")
+  if stage != "rm":
+    raise checkpoint.CheckpointError(f"{path}: a {stage!r} checkpoint, not a reward model "
+                                     f"(checkpoints/rm_model of an rm stage)")
+  specs = {**transformer.param_specs(model_cfg), "score": transformer.score_spec(model_cfg)}
+  like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      transformer.abstract(specs), transformer.shardings(specs, mesh))
+  return checkpoint.load(path, like)[0]
+
+
 def run(p, model: algorithms.Model) -> algorithms.Model:
   """The reward stage from `model` (the transformer the head is put on); saves the reward model
   to checkpoints/rm_model and hands on `model` unchanged (a reward model is not a policy)."""
@@ -152,9 +166,28 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   checkpoint.save_params(out, reward_model(c, model.params, state.params), c.model, stage="rm",
                          step=int(state.step), base=model.path)
   p.summary["rm_model"] = os.path.abspath(out)
+  if c.reward.export_rm_hf:
+    _export_hf(c, reward_model(c, model.params, state.params), p.data, model.path)
   p.summary["rm_time_s"] = round(time.perf_counter() - t_rm, 1)
   logging.info("rm: reward model -> %s", out)
   return model
+
+
+def _export_hf(c, params, data, started_from: str) -> None:
+  """--export_rm_hf: the reward model as a transformers *ForSequenceClassification folder, with
+  the tokenizer and the chat template the pairs were rendered with (a Hugging Face tokenizer;
+  the byte tokenizer has no such form, which is logged)."""
+  from models import hf
+  out, tok, template = c.reward.export_rm_hf, data.tok, data.template
+  hf.save_reward_model(out, c.model, params, tok.pad_id,
+                       hf.SaveOptions(hf.source_config(started_from)))
+  if isinstance(tok, tokenizer_lib.HFTokenizer):
+    hf.save_tokenizer(out, tok, template.source if isinstance(template, chat.JinjaTemplate)
+                      else template.jinja)
+  else:
+    logging.warning("--export_rm_hf: the byte tokenizer has no Hugging Face form; %s has no "
+                    "tokenizer files (ids 0-255 are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)", out)
+  logging.info("rm: exported the reward model (LoRA merged) to %s", out)
 
 
 def _rows(c, pairs: dict) -> dict:
