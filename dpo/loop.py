@@ -212,15 +212,23 @@ def held_prompts(held: dict | None, n: int) -> list[list[int]]:
 
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
   """(config, params): random init, or `--init_from`: hf:DIR (its config replaces the model
-  section) or a dpo-jax params checkpoint (an SFT output, an exported policy)."""
+  section) or a dpo-jax params checkpoint (an SFT output, an exported policy). An hf:DIR
+  whose config.json names a `*ForSequenceClassification` is a reward model: its params hold
+  the head `score` and no LM head, and only the rm stage starts from it."""
   src = cfg.checkpoint.init_from
   if not src:
     return cfg, transformer.init(cfg.model, key, mesh)
   kind, _, path = src.partition(":")
   if kind == "hf":
     from models import hf  # optional-format code stays out of the default path
-    model_cfg, params = hf.load(path, mesh, cfg.model)
-    logging.info("imported %s (%s) from %s", model_cfg.arch, src, path)
+    reward = hf.is_reward_model(path)
+    if reward and cfg.run.stages != ("rm",):
+      raise ValueError(f"--init_from={src}: a *ForSequenceClassification (a reward model) has "
+                       f"no LM head; only --stage=rm starts from it, not --stage="
+                       f"{cfg.run.stage}")
+    model_cfg, params = hf.load(path, mesh, cfg.model, reward=reward)
+    logging.info("imported %s%s (%s) from %s", model_cfg.arch, " reward model" if reward else "",
+                 src, path)
     return dataclasses.replace(cfg, model=model_cfg), params
   logging.info("init: loading checkpoint %s", src)
   return cfg, checkpoint.load_params(src, cfg.model, mesh)

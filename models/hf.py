@@ -332,11 +332,13 @@ def _read_block(tensor: np.ndarray, shape, fan_in: int, slices) -> np.ndarray:
   return sub[np.ix_(o_flat - olo, i_flat - ilo)].T.reshape(block_shape)
 
 
-def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
+def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bool = False):
   """(ModelConfig, params) from a Hugging Face directory, each array born in its sharding.
 
   `base` supplies the fields config.json does not decide (compute_dtype, remat, base_quant).
-  Raises HFError naming config.json's field or the missing / misshapen tensor.
+  With `reward` the folder is a one-label `*ForSequenceClassification`: no LM head is read
+  and the params hold the head `score` [D, 1] (`load_score`). Raises HFError naming
+  config.json's field or the missing / misshapen tensor.
   """
   where = os.path.join(directory, "config.json")
   try:
@@ -347,6 +349,8 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
   cfg = config_from_hf(hf, where, base)
   files = SafetensorsDir(directory)
   specs = transformer.param_specs(cfg)
+  if reward:  # a sequence classifier has `score` in place of the LM head
+    specs.pop("lm_head", None)
   names = _tensor_names(cfg.arch)
   plan = {}
   for path, spec in _flat_specs(specs).items():
@@ -378,6 +382,8 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
   flat = {path: build(*p) for path, p in plan.items()}
   params = {k: flat[(k,)] for k in specs if k != "layers"}
   params["layers"] = {k: flat[("layers", k)] for k in specs["layers"]}
+  if reward:
+    params["score"] = load_score(directory, cfg, mesh)
   return cfg, params
 
 
@@ -394,6 +400,16 @@ def load_score(directory: str, cfg: ModelConfig, mesh: Mesh) -> jax.Array:
   spec = transformer.score_spec(cfg)
   value = np.asarray(files.get("score.weight"), np.float32).T
   return jax.device_put(value, transformer.shardings(spec, mesh))
+
+
+def is_reward_model(directory: str) -> bool:
+  """Whether config.json names a `*ForSequenceClassification` (read by `load(reward=True)`)."""
+  try:
+    with open(os.path.join(directory, "config.json")) as f:
+      names = json.load(f).get("architectures") or []
+  except (OSError, json.JSONDecodeError) as e:
+    raise HFError(f"{os.path.join(directory, 'config.json')}: cannot read ({e})") from None
+  return any(str(n).endswith("ForSequenceClassification") for n in names)
 
 
 def source_config(init_from: str) -> dict | None:
@@ -448,8 +464,11 @@ def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
     params = lora_lib.merge(params, lora.factors, lora.cfg)
   np_dtype = np.dtype(ml_dtypes.bfloat16 if options.dtype == "bfloat16" else options.dtype)
   names = _tensor_names(cfg.arch)
+  specs = transformer.param_specs(cfg)
+  if "lm_head" not in params and "score.weight" in (options.extra or {}):
+    specs.pop("lm_head", None)  # a reward model imported from a classifier has no LM head
   tensors = {}
-  for path, spec in _flat_specs(transformer.param_specs(cfg)).items():
+  for path, spec in _flat_specs(specs).items():
     template = names[path]
     value = sharding.to_host(params[path[0]] if len(path) == 1 else params["layers"][path[1]])
     stacked = path[0] == "layers"

@@ -119,6 +119,30 @@ def test_loss_and_metrics_equal_trl_reward_trainer(reward_model, margin, center)
     np.testing.assert_allclose(float(metrics[k]), want[k], **TOL, err_msg=k)
 
 
+def test_import_of_a_transformers_reward_model_gives_its_scores(tmp_path):
+  """A transformers-saved LlamaForSequenceClassification with its own (untied) embeddings and no
+  LM head imports with hf.load(reward=True) and scores as transformers does; a causal LM's
+  folder has no `score.weight`, which is a one-line error naming the folder."""
+  torch.manual_seed(1)
+  config = transformers.LlamaConfig(
+      vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_labels=1,
+      pad_token_id=PAD)
+  model = transformers.LlamaForSequenceClassification(config).float().eval()
+  with torch.no_grad():
+    model.score.weight.normal_(0.0, 1.0)
+  model.save_pretrained(str(tmp_path / "rm"), safe_serialization=True)
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  cfg, params = hf.load(str(tmp_path / "rm"), mesh, reward=True)
+  assert "lm_head" not in params and params["score"].shape == (32, 1)
+  rows = pair_rows(7)
+  ours = np.asarray(rm.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
+  np.testing.assert_allclose(ours, transformers_rewards(model, rows), **TOL)
+  transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "lm"))
+  with pytest.raises(hf.HFError, match=r"lm: tensor 'score.weight' is missing"):
+    hf.load(str(tmp_path / "lm"), mesh, reward=True)
+
+
 def test_shared_prefix_rows_give_the_same_rewards(reward_model):
   """Prefix sharing (prompt | chosen | rejected in one row) reads each side's last token."""
   from dpo import packing
@@ -264,3 +288,38 @@ def test_rm_run_on_a_file_with_margins(tmp_path):
   with open(os.path.join(out, "metrics.jsonl")) as f:
     first = [json.loads(line) for line in f if '"stage": "rm"' in line][0]
   assert first["loss"] > 4.0, first  # -log sigmoid(r_c - r_r - 5) with r near 0
+
+
+@pytest.mark.slow
+def test_rm_stage_starts_from_an_imported_reward_model(tmp_path):
+  """--stage=rm --init_from=hf:DIR of a transformers reward model: the stage starts from its
+  head (a step at a negligible learning rate keeps it); any other recipe from it is refused."""
+  import configs
+  from dpo import loop
+  torch.manual_seed(2)
+  config = transformers.LlamaConfig(
+      vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
+      num_labels=1, pad_token_id=256)
+  model = transformers.LlamaForSequenceClassification(config).float()
+  model.save_pretrained(str(tmp_path / "rm_in"), safe_serialization=True)
+  out = str(tmp_path / "run")
+  cfg = configs.DEFAULT.replace(
+      init_from=f"hf:{tmp_path / 'rm_in'}", task_train_pairs=16, task_sft_examples=8,
+      task_eval_pairs=8, task_eval_prompts=4, global_batch_size=8, rm_steps=1,
+      rm_learning_rate=1e-12, warmup_ratio=0.0, stage="rm", output_dir=out,
+      export_rm_hf=str(tmp_path / "rm_out"))
+  loop.run(cfg)
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  params = rm.load(os.path.join(out, "checkpoints", "rm_model"), loop.initial_params(
+      cfg, jax.random.key(0), mesh)[0].model, mesh)
+  np.testing.assert_allclose(np.asarray(params["score"])[:, 0],
+                             model.score.weight.detach().numpy()[0], atol=1e-6)
+  # ... and its export, without an LM head, loads in transformers with the same scores.
+  loaded = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm_out"))
+  rows = pair_rows(8)
+  rows = rows._replace(tokens=np.where(rows.segment_ids != 0, rows.tokens, 256).astype(np.int32))
+  np.testing.assert_allclose(transformers_rewards(loaded.float().eval(), rows, pad=256),
+                             transformers_rewards(model.eval(), rows, pad=256), **TOL)
+  with pytest.raises(ValueError, match=r"--init_from=hf:.*only --stage=rm starts from it"):
+    loop.run(cfg.replace(stage="sft,rm", output_dir=str(tmp_path / "run2")))

@@ -36,12 +36,14 @@ def trainable_specs(model, lora) -> dict:
   return {"body": train.trainable_specs(model, lora), "score": transformer.score_spec(model)}
 
 
-def initial_trainable(model, lora, base, key: jax.Array, mesh):
-  """Fresh LoRA factors (or a copy of `base`) and a head ~ N(0, init_std^2), born sharded."""
+def initial_trainable(model, lora, base, key: jax.Array, mesh, head=None):
+  """Fresh LoRA factors (or a copy of `base`) and a copy of `head` (an imported reward model's)
+  or a fresh one ~ N(0, init_std^2), born sharded."""
   k_body, k_head = jax.random.split(key)
   spec = transformer.score_spec(model)
-  head = jax.jit(lambda k: transformer.init_from_specs(spec, k, model.init_std),
-                 out_shardings=transformer.shardings(spec, mesh))(k_head)
+  head = head.copy() if head is not None else jax.jit(
+      lambda k: transformer.init_from_specs(spec, k, model.init_std),
+      out_shardings=transformer.shardings(spec, mesh))(k_head)
   return {"body": train.initial_trainable(model, lora, base, k_body, mesh), "score": head}
 
 
@@ -132,12 +134,16 @@ def reward_model(c, params, trainable) -> dict:
 
 def load(path: str, model_cfg, mesh) -> dict:
   """A reward model the stage saved (checkpoints/rm_model): the transformer's params and
-  `score`, sharded for `mesh`; a checkpoint of another stage is a CheckpointError naming it."""
-  stage = checkpoint.read_meta(path).get("stage")
+  `score`, sharded for `mesh` (without an LM head when it was imported from a sequence
+  classifier, which has none); a checkpoint of another stage is a CheckpointError naming it."""
+  meta = checkpoint.read_meta(path)
+  stage = meta.get("stage")
   if stage != "rm":
     raise checkpoint.CheckpointError(f"{path}: a {stage!r} checkpoint, not a reward model "
                                      f"(checkpoints/rm_model of an rm stage)")
   specs = {**transformer.param_specs(model_cfg), "score": transformer.score_spec(model_cfg)}
+  if not any(e["path"].startswith("['lm_head']") for e in meta.get("leaves", ())):
+    specs.pop("lm_head", None)
   like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       transformer.abstract(specs), transformer.shardings(specs, mesh))
   return checkpoint.load(path, like)[0]
@@ -153,9 +159,12 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
     raise ValueError(f"--base_quant={c.model.base_quant}: the rm stage trains on a float base")
   opt, _ = step_config(c).optimizer()
   key = jax.random.fold_in(jax.random.key(c.run.seed), 3)
-  trainable = lambda: initial_trainable(c.model, c.lora, model.params, key, mesh)
+  # An imported reward model (--init_from=hf:DIR of a *ForSequenceClassification) brings its head.
+  base = {k: v for k, v in model.params.items() if k != "score"}
+  trainable = lambda: initial_trainable(c.model, c.lora, base, key, mesh,
+                                        model.params.get("score"))
   fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
-  frozen = train.Frozen(model.params) if c.lora.enabled else None
+  frozen = train.Frozen(base) if c.lora.enabled else None
   start = Start(fresh, frozen, identity.model_digest(model.path),
                 {"init_from": model.path, "lora": c.lora.enabled})
   stage_hooks = [hooks.LogMetrics(c.run.log_every),
@@ -163,11 +172,11 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   t_rm = time.perf_counter()
   state = p.stage(RM, start, _rows(c, p.data.pairs), stage_hooks).run()
   out = os.path.join(c.run.output_dir, "checkpoints", "rm_model")
-  checkpoint.save_params(out, reward_model(c, model.params, state.params), c.model, stage="rm",
+  checkpoint.save_params(out, reward_model(c, base, state.params), c.model, stage="rm",
                          step=int(state.step), base=model.path)
   p.summary["rm_model"] = os.path.abspath(out)
   if c.reward.export_rm_hf:
-    _export_hf(c, reward_model(c, model.params, state.params), p.data, model.path)
+    _export_hf(c, reward_model(c, base, state.params), p.data, model.path)
   p.summary["rm_time_s"] = round(time.perf_counter() - t_rm, 1)
   logging.info("rm: reward model -> %s", out)
   return model
