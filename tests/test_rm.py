@@ -143,6 +143,22 @@ def test_import_of_a_transformers_reward_model_gives_its_scores(tmp_path):
     hf.load(str(tmp_path / "lm"), mesh, reward=True)
 
 
+def test_held_out_metrics_are_trl_metrics_over_every_pair(reward_model):
+  """The held-out evaluation (batches of 4 over 6 pairs, the last one wrapped) is TRL's loss
+  and metrics over all the pairs at once."""
+  model, cfg, params, score = reward_model
+  rows = pair_rows(9)
+  c = types.SimpleNamespace(model=cfg, optim=types.SimpleNamespace(global_batch_size=4),
+                            reward=types.SimpleNamespace(center_rewards_coefficient=0.05))
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  got = rm.held_out_metrics(c, mesh, {**params, "score": score}, dict(rows._asdict()))
+  want_loss, want = trl_loss(model, rows, None, 0.05)
+  assert got["pairs"] == B
+  np.testing.assert_allclose(got["loss"], want_loss, **TOL)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], **TOL, err_msg=k)
+
+
 def test_shared_prefix_rows_give_the_same_rewards(reward_model):
   """Prefix sharing (prompt | chosen | rejected in one row) reads each side's last token."""
   from dpo import packing
@@ -225,6 +241,7 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
   with open(os.path.join(out, "summary.json")) as f:
     summary = json.load(f)
   assert summary["rm_model"].endswith("rm_model")
+  assert summary["rm_eval_pairs"] == 8 and 0 <= summary["rm_eval_accuracy"] <= 1
   # The trained reward model, exported: transformers scores pairs as we do (byte PAD = 256).
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = rm.load(summary["rm_model"], cfg.model, mesh)

@@ -21,8 +21,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import algorithms, batches, chat, checkpoint, hooks, identity, packing, train
+from dpo import algorithms, batches, chat, checkpoint, evaluate, hooks, identity, packing, train
 from dpo import tokenizer as tokenizer_lib
 from dpo.batches import PairBatch
 from dpo.program import Start
@@ -132,6 +133,19 @@ def reward_model(c, params, trainable) -> dict:
   return {**body, "score": trainable["score"]}
 
 
+def held_out_metrics(c, mesh, params, arrays: dict) -> dict[str, float]:
+  """The reward model `params` (transformer and `score`) over every pair of `arrays`: TRL's
+  evaluation loss and metrics (accuracy, margin, min/mean/max reward) and the pair count."""
+  replicated = NamedSharding(mesh, P())
+  fn = jax.jit(lambda p, b: rewards(c.model, p, p["score"], b), out_shardings=replicated)
+  rows = PairBatch(batches.Rows.of(arrays), margin=arrays.get("margin"))
+  (r_B2,) = evaluate.in_batches(mesh, lambda b: fn(params, b), rows, c.optim.global_batch_size)
+  margin = arrays.get("margin")
+  loss, metrics = bradley_terry(jnp.asarray(r_B2), None if margin is None else
+                                jnp.asarray(margin), c.reward.center_rewards_coefficient)
+  return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}, "pairs": len(r_B2)}
+
+
 def load(path: str, model_cfg, mesh) -> dict:
   """A reward model the stage saved (checkpoints/rm_model): the transformer's params and
   `score`, sharded for `mesh` (without an LM head when it was imported from a sequence
@@ -172,11 +186,16 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   t_rm = time.perf_counter()
   state = p.stage(RM, start, _rows(c, p.data.pairs), stage_hooks).run()
   out = os.path.join(c.run.output_dir, "checkpoints", "rm_model")
-  checkpoint.save_params(out, reward_model(c, base, state.params), c.model, stage="rm",
-                         step=int(state.step), base=model.path)
+  made = reward_model(c, base, state.params)
+  checkpoint.save_params(out, made, c.model, stage="rm", step=int(state.step), base=model.path)
   p.summary["rm_model"] = os.path.abspath(out)
+  if p.data.held is not None:  # TRL's eval_* metrics, on the held-out pairs
+    held = held_out_metrics(c, mesh, made, p.data.held)
+    p.summary.update({f"rm_eval_{k}": v for k, v in held.items()})
+    logging.info("rm: held-out accuracy %.3f, margin %+.4f, loss %.4f over %d pairs",
+                 held["accuracy"], held["margin"], held["loss"], held["pairs"])
   if c.reward.export_rm_hf:
-    _export_hf(c, reward_model(c, base, state.params), p.data, model.path)
+    _export_hf(c, made, p.data, model.path)
   p.summary["rm_time_s"] = round(time.perf_counter() - t_rm, 1)
   logging.info("rm: reward model -> %s", out)
   return model
