@@ -308,7 +308,7 @@ def run(cfg, mesh=None, init_params=None,
   identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
-  writer = MetricsWriter(out)
+  writer = MetricsWriter(out, cfg.run.stages)
   _write_flags(cfg, writer)
   cfg, params = ((cfg, init_params) if init_params is not None
                  else initial_params(cfg, jax.random.fold_in(jax.random.key(cfg.run.seed), 0), mesh))

@@ -89,7 +89,8 @@ class MetricsWriter:
   file is opened; a write that runs out of space truncates its partial line and raises DiskFull.
   """
 
-  def __init__(self, output_dir: str):
+  def __init__(self, output_dir: str, stages: tuple[str, ...] = ("sft", "dpo")):
+    self.stages = stages  # the recipe: a rewind keeps the records of the stages after a stage
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(output_dir, "metrics.jsonl")
     self.count = 0  # records in the file (process 0)
@@ -171,9 +172,10 @@ class MetricsWriter:
                                   f"space mirroring a metrics record ({len(line):,} bytes in "
                                   f"metrics.jsonl); free space and rerun to resume") from None
 
-  @staticmethod
-  def _order(stage) -> int:
-    return 0 if stage == "sft" else 1  # sft, then dpo and its evaluations
+  def _order(self, stage) -> int:
+    """The place of a record's stage in the recipe; evaluation records are the DPO stage's."""
+    stage = "dpo" if stage == "eval" else stage
+    return self.stages.index(stage) if stage in self.stages else len(self.stages)
 
   def rewind(self, count: int, what: str, stage: str) -> None:
     """Keeps the first `count` records (the file as it was when `what`, a checkpoint of

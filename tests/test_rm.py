@@ -340,3 +340,17 @@ def test_rm_stage_starts_from_an_imported_reward_model(tmp_path):
                              transformers_rewards(model.eval(), rows, pad=256), **TOL)
   with pytest.raises(ValueError, match=r"--init_from=hf:.*only --stage=rm starts from it"):
     loop.run(cfg.replace(stage="sft,rm", output_dir=str(tmp_path / "run2")))
+
+
+def test_a_fresh_stage_keeps_the_records_of_the_stages_before_it_in_the_recipe(tmp_path):
+  """In sft,rm,dpo a DPO stage that starts afresh drops its own and its evaluations' records,
+  not the rm stage's; an rm stage that starts afresh drops rm's and DPO's, not SFT's."""
+  from dpo.runner import MetricsWriter
+  writer = MetricsWriter(str(tmp_path), ("sft", "rm", "dpo"))
+  for stage in ("sft", "rm", "dpo", "eval"):
+    writer.write({"stage": stage, "step": 1})
+  stages = lambda: [json.loads(l)["stage"] for l in open(tmp_path / "metrics.jsonl")]
+  writer.rewind_stage("dpo")
+  assert stages() == ["sft", "rm"]
+  writer.rewind_stage("rm")
+  assert stages() == ["sft"] and writer.count == 1
