@@ -354,3 +354,33 @@ def test_a_fresh_stage_keeps_the_records_of_the_stages_before_it_in_the_recipe(t
   assert stages() == ["sft", "rm"]
   writer.rewind_stage("rm")
   assert stages() == ["sft"] and writer.count == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"])
+def test_every_architecture_imports_and_exports_reward_models(arch, tmp_path):
+  """Each supported architecture's transformers *ForSequenceClassification (tests/test_hf.py's
+  tiny configs, one label, random weights everywhere) imports with its scores, and our export
+  of it loads back in AutoModelForSequenceClassification with the same scores."""
+  from test_hf import ARCH_CONFIGS
+  config = ARCH_CONFIGS[arch]()
+  config.num_labels, config.pad_token_id = 1, PAD
+  torch.manual_seed(0)
+  model = transformers.AutoModelForSequenceClassification.from_config(
+      config, attn_implementation="eager").float().eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.15 * torch.randn_like(p))
+  model.save_pretrained(str(tmp_path / "in"))
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  cfg, params = hf.load(str(tmp_path / "in"), mesh, reward=True)
+  rows = pair_rows(10)
+  ours = np.asarray(rm.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
+  theirs = transformers_rewards(model, rows)
+  np.testing.assert_allclose(ours, theirs, **TOL)
+  hf.save_reward_model(str(tmp_path / "out"), cfg, params, PAD, hf.SaveOptions(
+      hf.source_config(f"hf:{tmp_path / 'in'}")))
+  back = transformers.AutoModelForSequenceClassification.from_pretrained(
+      str(tmp_path / "out"), attn_implementation="eager", dtype=torch.float32).eval()
+  np.testing.assert_allclose(transformers_rewards(back, rows), theirs, **TOL)
+  print(f"{arch}: max |reward ours - transformers| = {np.abs(ours - theirs).max():.2e}")
