@@ -552,6 +552,24 @@ def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
     json.dump(config, f, indent=2)
 
 
+def save_peft_reward(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig, score,
+                     base_model: str = "") -> None:
+  """A reward model's PEFT adapter (`save_peft`'s factors, task SEQ_CLS) with the trained head
+  as PEFT's `modules_to_save` (`base_model.model.score.weight` [1, D]); its base is a
+  `save_reward_model` folder."""
+  save_peft(directory, cfg, lora, lora_cfg, base_model)
+  head = np.ascontiguousarray(sharding.to_host(score).T)
+  if jax.process_index() != 0:
+    return
+  from safetensors.numpy import load_file
+  path = os.path.join(directory, "adapter_model.safetensors")
+  write_safetensors(path, {**load_file(path), "base_model.model.score.weight": head})
+  with open(os.path.join(directory, "adapter_config.json")) as f:
+    config = json.load(f)
+  with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+    json.dump({**config, "task_type": "SEQ_CLS", "modules_to_save": ["score"]}, f, indent=2)
+
+
 # --- tokenizer and generation settings ---------------------------------------------------------
 
 def save_tokenizer(directory: str, tok, chat_template: str | None) -> None:

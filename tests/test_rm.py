@@ -251,6 +251,11 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
   ours = np.asarray(rm.rewards(cfg.model, params, params["score"], batches.PairBatch(rows)))
   theirs = transformers_rewards(loaded.float().eval(), rows, pad=256)
   np.testing.assert_allclose(ours, theirs, **TOL)
+  # With LoRA, the PEFT adapter over the exported base scores the same.
+  peft = pytest.importorskip("peft")
+  base = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf/base"))
+  adapted = peft.PeftModel.from_pretrained(base.float(), str(tmp_path / "hf/adapter")).eval()
+  np.testing.assert_allclose(transformers_rewards(adapted, rows, pad=256), ours, **TOL)
 
 
 def _write_jsonl(path, records):
@@ -384,3 +389,30 @@ def test_every_architecture_imports_and_exports_reward_models(arch, tmp_path):
       str(tmp_path / "out"), attn_implementation="eager", dtype=torch.float32).eval()
   np.testing.assert_allclose(transformers_rewards(back, rows), theirs, **TOL)
   print(f"{arch}: max |reward ours - transformers| = {np.abs(ours - theirs).max():.2e}")
+
+
+@pytest.mark.slow
+def test_peft_loads_the_reward_adapter_with_our_rewards(reward_model, tmp_path):
+  """A LoRA reward model (non-zero factors on every target, a trained head): PEFT loads the
+  exported adapter (head as modules_to_save) over the exported base and scores as we do."""
+  peft = pytest.importorskip("peft")
+  import configs
+  from models import lora as lora_lib
+  from models import transformer
+  _, cfg, params, score = reward_model
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  lcfg = configs.LoraConfig(
+      lora_rank=2, lora_alpha=4.0, lora_targets=tuple(lora_lib.TARGETS))
+  lora = lora_lib.init(cfg, lcfg, jax.random.key(1), mesh)
+  lora = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), lora)
+  head = score + 0.5
+  rows = pair_rows(11)
+  ours = np.asarray(rm.rewards(cfg, params, head, batches.PairBatch(rows),
+                               transformer.Adapter(lora, lcfg.scale)))
+  hf.save_reward_model(str(tmp_path / "base"), cfg, {**params, "score": score}, PAD)
+  hf.save_peft_reward(str(tmp_path / "adapter"), cfg, lora, lcfg, head, str(tmp_path / "base"))
+  base = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "base"))
+  model = peft.PeftModel.from_pretrained(base.float(), str(tmp_path / "adapter")).eval()
+  theirs = transformers_rewards(model, rows)
+  np.testing.assert_allclose(ours, theirs, **TOL)
+  print(f"max |reward ours - PEFT| = {np.abs(ours - theirs).max():.2e}")

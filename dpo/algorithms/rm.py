@@ -196,6 +196,8 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
                  held["accuracy"], held["margin"], held["loss"], held["pairs"])
   if c.reward.export_rm_hf:
     _export_hf(c, made, p.data, model.path)
+    if c.lora.enabled:
+      _export_adapter(c, base, state.params, p.data.tok.pad_id)
   p.summary["rm_time_s"] = round(time.perf_counter() - t_rm, 1)
   logging.info("rm: reward model -> %s", out)
   return model
@@ -216,6 +218,19 @@ def _export_hf(c, params, data, started_from: str) -> None:
     logging.warning("--export_rm_hf: the byte tokenizer has no Hugging Face form; %s has no "
                     "tokenizer files (ids 0-255 are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)", out)
   logging.info("rm: exported the reward model (LoRA merged) to %s", out)
+
+
+def _export_adapter(c, base, trainable, pad_id: int) -> None:
+  """With LoRA, --export_rm_hf/adapter: the PEFT adapter (the factors, the head as
+  modules_to_save) over --export_rm_hf/base, the reward model without the LoRA delta."""
+  from models import hf
+  out = c.reward.export_rm_hf
+  base_dir = os.path.abspath(os.path.join(out, "base"))
+  hf.save_reward_model(base_dir, c.model, {**base, "score": trainable["score"]},
+                       pad_id)
+  hf.save_peft_reward(os.path.join(out, "adapter"), c.model, trainable["body"], c.lora,
+                      trainable["score"], base_dir)
+  logging.info("rm: exported the PEFT adapter (head as modules_to_save) to %s/adapter", out)
 
 
 def _rows(c, pairs: dict) -> dict:
