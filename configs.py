@@ -26,9 +26,10 @@ from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARG
                            UNIT, LoraConfig, ModelConfig, at_least, check, one_of, option, rules,
                            shown)
 
-__all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig", "RewardConfig",
-           "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig", "MeshConfig",
-           "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS", "LORA_TARGETS"]
+__all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
+           "RewardConfig", "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig",
+           "MeshConfig", "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS",
+           "LORA_TARGETS"]
 
 
 def _distinct_names(stage: str) -> bool:
