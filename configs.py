@@ -307,6 +307,14 @@ class Config:
           f"(--stage=dpo skips SFT)")
     check("rm" not in self.run.stages or self.reward.rm_steps >= 1,
           f"--rm_steps={self.reward.rm_steps}: must be >= 1 with --stage={self.run.stage}")
+    check("rm" not in self.run.stages or not self.model.packing,
+          f"--packing=True: the rm stage reads one pair a row; not with --stage={self.run.stage}")
+    check("rm" not in self.run.stages or self.model.base_quant == "none",
+          f"--base_quant={self.model.base_quant!r}: the rm stage trains on a float base; not "
+          f"with --stage={self.run.stage}")
+    check(not self.reward.export_rm_hf or "rm" in self.run.stages,
+          f"--export_rm_hf={self.reward.export_rm_hf!r}: must go with an rm stage (--stage="
+          f"{self.run.stage} has none)")
     check(self.model.base_quant == "none" or self.lora.enabled,
           f"--base_quant={self.model.base_quant!r}: must go with LoRA, not --lora_rank=0 (a "
           f"quantized base is frozen)")

@@ -416,3 +416,15 @@ def test_peft_loads_the_reward_adapter_with_our_rewards(reward_model, tmp_path):
   theirs = transformers_rewards(model, rows)
   np.testing.assert_allclose(ours, theirs, **TOL)
   print(f"max |reward ours - PEFT| = {np.abs(ours - theirs).max():.2e}")
+
+
+def test_settings_the_rm_stage_cannot_honour_are_one_line_errors():
+  import configs
+  for flags, message in (
+      (dict(packing=True), r"^--packing=True: the rm stage reads one pair a row"),
+      (dict(base_quant="int8"), r"^--base_quant='int8': the rm stage trains on a float base"),
+      (dict(rm_steps=0), r"^--rm_steps=0: must be >= 1 with --stage=sft,rm")):
+    with pytest.raises(ValueError, match=message):
+      configs.DEFAULT.replace(stage="sft,rm", **flags)
+  with pytest.raises(ValueError, match=r"^--export_rm_hf='x': must go with an rm stage"):
+    configs.DEFAULT.replace(stage="sft,dpo", export_rm_hf="x")

@@ -166,11 +166,7 @@ def load(path: str, model_cfg, mesh) -> dict:
 def run(p, model: algorithms.Model) -> algorithms.Model:
   """The reward stage from `model` (the transformer the head is put on); saves the reward model
   to checkpoints/rm_model and hands on `model` unchanged (a reward model is not a policy)."""
-  c, mesh = p.cfg, p.mesh
-  if c.model.packing:
-    raise ValueError("--packing: the rm stage reads one pair a row; run it without --packing")
-  if c.model.base_quant != "none":
-    raise ValueError(f"--base_quant={c.model.base_quant}: the rm stage trains on a float base")
+  c, mesh = p.cfg, p.mesh  # configs.Config refuses --packing and --base_quant with an rm stage
   opt, _ = step_config(c).optimizer()
   key = jax.random.fold_in(jax.random.key(c.run.seed), 3)
   # An imported reward model (--init_from=hf:DIR of a *ForSequenceClassification) brings its head.
