@@ -428,3 +428,31 @@ def test_settings_the_rm_stage_cannot_honour_are_one_line_errors():
       configs.DEFAULT.replace(stage="sft,rm", **flags)
   with pytest.raises(ValueError, match=r"^--export_rm_hf='x': must go with an rm stage"):
     configs.DEFAULT.replace(stage="sft,dpo", export_rm_hf="x")
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_gives_the_whole_batch_update(reward_model):
+  """K = 2 microbatches: the same loss, accuracy, margin, mean reward and update as one batch
+  (min and max rewards are the microbatches' mean, as TRL averages them over a window)."""
+  import configs
+  _, mcfg, params, score = reward_model
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  batch = batches.PairBatch(pair_rows(12), margin=np.linspace(-1, 1, B).astype(np.float32))
+  out = []
+  for k in (1, 2):
+    cfg = configs.DEFAULT.replace(lora_rank=4, lora_dropout=0.0, rm_learning_rate=1e-2,
+                                  global_batch_size=B, gradient_accumulation_steps=k,
+                                  center_rewards_coefficient=0.1, warmup_ratio=0.0)
+    cfg = cfg.replace(**{f.name: getattr(mcfg, f.name) for f in dataclasses.fields(mcfg)})
+    spec = rm.step_config(cfg)
+    trainable = rm.initial_trainable(cfg.model, cfg.lora, params, jax.random.key(0), mesh,
+                                     score)
+    state = train.init_state(trainable, spec.optimizer()[0], 0, mesh)
+    frozen = train.Frozen(params)
+    step = train.jit_step(rm.rm_step, spec, mesh, state, frozen)
+    new, metrics = step(state, frozen, train.device_batch(mesh, batch))
+    out.append((jax.device_get(new.params), jax.device_get(metrics)))
+  (p1, m1), (p2, m2) = out
+  for name in ("loss", "accuracy", "margin", "mean_reward", "grad_norm"):
+    np.testing.assert_allclose(m2[name], m1[name], rtol=1e-5, atol=1e-6, err_msg=name)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p2, p1)
