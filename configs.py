@@ -1,7 +1,7 @@
 """Configuration as data: frozen dataclasses by concern, and the named presets.
 
-A `Config` has one section per concern (model, lora, data, optim, loss, reference, guard, eval,
-checkpoint, mesh, run). Every field of every section is an absl flag of the same name
+A `Config` has one section per concern (model, lora, data, optim, loss, reward, reference, guard,
+eval, checkpoint, mesh, run). Every field of every section is an absl flag of the same name
 (dpo/cli.py), so a field's name, default and help text are written exactly once. Field names
 are unique across sections so flags stay flat (`--beta`, `--lora_rank`). `ModelConfig` and
 `LoraConfig` live with the models (models/config.py, with the `option`, `rules` and `check`
@@ -27,8 +27,9 @@ from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARG
                            shown)
 
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
-           "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig", "MeshConfig",
-           "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS", "LORA_TARGETS"]
+           "RewardConfig", "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig",
+           "MeshConfig", "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS",
+           "LORA_TARGETS"]
 
 
 def _distinct_names(stage: str) -> bool:
@@ -118,6 +119,25 @@ class OptimConfig:
     check(k >= 1 and self.global_batch_size % k == 0,
           f"--gradient_accumulation_steps={k}: must be >= 1 and divide --global_batch_size="
           f"{self.global_batch_size}")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+  """The reward-model stage (--stage=rm, dpo/algorithms/rm.py): TRL RewardTrainer's
+  Bradley-Terry objective on the preference pairs, with LoRA (head trainable) or full weights
+  as the lora section says."""
+  rm_steps: int = option(1000, "Reward-model optimizer steps (stage rm).")
+  rm_learning_rate: float = option(1e-5, "Peak reward-model learning rate (AdamW).")
+  center_rewards_coefficient: float = option(
+      0.0, "Adds coef * mean((r_chosen + r_rejected)^2) to the reward loss, pulling rewards "
+      "towards zero mean (TRL's center_rewards_coefficient, Eisenstein et al. 2023); 0 = none.")
+  export_rm_hf: str = option("", "Also export the trained reward model to this directory as a "
+                             "transformers *ForSequenceClassification folder (one label, "
+                             "score.weight) with the tokenizer; empty = none.")
+
+  def __post_init__(self):
+    rules(self, rm_steps=NONNEG, rm_learning_rate=FINITE_POS,
+          center_rewards_coefficient=FINITE_NONNEG)
 
 
 @dataclass(frozen=True)
@@ -254,7 +274,8 @@ class RunConfig:
 
 
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
-             "loss": LossConfig, "reference": ReferenceConfig, "guard": GuardConfig,
+             "loss": LossConfig, "reward": RewardConfig, "reference": ReferenceConfig,
+             "guard": GuardConfig,
              "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
              "run": RunConfig}
 SECTIONS = tuple(_SECTIONS)
@@ -270,6 +291,7 @@ class Config:
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   loss: LossConfig = LossConfig()
+  reward: RewardConfig = RewardConfig()
   reference: ReferenceConfig = ReferenceConfig()
   guard: GuardConfig = GuardConfig()
   eval: EvalConfig = EvalConfig()
@@ -283,6 +305,16 @@ class Config:
     check("sft" not in self.run.stages or self.optim.sft_steps >= 1,
           f"--sft_steps={self.optim.sft_steps}: must be >= 1 with --stage={self.run.stage} "
           f"(--stage=dpo skips SFT)")
+    check("rm" not in self.run.stages or self.reward.rm_steps >= 1,
+          f"--rm_steps={self.reward.rm_steps}: must be >= 1 with --stage={self.run.stage}")
+    check("rm" not in self.run.stages or not self.model.packing,
+          f"--packing=True: the rm stage reads one pair a row; not with --stage={self.run.stage}")
+    check("rm" not in self.run.stages or self.model.base_quant == "none",
+          f"--base_quant={self.model.base_quant!r}: the rm stage trains on a float base; not "
+          f"with --stage={self.run.stage}")
+    check(not self.reward.export_rm_hf or "rm" in self.run.stages,
+          f"--export_rm_hf={self.reward.export_rm_hf!r}: must go with an rm stage (--stage="
+          f"{self.run.stage} has none)")
     check(self.model.base_quant == "none" or self.lora.enabled,
           f"--base_quant={self.model.base_quant!r}: must go with LoRA, not --lora_rank=0 (a "
           f"quantized base is frozen)")

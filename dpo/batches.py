@@ -92,6 +92,7 @@ class PairBatch(NamedTuple):
   shared: SharedRows | None = None
   packed: Packed | None = None
   ref: RefStats | None = None
+  margin: np.ndarray | None = None  # [B] float32, the reward model's per-pair margin (rm)
 
   @classmethod
   def of(cls, arrays: Mapping[str, np.ndarray]) -> "PairBatch":
@@ -100,4 +101,4 @@ class PairBatch(NamedTuple):
     return cls(Rows.of(arrays),
                SharedRows.of(arrays) if has("shared_tokens") else None,
                Packed.of(arrays) if has("pair_index") else None,
-               RefStats.of(arrays) if has("ref_logps") else None)
+               RefStats.of(arrays) if has("ref_logps") else None, arrays.get("margin"))

@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
@@ -417,6 +418,21 @@ def _iter_parsed(path: str, fmt: str, parse, classify, skips: "Skips | None", st
       continue
     stats[f"format_{fmt}"] += 1
     yield where, record
+
+
+def margins(path: str) -> dict[str, float]:
+  """{location: margin} of the records with a `margin` field (TRL's reward-model column: the
+  pair's required reward gap, read by the rm stage); a value that is not a finite number is a
+  DataError naming the record and the field."""
+  out = {}
+  for where, obj in iter_objects(path):
+    value = obj.get("margin") if isinstance(obj, dict) else None
+    if value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      raise DataError(f"{where}: field 'margin' is {value!r}; it must be a finite number")
+    out[where] = float(value)
+  return out
 
 
 def iter_records(path: str, spec: FormatSpec = FormatSpec(),

@@ -51,6 +51,10 @@ class LogMetrics(Hook):
                    "skipped %d  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"],
                    m["rewards/accuracies"], m["rewards/margins"], m.get("kl", float("nan")),
                    m["grad_norm"], m["learning_rate"], m["skipped_steps"], tps, eta)
+    elif run.name == "rm":
+      logging.info("rm %5d/%d  loss %.4f  acc %.3f  margin %+.4f  reward %+.3f  |g| %.3f  "
+                   "lr %.2e  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"], m["accuracy"],
+                   m["margin"], m["mean_reward"], m["grad_norm"], m["learning_rate"], tps, eta)
     else:
       logging.info("sft %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", step,
                    run.steps, m["loss"], m["grad_norm"], m["learning_rate"], tps, eta)

@@ -58,6 +58,10 @@ class Data:
     self.reports = []
     self.pairs, self.held = self._task_pairs(cfg) if self.embedded else self._file_pairs(cfg)
     self.sft = self._sft(cfg)
+    if "margin" in self.pairs:
+      logging.log(logging.INFO if "rm" in cfg.run.stages else logging.WARNING,
+                  "%s: per-pair margins, read by the rm stage only%s", d.train_data,
+                  "" if "rm" in cfg.run.stages else " (not in this --stage; unused)")
     if check_sizes:
       self._check_sizes(cfg)
     self._sampling_prompts(cfg)
@@ -112,13 +116,13 @@ class Data:
     if self.embedded:
       return data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, cfg.run.seed), self.tok,
                                    *lens, what="sft data")
-    return {k: v[:, 0] for k, v in self.pairs.items()}
+    return {k: v[:, 0] for k, v in self.pairs.items() if k != "margin"}  # margin: [N]
 
   def _check_sizes(self, cfg) -> None:
     """At least one global batch for each stage that trains on it, and (--packing) pairs whose
     rows share a prompt: refused before any stage runs, not when the DPO stage starts."""
     d, batch, stages = cfg.data, cfg.optim.global_batch_size, cfg.run.stages
-    for arrays, used, what in ((self.pairs, "dpo" in stages,
+    for arrays, used, what in ((self.pairs, "dpo" in stages or "rm" in stages,
                                 d.train_data or "the embedded task's pairs"),
                                (self.sft, "sft" in stages,
                                 d.sft_data or d.train_data or "the embedded task's SFT data")):
@@ -208,15 +212,23 @@ def held_prompts(held: dict | None, n: int) -> list[list[int]]:
 
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
   """(config, params): random init, or `--init_from`: hf:DIR (its config replaces the model
-  section) or a dpo-jax params checkpoint (an SFT output, an exported policy)."""
+  section) or a dpo-jax params checkpoint (an SFT output, an exported policy). An hf:DIR
+  whose config.json names a `*ForSequenceClassification` is a reward model: its params hold
+  the head `score` and no LM head, and only the rm stage starts from it."""
   src = cfg.checkpoint.init_from
   if not src:
     return cfg, transformer.init(cfg.model, key, mesh)
   kind, _, path = src.partition(":")
   if kind == "hf":
     from models import hf  # optional-format code stays out of the default path
-    model_cfg, params = hf.load(path, mesh, cfg.model)
-    logging.info("imported %s (%s) from %s", model_cfg.arch, src, path)
+    reward = hf.is_reward_model(path)
+    if reward and cfg.run.stages != ("rm",):
+      raise ValueError(f"--init_from={src}: a *ForSequenceClassification (a reward model) has "
+                       f"no LM head; only --stage=rm starts from it, not --stage="
+                       f"{cfg.run.stage}")
+    model_cfg, params = hf.load(path, mesh, cfg.model, reward=reward)
+    logging.info("imported %s%s (%s) from %s", model_cfg.arch, " reward model" if reward else "",
+                 src, path)
     return dataclasses.replace(cfg, model=model_cfg), params
   logging.info("init: loading checkpoint %s", src)
   return cfg, checkpoint.load_params(src, cfg.model, mesh)

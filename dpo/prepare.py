@@ -147,7 +147,7 @@ def _load(path: str) -> Prepared:
     missing = [a for a in _ARRAYS if a not in arrays]
     if missing:
       raise ValueError(f"{part} arrays {missing} missing")
-  shapes = {a.shape for a in train.values()}
+  shapes = {a.shape for k, a in train.items() if k != "margin"}  # margin is [N]
   if len(shapes) != 1 or len(next(iter(shapes))) != 3:
     raise ValueError(f"train arrays disagree in shape: {sorted(shapes)}")
   return Prepared(train, held, report)
@@ -182,15 +182,18 @@ def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
     prepared = _cached(path, cache_path)
     if prepared is not None:
       return prepared
-  train, held, report = _read_pairs(path, how, t, eval_split)
+  (train, held), (train_m, held_m), report = _read_pairs(path, how, t, eval_split)
   report["cache"] = "miss" if cache_path else "off"
   logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
                len(train), len(held), eval_split, t.name)
   marks = _template_marks(t, report.pop("chats"))
+  with_margin = lambda arrays, m: arrays if m is None else {
+      **arrays, "margin": np.asarray(m, np.float32)}
   prepared = Prepared(
-      tokenize_pairs(train, how.tok, *how.lens, what=f"{path} train pairs", **marks),
-      tokenize_pairs(held, how.tok, *how.lens, what=f"{path} held-out pairs", **marks)
-      if held else None,
+      with_margin(tokenize_pairs(train, how.tok, *how.lens, what=f"{path} train pairs",
+                                 **marks), train_m),
+      with_margin(tokenize_pairs(held, how.tok, *how.lens, what=f"{path} held-out pairs",
+                                 **marks), held_m) if held else None,
       report)
   if cache_path:
     os.makedirs(cache_dir, exist_ok=True)
@@ -221,8 +224,9 @@ def _cached(path: str, cache_path: str) -> Prepared | None:
 
 
 def _read_pairs(path: str, how: Preparation, t, eval_split: float):
-  """(train texts, held-out texts, report): the file's records read, filtered, rendered with
-  template `t` and split by prompt hash."""
+  """((train texts, held-out texts), their margins (None: the file has no `margin` field),
+  report): the file's records read, filtered, rendered with template `t` and split by prompt
+  hash."""
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   located = list(formats.iter_records(path, how.spec, stats, skips))
@@ -242,8 +246,12 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
     rendered.append((where, text))
   kept, filt = formats.filter_rendered(rendered, filt)
   filt.log(path)
-  for _, text in kept:
-    (held if in_held_out(text.prompt, eval_split) else train).append(text)
+  margin = _margins(path, [where for where, _ in kept])
+  train_m, held_m = [], []
+  for (_, text), m in zip(kept, margin or [None] * len(kept)):
+    out = in_held_out(text.prompt, eval_split)
+    (held if out else train).append(text)
+    (held_m if out else train_m).append(m)
   if skips is not None:
     skips.log()
   if not train:
@@ -253,7 +261,20 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
             "train_pairs": len(train), "held_out_pairs": len(held), "template": t.name,
             "template_emits_bos": t.emits_bos if isinstance(t, chat.JinjaTemplate) else None,
             "tokenizer": how.tok.fingerprint(), "chats": chats}
-  return train, held, report
+  return (train, held), (None, None) if margin is None else (train_m, held_m), report
+
+
+def _margins(path: str, wheres: list[str]) -> list[float] | None:
+  """The `margin` of each kept record (at `wheres`), or None when no record has one; a file
+  where some records have it and others do not is a DataError naming a record without it."""
+  found = formats.margins(path)
+  if not found:
+    return None
+  missing = [w for w in wheres if w not in found]
+  if missing:
+    raise DataError(f"{missing[0]}: field 'margin' is missing, and {next(iter(found))} has "
+                    f"one; give every record a margin or none")
+  return [found[w] for w in wheres]
 
 
 def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dict]:

@@ -57,6 +57,7 @@ class StepConfig:
   lora: Any = None          # DPO: LoraConfig (rank 0 = full fine-tuning); SFT: None
   loss: Any = None          # DPO: LossConfig; SFT: None
   kl: bool = False          # DPO: also compute the token KL(pi || ref) metric
+  reward: Any = None        # RM: RewardConfig (dpo/algorithms/rm.py)
 
   @classmethod
   def sft(cls, cfg) -> "StepConfig":
@@ -114,7 +115,11 @@ def init_state(params, opt: optax.GradientTransformation, seed: int, mesh: Mesh)
                     lr_scale=rep(np.ones((), np.float32)), skipped=rep(np.zeros((), np.int32)))
 
 
-def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainState, dict]:
+def apply_update(state: TrainState, opt, sched, loss, grads,
+                 metrics) -> tuple[TrainState, dict]:
+  """The optimizer update of `grads`, skipped (params and moments kept, `skipped` bumped) when
+  the loss or the gradient is not finite; `metrics` gains loss, grad_norm, learning_rate and
+  skipped_steps."""
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = opt.update(grads, state.opt_state, state.params)
@@ -130,7 +135,8 @@ def _apply(state: TrainState, opt, sched, loss, grads, metrics) -> tuple[TrainSt
   return new_state, metrics
 
 
-def _step_key(state: TrainState) -> jax.Array:
+def step_key(state: TrainState) -> jax.Array:
+  """The step's RNG key: fold_in(rng, step)."""
   return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
 
@@ -232,14 +238,14 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen,
   lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
 
   def grad_fn(trainable, micro, i):
-    key = _step_key(state) if k == 1 else jax.random.fold_in(_step_key(state), i)
+    key = step_key(state) if k == 1 else jax.random.fold_in(step_key(state), i)
     return jax.value_and_grad(microbatch_loss, argnums=2, has_aux=True)(
         spec, frozen, trainable, micro, key if lora_on else None)
 
   (loss, metrics), grads = accumulate(grad_fn, state.params, batch, k)
   if batch.packed is not None:  # packed rows (dpo/packing.py): the share of slots holding a token
     metrics["fill_rate"] = (batch.shared.segment_ids != 0).mean()
-  return _apply(state, *spec.optimizer(), loss, grads, metrics)
+  return apply_update(state, *spec.optimizer(), loss, grads, metrics)
 
 
 def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch: PairBatch, dropout_key):
@@ -294,7 +300,8 @@ def sft_step(spec: StepConfig, state: TrainState, frozen, batch: Rows) -> tuple[
   (nll, metrics), grads = accumulate(grad_fn, state.params, batch, k)  # means over microbatches
   tokens = metrics["tokens"] * k
   scale = k / jnp.maximum(tokens, 1.0)  # summed NLL -> mean per token of the whole batch
-  return _apply(state, *spec.optimizer(), nll * scale, jax.tree.map(lambda g: g * scale, grads),
+  return apply_update(state, *spec.optimizer(), nll * scale,
+                      jax.tree.map(lambda g: g * scale, grads),
                 {"tokens": tokens})
 
 

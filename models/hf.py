@@ -332,11 +332,13 @@ def _read_block(tensor: np.ndarray, shape, fan_in: int, slices) -> np.ndarray:
   return sub[np.ix_(o_flat - olo, i_flat - ilo)].T.reshape(block_shape)
 
 
-def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
+def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bool = False):
   """(ModelConfig, params) from a Hugging Face directory, each array born in its sharding.
 
   `base` supplies the fields config.json does not decide (compute_dtype, remat, base_quant).
-  Raises HFError naming config.json's field or the missing / misshapen tensor.
+  With `reward` the folder is a one-label `*ForSequenceClassification`: no LM head is read
+  and the params hold the head `score` [D, 1] (`load_score`). Raises HFError naming
+  config.json's field or the missing / misshapen tensor.
   """
   where = os.path.join(directory, "config.json")
   try:
@@ -347,6 +349,8 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
   cfg = config_from_hf(hf, where, base)
   files = SafetensorsDir(directory)
   specs = transformer.param_specs(cfg)
+  if reward:  # a sequence classifier has `score` in place of the LM head
+    specs.pop("lm_head", None)
   names = _tensor_names(cfg.arch)
   plan = {}
   for path, spec in _flat_specs(specs).items():
@@ -378,7 +382,34 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None):
   flat = {path: build(*p) for path, p in plan.items()}
   params = {k: flat[(k,)] for k in specs if k != "layers"}
   params["layers"] = {k: flat[("layers", k)] for k in specs["layers"]}
+  if reward:
+    params["score"] = load_score(directory, cfg, mesh)
   return cfg, params
+
+
+def load_score(directory: str, cfg: ModelConfig, mesh: Mesh) -> jax.Array:
+  """The reward head [D, 1] of a `*ForSequenceClassification` folder with one label: its
+  `score.weight` [1, D], transposed, replicated over `mesh` as the head's ParamSpec says
+  (dpo/algorithms/rm.py). Raises HFError naming the folder when it is missing or misshapen."""
+  files = SafetensorsDir(directory)
+  got = files.shape("score.weight")
+  if got != (1, cfg.d_model):
+    raise HFError(f"{directory}: tensor 'score.weight' is "
+                  f"{'missing' if got is None else f'of shape {list(got)}'}; a reward model "
+                  f"has one label, shape [1, {cfg.d_model}]")
+  spec = transformer.score_spec(cfg)
+  value = np.asarray(files.get("score.weight"), np.float32).T
+  return jax.device_put(value, transformer.shardings(spec, mesh))
+
+
+def is_reward_model(directory: str) -> bool:
+  """Whether config.json names a `*ForSequenceClassification` (read by `load(reward=True)`)."""
+  try:
+    with open(os.path.join(directory, "config.json")) as f:
+      names = json.load(f).get("architectures") or []
+  except (OSError, json.JSONDecodeError) as e:
+    raise HFError(f"{os.path.join(directory, 'config.json')}: cannot read ({e})") from None
+  return any(str(n).endswith("ForSequenceClassification") for n in names)
 
 
 def source_config(init_from: str) -> dict | None:
@@ -413,6 +444,7 @@ class SaveOptions(NamedTuple):
   dtype: str = "float32"                 # of the tensors written: float32 or bfloat16
   max_shard_bytes: int = 4 << 30         # a larger model is split into indexed shards
   metadata: dict[str, str] | None = None  # in every safetensors header
+  extra: dict[str, np.ndarray] | None = None  # tensors written beside the model's (HF names)
 
 
 def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
@@ -432,13 +464,17 @@ def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
     params = lora_lib.merge(params, lora.factors, lora.cfg)
   np_dtype = np.dtype(ml_dtypes.bfloat16 if options.dtype == "bfloat16" else options.dtype)
   names = _tensor_names(cfg.arch)
+  specs = transformer.param_specs(cfg)
+  if "lm_head" not in params and "score.weight" in (options.extra or {}):
+    specs.pop("lm_head", None)  # a reward model imported from a classifier has no LM head
   tensors = {}
-  for path, spec in _flat_specs(transformer.param_specs(cfg)).items():
+  for path, spec in _flat_specs(specs).items():
     template = names[path]
     value = sharding.to_host(params[path[0]] if len(path) == 1 else params["layers"][path[1]])
     stacked = path[0] == "layers"
     for i, t in enumerate(_to_hf(value, spec, stacked)):
       tensors[template.format(i=i)] = t.astype(np_dtype)
+  tensors.update({k: v.astype(np_dtype) for k, v in (options.extra or {}).items()})
   if jax.process_index() != 0:
     return
   os.makedirs(directory, exist_ok=True)
@@ -463,6 +499,27 @@ def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
                  "weight_map": weight_map}, f, indent=2)
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
+
+
+def save_reward_model(directory: str, cfg: ModelConfig, params, pad_id: int,
+                      options: SaveOptions = SaveOptions()) -> None:
+  """A transformers `*ForSequenceClassification` folder with one label from a reward model's
+  params (the transformer's and the head `score` [D, 1], dpo/algorithms/rm.py): the model's
+  tensors, `score.weight` [1, D] and a config.json with one label and `pad_token_id` (which
+  transformers needs to find each row's last non-padding token)."""
+  body = {k: v for k, v in params.items() if k != "score"}
+  score = np.ascontiguousarray(sharding.to_host(params["score"]).T)
+  source = {**(options.source or {}), "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+            "pad_token_id": pad_id}
+  save(directory, cfg, body, None, options._replace(source=source, extra={"score.weight": score}))
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  head = archs.ARCHITECTURES[cfg.arch].hf_class.replace("ForCausalLM", "ForSequenceClassification")
+  with open(path, "w") as f:
+    json.dump({**config, "architectures": [head]}, f, indent=2)
 
 
 def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
@@ -493,6 +550,24 @@ def save_peft(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig,
             "base_model_name_or_path": base_model, "inference_mode": True}
   with open(os.path.join(directory, "adapter_config.json"), "w") as f:
     json.dump(config, f, indent=2)
+
+
+def save_peft_reward(directory: str, cfg: ModelConfig, lora, lora_cfg: LoraConfig, score,
+                     base_model: str = "") -> None:
+  """A reward model's PEFT adapter (`save_peft`'s factors, task SEQ_CLS) with the trained head
+  as PEFT's `modules_to_save` (`base_model.model.score.weight` [1, D]); its base is a
+  `save_reward_model` folder."""
+  save_peft(directory, cfg, lora, lora_cfg, base_model)
+  head = np.ascontiguousarray(sharding.to_host(score).T)
+  if jax.process_index() != 0:
+    return
+  from safetensors.numpy import load_file
+  path = os.path.join(directory, "adapter_model.safetensors")
+  write_safetensors(path, {**load_file(path), "base_model.model.score.weight": head})
+  with open(os.path.join(directory, "adapter_config.json")) as f:
+    config = json.load(f)
+  with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+    json.dump({**config, "task_type": "SEQ_CLS", "modules_to_save": ["score"]}, f, indent=2)
 
 
 # --- tokenizer and generation settings ---------------------------------------------------------

@@ -78,6 +78,13 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
   return specs
 
 
+def score_spec(cfg: ModelConfig) -> ParamSpec:
+  """A reward model's head `score` [D, 1] (transformers' `score.weight` of a one-label
+  `*ForSequenceClassification`, transposed): read at the last scored token's final hidden state
+  (dpo/algorithms/rm.py); its embed axis is sharded as the weights'."""
+  return ParamSpec((cfg.d_model, 1), ("embed", None), "normal", 1)
+
+
 def _is_spec(x) -> bool:
   return isinstance(x, ParamSpec)
 

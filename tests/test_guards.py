@@ -85,10 +85,10 @@ def test_nonfinite_gradient_skips_update():
   opt = optax.adam(0.1)
   state = train.init_state(params, opt, 0, mesh)
   sched = lambda step: 0.1
-  good, m = train._apply(state, opt, sched, jnp.float32(1.0), {"w": jnp.ones(4)}, {})
+  good, m = train.apply_update(state, opt, sched, jnp.float32(1.0), {"w": jnp.ones(4)}, {})
   assert int(good.skipped) == 0 and not np.array_equal(good.params["w"], params["w"])
   for loss, g in ((jnp.float32(jnp.nan), jnp.ones(4)), (jnp.float32(1.0), jnp.array([1, jnp.inf, 0, 0.]))):
-    bad, m = train._apply(state, opt, sched, loss, {"w": g}, {})
+    bad, m = train.apply_update(state, opt, sched, loss, {"w": g}, {})
     assert int(bad.step) == 1 and int(bad.skipped) == 1 and int(m["skipped_steps"]) == 1
     np.testing.assert_array_equal(bad.params["w"], params["w"])
     jax.tree.map(np.testing.assert_array_equal, bad.opt_state, state.opt_state)

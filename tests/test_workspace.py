@@ -181,3 +181,23 @@ def test_the_dpo_step_metrics_are_the_documented_ones():
   combined = {k for k in seen if k.startswith("loss/")}
   assert combined == {"loss/sigmoid", "loss/ipo"} and "loss/<name>" in conditional
   assert seen - combined == documented, (seen - combined ^ documented)
+
+
+@pytest.mark.slow
+def test_the_tables_cover_a_reward_model_run(tmp_path):
+  """A small --stage=rm run (every weight trains): every file it writes is in WORKSPACE.md's
+  table, and its rm records' keys are the rm row's."""
+  import configs
+  from dpo import loop
+  out = str(tmp_path / "run")
+  cfg = configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, task_train_pairs=16,
+      task_sft_examples=8, task_eval_pairs=8, task_eval_prompts=4, global_batch_size=8,
+      rm_steps=2, lora_rank=0, log_every=1, checkpoint_every=1, stage="rm", output_dir=out)
+  loop.run(cfg)
+  assert _written(out) - set(_documented_paths()) == set(), "written but not in the table"
+  assert "checkpoints/rm_model/" in _written(out)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  always, conditional = _rows(_section("What a run directory holds"), "record")["rm"]
+  assert _metric_keys(records, "rm") == set(always) and not conditional

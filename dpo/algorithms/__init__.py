@@ -59,3 +59,4 @@ def recipe(stages: tuple[str, ...]) -> list[Algorithm]:
 # Each module registers itself; the registry lists them in the order of the article's recipe.
 from dpo.algorithms import sft  # noqa: E402,F401
 from dpo.algorithms import dpo  # noqa: E402,F401
+from dpo.algorithms import rm  # noqa: E402,F401

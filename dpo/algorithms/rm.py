@@ -1,0 +1,245 @@
+"""Reward-model training: a scalar head on the transformer, trained on the preference pairs with
+the Bradley-Terry objective of TRL's `RewardTrainer` (Ouyang et al. 2022, eq. 1;
+`-log sigmoid(r_chosen - r_rejected - margin)`), with LoRA (the head trains too, as PEFT's
+`modules_to_save` keeps `score` trainable) or every weight.
+
+The reward of a sequence is the final hidden state (after the final norm) at its last scored
+token times the head `score` [D, 1], as transformers' `*ForSequenceClassification` reads the last
+non-padding token with `score.weight`. Pair rows are right-padded, so that is the last slot
+whose segment id is not 0; in shared-prefix rows (--prefix_sharing) it is the last slot of each
+side's branch.
+
+The stage's trainable tree is {"body": the LoRA factors or every weight, "score": [D, 1]}; with
+LoRA the frozen part is the base (`train.Frozen`), else None.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dpo import algorithms, batches, chat, checkpoint, evaluate, hooks, identity, packing, train
+from dpo import tokenizer as tokenizer_lib
+from dpo.batches import PairBatch
+from dpo.program import Start
+from models import lora as lora_lib
+from models import transformer
+
+
+def trainable_specs(model, lora) -> dict:
+  """ParamSpecs of what the reward stage trains: {"body": LoRA factors or every weight,
+  "score": the head}; init, shardings and the optimizer's state all derive from these."""
+  return {"body": train.trainable_specs(model, lora), "score": transformer.score_spec(model)}
+
+
+def initial_trainable(model, lora, base, key: jax.Array, mesh, head=None):
+  """Fresh LoRA factors (or a copy of `base`) and a copy of `head` (an imported reward model's)
+  or a fresh one ~ N(0, init_std^2), born sharded."""
+  k_body, k_head = jax.random.split(key)
+  spec = transformer.score_spec(model)
+  head = head.copy() if head is not None else jax.jit(
+      lambda k: transformer.init_from_specs(spec, k, model.init_std),
+      out_shardings=transformer.shardings(spec, mesh))(k_head)
+  return {"body": train.initial_trainable(model, lora, base, k_body, mesh), "score": head}
+
+
+def _last_slot(valid_BT: jax.Array) -> jax.Array:
+  """[B] int32: the last slot where `valid_BT` holds (0 for a row with none)."""
+  T = valid_BT.shape[1]
+  return jnp.max(jnp.where(valid_BT, jnp.arange(T), 0), axis=1)
+
+
+def rewards(model, params, score_D1, batch: PairBatch, adapter=None) -> jax.Array:
+  """[B, 2] float32 rewards of chosen and rejected: the final hidden state at each sequence's
+  last scored token times `score_D1`. Runs on the shared-prefix rows when the batch has them
+  (one pair a row; packed rows are refused by the stage)."""
+  if batch.shared is None:
+    rows = batch.pairs
+    B, _, T = rows.tokens.shape
+    flat = lambda x: x.reshape(2 * B, T)
+    inputs = transformer.Inputs(flat(rows.tokens), flat(rows.positions), flat(rows.segment_ids))
+    h_NTD = transformer.hidden(model, params, inputs, adapter)
+    last_N = _last_slot(inputs.segment_ids_BT != 0)
+    h_ND = jnp.take_along_axis(h_NTD, last_N[:, None, None], axis=1)[:, 0]
+    h_B2D = h_ND.reshape(B, 2, -1)
+  else:
+    sh = batch.shared
+    h_BSD = transformer.hidden(model, params, sh.inputs(), adapter)
+    live_BS = sh.segment_ids != 0
+    last_B2 = jnp.stack([_last_slot(live_BS & (sh.branch == b)) for b in (1, 2)], axis=1)
+    h_B2D = jnp.take_along_axis(h_BSD, last_B2[:, :, None], axis=1)
+  return jnp.einsum("bsd,do->bs", h_B2D.astype(jnp.float32), score_D1.astype(jnp.float32))
+
+
+def bradley_terry(r_B2: jax.Array, margin_B: jax.Array | None, center_coef: float):
+  """(loss, metrics) of TRL 1.16 RewardTrainer.compute_loss: the mean over pairs of
+  -log sigmoid(r_c - r_r - margin), plus center_coef * mean((r_c + r_r)^2) when center_coef > 0;
+  metrics under TRL's names (accuracy counts strict r_c > r_r, as TRL does)."""
+  r_c, r_r = r_B2[:, 0], r_B2[:, 1]
+  diff_B = r_c - r_r
+  loss = -jax.nn.log_sigmoid(diff_B - (0.0 if margin_B is None else margin_B)).mean()
+  if center_coef:
+    loss = loss + center_coef * jnp.mean((r_c + r_r) ** 2)
+  r_g = jax.lax.stop_gradient(r_B2)
+  metrics = {"accuracy": (r_g[:, 0] > r_g[:, 1]).astype(jnp.float32).mean(),
+             "margin": (r_g[:, 0] - r_g[:, 1]).mean(), "min_reward": r_g.min(),
+             "mean_reward": r_g.mean(), "max_reward": r_g.max()}
+  return loss, metrics
+
+
+def microbatch_loss(spec: train.StepConfig, frozen, trainable, batch: PairBatch, dropout_key):
+  """(loss, metrics) of one (micro)batch of pairs under the reward model `trainable` (with LoRA
+  on the frozen base `frozen.params`)."""
+  params, adapter = trainable["body"], None
+  if spec.lora.enabled:
+    params, adapter = frozen.params, transformer.Adapter(
+        trainable["body"], spec.lora.scale, dropout_key, spec.lora.lora_dropout)
+  r_B2 = rewards(spec.model, params, trainable["score"], batch, adapter)
+  return bradley_terry(r_B2, batch.margin, spec.reward.center_rewards_coefficient)
+
+
+def rm_step(spec: train.StepConfig, state: train.TrainState, frozen,
+            batch: PairBatch) -> tuple[train.TrainState, dict]:
+  """One reward-model update on a batch of pairs; with gradient_accumulation_steps = K the
+  loss, gradient and metrics are the means over K microbatches (min/max rewards too, as TRL
+  averages them over its logging window)."""
+  lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
+
+  def grad_fn(trainable, micro, i):
+    key = train.step_key(state) if k == 1 else jax.random.fold_in(train.step_key(state), i)
+    return jax.value_and_grad(microbatch_loss, argnums=2, has_aux=True)(
+        spec, frozen, trainable, micro, key if lora_on else None)
+
+  (loss, metrics), grads = train.accumulate(grad_fn, state.params, batch, k)
+  return train.apply_update(state, *spec.optimizer(), loss, grads, metrics)
+
+
+def step_config(cfg) -> train.StepConfig:
+  """The reward step's static argument: model, optimizer, LoRA and the reward section."""
+  r = cfg.reward
+  return train.StepConfig(cfg.model, cfg.optim, r.rm_learning_rate, r.rm_steps, cfg.lora,
+                          reward=r)
+
+
+def reward_model(c, params, trainable) -> dict:
+  """The reward model's params: the transformer's (LoRA merged) and the head `score`."""
+  body = (lora_lib.merge(params, trainable["body"], c.lora) if c.lora.enabled
+          else trainable["body"])
+  return {**body, "score": trainable["score"]}
+
+
+def held_out_metrics(c, mesh, params, arrays: dict) -> dict[str, float]:
+  """The reward model `params` (transformer and `score`) over every pair of `arrays`: TRL's
+  evaluation loss and metrics (accuracy, margin, min/mean/max reward) and the pair count."""
+  replicated = NamedSharding(mesh, P())
+  fn = jax.jit(lambda p, b: rewards(c.model, p, p["score"], b), out_shardings=replicated)
+  rows = PairBatch(batches.Rows.of(arrays), margin=arrays.get("margin"))
+  (r_B2,) = evaluate.in_batches(mesh, lambda b: fn(params, b), rows, c.optim.global_batch_size)
+  margin = arrays.get("margin")
+  loss, metrics = bradley_terry(jnp.asarray(r_B2), None if margin is None else
+                                jnp.asarray(margin), c.reward.center_rewards_coefficient)
+  return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}, "pairs": len(r_B2)}
+
+
+def load(path: str, model_cfg, mesh) -> dict:
+  """A reward model the stage saved (checkpoints/rm_model): the transformer's params and
+  `score`, sharded for `mesh` (without an LM head when it was imported from a sequence
+  classifier, which has none); a checkpoint of another stage is a CheckpointError naming it."""
+  meta = checkpoint.read_meta(path)
+  stage = meta.get("stage")
+  if stage != "rm":
+    raise checkpoint.CheckpointError(f"{path}: a {stage!r} checkpoint, not a reward model "
+                                     f"(checkpoints/rm_model of an rm stage)")
+  specs = {**transformer.param_specs(model_cfg), "score": transformer.score_spec(model_cfg)}
+  if not any(e["path"].startswith("['lm_head']") for e in meta.get("leaves", ())):
+    specs.pop("lm_head", None)
+  like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      transformer.abstract(specs), transformer.shardings(specs, mesh))
+  return checkpoint.load(path, like)[0]
+
+
+def run(p, model: algorithms.Model) -> algorithms.Model:
+  """The reward stage from `model` (the transformer the head is put on); saves the reward model
+  to checkpoints/rm_model and hands on `model` unchanged (a reward model is not a policy)."""
+  c, mesh = p.cfg, p.mesh  # configs.Config refuses --packing and --base_quant with an rm stage
+  opt, _ = step_config(c).optimizer()
+  key = jax.random.fold_in(jax.random.key(c.run.seed), 3)
+  # An imported reward model (--init_from=hf:DIR of a *ForSequenceClassification) brings its head.
+  base = {k: v for k, v in model.params.items() if k != "score"}
+  trainable = lambda: initial_trainable(c.model, c.lora, base, key, mesh,
+                                        model.params.get("score"))
+  fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
+  frozen = train.Frozen(base) if c.lora.enabled else None
+  start = Start(fresh, frozen, identity.model_digest(model.path),
+                {"init_from": model.path, "lora": c.lora.enabled})
+  stage_hooks = [hooks.LogMetrics(c.run.log_every),
+                 hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
+  t_rm = time.perf_counter()
+  state = p.stage(RM, start, _rows(c, p.data.pairs), stage_hooks).run()
+  out = os.path.join(c.run.output_dir, "checkpoints", "rm_model")
+  made = reward_model(c, base, state.params)
+  checkpoint.save_params(out, made, c.model, stage="rm", step=int(state.step), base=model.path)
+  p.summary["rm_model"] = os.path.abspath(out)
+  if p.data.held is not None:  # TRL's eval_* metrics, on the held-out pairs
+    held = held_out_metrics(c, mesh, made, p.data.held)
+    p.summary.update({f"rm_eval_{k}": v for k, v in held.items()})
+    logging.info("rm: held-out accuracy %.3f, margin %+.4f, loss %.4f over %d pairs",
+                 held["accuracy"], held["margin"], held["loss"], held["pairs"])
+  if c.reward.export_rm_hf:
+    _export_hf(c, made, p.data, model.path)
+    if c.lora.enabled:
+      _export_adapter(c, base, state.params, p.data.tok.pad_id)
+  p.summary["rm_time_s"] = round(time.perf_counter() - t_rm, 1)
+  logging.info("rm: reward model -> %s", out)
+  return model
+
+
+def _export_hf(c, params, data, started_from: str) -> None:
+  """--export_rm_hf: the reward model as a transformers *ForSequenceClassification folder, with
+  the tokenizer and the chat template the pairs were rendered with (a Hugging Face tokenizer;
+  the byte tokenizer has no such form, which is logged)."""
+  from models import hf
+  out, tok, template = c.reward.export_rm_hf, data.tok, data.template
+  hf.save_reward_model(out, c.model, params, tok.pad_id,
+                       hf.SaveOptions(hf.source_config(started_from)))
+  if isinstance(tok, tokenizer_lib.HFTokenizer):
+    hf.save_tokenizer(out, tok, template.source if isinstance(template, chat.JinjaTemplate)
+                      else template.jinja)
+  else:
+    logging.warning("--export_rm_hf: the byte tokenizer has no Hugging Face form; %s has no "
+                    "tokenizer files (ids 0-255 are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)", out)
+  logging.info("rm: exported the reward model (LoRA merged) to %s", out)
+
+
+def _export_adapter(c, base, trainable, pad_id: int) -> None:
+  """With LoRA, --export_rm_hf/adapter: the PEFT adapter (the factors, the head as
+  modules_to_save) over --export_rm_hf/base, the reward model without the LoRA delta."""
+  from models import hf
+  out = c.reward.export_rm_hf
+  base_dir = os.path.abspath(os.path.join(out, "base"))
+  hf.save_reward_model(base_dir, c.model, {**base, "score": trainable["score"]},
+                       pad_id)
+  hf.save_peft_reward(os.path.join(out, "adapter"), c.model, trainable["body"], c.lora,
+                      trainable["score"], base_dir)
+  logging.info("rm: exported the PEFT adapter (head as modules_to_save) to %s/adapter", out)
+
+
+def _rows(c, pairs: dict) -> dict:
+  """The pairs, with their shared-prefix rows beside them under --prefix_sharing when it
+  applies (the forward then runs on those)."""
+  if not c.model.prefix_sharing:
+    return pairs
+  shared, note = packing.shared_prefix(pairs)
+  logging.info("%s", note)
+  return pairs if shared is None else {**pairs, **shared}
+
+
+RM = algorithms.register(algorithms.Algorithm(
+    name="rm", step=rm_step, batch=batches.PairBatch.of, step_config=step_config, run=run,
+    hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "reward")),
+    data_files=("train_data", "tokenizer"), data_seed=3, steps_flag="--rm_steps"))
