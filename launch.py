@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 
 from absl import app, flags, logging
 
@@ -48,7 +49,14 @@ def _user_error(e: Exception) -> None:
   if "--traceback" in sys.argv or (FLAGS.is_parsed() and FLAGS.traceback):
     raise e
   print(f"error: {e}", file=sys.stderr)
-  raise SystemExit(2) from None
+  _exit(2)
+
+
+def _exit(status: int) -> None:
+  """Exit with `status`; in a multi-process run its peers are told (dpo/distributed.py)."""
+  if "dpo.distributed" in sys.modules:
+    sys.modules["dpo.distributed"].exit_on_error(status)
+  raise SystemExit(status) from None
 
 
 def _parse(argv: list[str]) -> list[str]:
@@ -115,9 +123,12 @@ def main(argv) -> None:
     _user_error(e)
   except loop.TrainingStopped as e:
     logging.error("training stopped: %s", e)
-    raise SystemExit(3) from None
+    _exit(3)
   except Exception as e:  # a collective that failed because a peer died: one line, exit 4
     distributed.exit_if_peer_lost(e)
+    if jax.process_count() > 1:  # the traceback, then the peers are told
+      traceback.print_exc()
+      _exit(1)
     raise
   failed = [v["target"] for v in summary.get("verdicts", ()) if v["verdict"] == "FAIL"]
   if failed and FLAGS.fail_on_verdict:

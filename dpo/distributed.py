@@ -26,6 +26,7 @@ so rerunning every process resumes from the newest checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -94,9 +95,15 @@ def _start_watchdog(timeout_s: float) -> None:
 
 _PORT_KEY = "dpo_watch/port"  # process 0's link port, in the key-value store
 _GOODBYE = b"done\n"
+_FAILED = b"failed\n"  # the peer is exiting on an error of its own (its log says which)
+# A peer that stops on an error may be one of several stopping on the same error (a bad flag is
+# every process's): it waits this long for its own exit before it says the peer stopped.
+_OWN_EXIT_GRACE_S = 5.0
 _LINKS: list[socket.socket] = []  # this process's links
 _JOINED = threading.Event()  # every process is up: from now on a closed connection is a loss
 _DONE: set[str] = set()  # peers that said goodbye (finished their run)
+_STOPPED: set[str] = set()  # peers that said they stop on an error of their own
+_READERS: list[threading.Thread] = []  # one per link; each ends when its peer is done or gone
 _COORDINATOR = "process 0 (the coordinator)"
 
 
@@ -109,7 +116,7 @@ def _watch_link(conn: socket.socket, who: str) -> None:
   def read():
     heard = b""
     try:
-      while _GOODBYE not in heard:
+      while _GOODBYE not in heard and _FAILED not in heard:
         chunk = conn.recv(64)
         if not chunk:
           break
@@ -118,10 +125,16 @@ def _watch_link(conn: socket.socket, who: str) -> None:
       pass
     if _GOODBYE in heard:
       _DONE.add(who)
+    elif _FAILED in heard:
+      _STOPPED.add(who)
+      if not _FINISHED.wait(_OWN_EXIT_GRACE_S):
+        _peer_lost(f"{who} stopped with an error; its log says which")
     elif not _FINISHED.is_set():
       _peer_lost(f"{who} closed its connection: it exited or was killed")
 
-  threading.Thread(target=read, name=f"peer-link-{who}", daemon=True).start()
+  reader = threading.Thread(target=read, name=f"peer-link-{who}", daemon=True)
+  _READERS.append(reader)
+  reader.start()
 
 
 def _link(client, coordinator_host: str, timeout_s: float) -> None:
@@ -151,22 +164,30 @@ def _link(client, coordinator_host: str, timeout_s: float) -> None:
   _watch_link(conn, _COORDINATOR)
 
 
-def _pump(src: socket.socket, dst: socket.socket, from_service: bool) -> None:
-  """Copies `src` to `dst` until `src` closes. The service's side closing while the run goes on
-  is process 0's death: `_peer_lost` before the close reaches JAX's client."""
+def _pump(src: socket.socket, dst: socket.socket, from_service: bool,
+          client_closed: threading.Event) -> None:
+  """Copies `src` to `dst` until `src` closes. The service's side closing first while the run
+  goes on is process 0's death: `_peer_lost` before the close reaches JAX's client. A close of
+  this process's own client (its exit) is marked first, so it is never taken for one."""
   try:
     while data := src.recv(1 << 16):
       dst.sendall(data)
   except OSError:
     pass
-  if from_service and _JOINED.is_set() and not _FINISHED.is_set() and _COORDINATOR not in _DONE:
-    _peer_lost(f"{_COORDINATOR} closed the coordination service's connection: it exited or "
+  if not from_service:
+    client_closed.set()
+  elif (_JOINED.is_set() and not _FINISHED.is_set() and not client_closed.is_set()
+        and _COORDINATOR not in _DONE):
+    _peer_lost(f"{_COORDINATOR} stopped with an error; its log says which"
+               if _COORDINATOR in _STOPPED else
+               f"{_COORDINATOR} closed the coordination service's connection: it exited or "
                f"was killed")
   for sock in (src, dst):
     try:
       sock.shutdown(socket.SHUT_RDWR)
     except OSError:
       pass
+  src.close()  # each pump closes the socket it reads; the other pump closes the other
 
 
 def _relay(service: tuple[str, int]) -> str:
@@ -177,17 +198,23 @@ def _relay(service: tuple[str, int]) -> str:
 
   def serve():
     while True:
-      client, _ = server.accept()
       try:
-        upstream = socket.create_connection(service)
+        client, _ = server.accept()
+      except OSError:  # a failed accept (e.g. out of file descriptors) ends no run: go on
+        time.sleep(0.1)
+        continue
+      try:
+        upstream = socket.create_connection(service, timeout=10)
+        upstream.settimeout(None)
       except OSError:
         client.close()
         continue
       for sock in (client, upstream):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small RPCs, no batching
+      closed = threading.Event()
       for src, dst, from_service in ((client, upstream, False), (upstream, client, True)):
-        threading.Thread(target=_pump, args=(src, dst, from_service), name="service-relay",
-                         daemon=True).start()
+        threading.Thread(target=_pump, args=(src, dst, from_service, closed),
+                         name="service-relay", daemon=True).start()
 
   threading.Thread(target=serve, name="service-relay", daemon=True).start()
   return f"127.0.0.1:{server.getsockname()[1]}"
@@ -224,6 +251,37 @@ def finished() -> None:
         conn.sendall(_GOODBYE)
       except OSError:  # the peer has ended already
         pass
+
+
+def _failed() -> None:
+  """At exit without `finished` (an error of this process): peers stop watching it and are told
+  it stopped on an error, so they neither take its exit for a death nor wait on it in a
+  collective (`_watch_link`)."""
+  if _FINISHED.is_set():
+    return
+  _FINISHED.set()
+  for conn in _LINKS:
+    try:
+      conn.sendall(_FAILED)
+    except OSError:  # the peer has ended already
+      pass
+
+
+def exit_on_error(status: int) -> None:
+  """Exit with `status` after an error of this process (its line is printed). With other
+  processes: tell them (`_failed`), give those that stop on the same error the time to exit
+  with their own status (this process keeps the coordination service up meanwhile), and exit
+  without JAX's shutdown barrier, which would wait for processes that run on."""
+  if jax.process_count() == 1:
+    raise SystemExit(status)
+  _failed()
+  deadline = time.monotonic() + _OWN_EXIT_GRACE_S + 5.0
+  for reader in _READERS:
+    reader.join(max(0.0, deadline - time.monotonic()))
+  for stream in (sys.stdout, sys.stderr, *(h.stream for h in logging.getLogger().handlers
+                                           if hasattr(h, "stream"))):
+    stream.flush()
+  os._exit(status)
 
 
 def exit_if_peer_lost(error: BaseException) -> None:
@@ -272,6 +330,7 @@ def initialize(mode: str, coordinator_address: str = "", num_processes: int | No
   if service and kwargs.get("process_id"):  # process 0 holds the service itself
     kwargs["coordinator_address"] = _relay(_split_address(service))
   jax.distributed.initialize(**kwargs)
+  atexit.register(_failed)  # runs before JAX's own exit handler, registered earlier
   _JOINED.set()
   _start_watchdog(heartbeat_timeout_seconds)
   from jax._src import distributed as jax_distributed

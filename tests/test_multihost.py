@@ -240,7 +240,10 @@ def losses(monkeypatch):
   for name in ("_JOINED", "_FINISHED"):
     monkeypatch.setattr(distributed, name, threading.Event())
   monkeypatch.setattr(distributed, "_DONE", set())
+  monkeypatch.setattr(distributed, "_STOPPED", set())
   monkeypatch.setattr(distributed, "_LINKS", [])
+  monkeypatch.setattr(distributed, "_READERS", [])
+  monkeypatch.setattr(distributed, "_OWN_EXIT_GRACE_S", 0.5)
   return distributed, seen
 
 
@@ -289,3 +292,62 @@ def test_the_relay_carries_the_service_and_reports_its_close_first(losses):
     upstream.close()
     assert client.recv(4) == b""  # the close reaches the client
     assert seen == []
+
+
+def test_a_peer_stopping_on_an_error_is_named_unless_this_process_stops_too(losses):
+  """A peer's `failed` (it exits on an error of its own): reported after the grace, unless this
+  process finishes meanwhile (it stops on the same error, with its own status)."""
+  distributed, seen = losses
+  failing, ours = socket.socketpair()
+  distributed._watch_link(ours, "process 1")
+  failing.sendall(distributed._FAILED)
+  _settle(lambda: seen, timeout=3.0)
+  assert seen == ["process 1 stopped with an error; its log says which"]
+  seen.clear()
+  failing, ours = socket.socketpair()
+  distributed._watch_link(ours, "process 2")
+  failing.sendall(distributed._FAILED)
+  distributed._FINISHED.set()  # this process stops too
+  failing.close()
+  distributed._READERS[-1].join(3.0)
+  assert seen == [] and "process 2" in distributed._STOPPED
+
+
+def test_the_relay_does_not_take_its_own_clients_close_for_the_services(losses):
+  """This process's JAX client closing its connection (its own exit) is no loss of process 0."""
+  distributed, seen = losses
+  distributed._JOINED.set()
+  with socket.create_server(("127.0.0.1", 0)) as service:
+    relay = distributed._relay(service.getsockname())
+    client = socket.create_connection(distributed._split_address(relay))
+    upstream, _ = service.accept()
+    client.close()
+    assert upstream.recv(4) == b""  # the close reached the service's side
+    time.sleep(0.2)
+    assert seen == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", [(0, 1), (1,)], ids=["both", "process 1 alone"])
+def test_a_process_stopping_on_an_error_ends_the_run_with_its_status(tmp_path, bad):
+  """A missing --train_data given to both processes: each exits 2 with its one line; given to
+  process 1 alone: it exits 2, and process 0 says process 1 stopped on an error and exits 4, in
+  seconds (not after JAX's exit barrier or a heartbeat timeout), with no abort."""
+  port = _free_port()
+  logs = [tmp_path / "p0.log", tmp_path / "p1.log"]
+  data = lambda i: [f"--train_data={tmp_path / 'missing.jsonl'}"] if i in bad else []
+  procs = [_launch([*data(i), "--steps=100000", f"--output_dir={tmp_path / 'out'}",
+                    *_distributed(port, i)], 2, logs[i]) for i in range(2)]
+  try:
+    rcs = [p.wait(timeout=240) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  text = [open(log).read() for log in logs]
+  want = [2 if i in bad else 4 for i in range(2)]
+  assert rcs == want, text
+  for i in range(2):
+    _no_abort(text[i])
+    line = ("--train_data=" if i in bad else "process 1 stopped with an error")
+    assert line in text[i], text[i][-3000:]
