@@ -245,24 +245,23 @@ def finished() -> None:
     from jax._src import distributed as jax_distributed
     jax_distributed.global_state.client.key_value_set(f"dpo_done/{jax.process_index()}", "1",
                                                       allow_overwrite=True)
-    _FINISHED.set()
-    for conn in _LINKS:
-      try:
-        conn.sendall(_GOODBYE)
-      except OSError:  # the peer has ended already
-        pass
+    _tell_peers(_GOODBYE)
 
 
 def _failed() -> None:
   """At exit without `finished` (an error of this process): peers stop watching it and are told
   it stopped on an error, so they neither take its exit for a death nor wait on it in a
   collective (`_watch_link`)."""
-  if _FINISHED.is_set():
-    return
+  if not _FINISHED.is_set():
+    _tell_peers(_FAILED)
+
+
+def _tell_peers(message: bytes) -> None:
+  """This process stops watching its peers, and says why on each link."""
   _FINISHED.set()
   for conn in _LINKS:
     try:
-      conn.sendall(_FAILED)
+      conn.sendall(message)
     except OSError:  # the peer has ended already
       pass
 
