@@ -108,9 +108,12 @@ def main(argv) -> None:
   except ValueError as e:
     _user_error(e)
   from dpo import distributed  # imported after flag parsing so JAX starts with the final environment
-  distributed.initialize(FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes,
-                         FLAGS.process_id, FLAGS.heartbeat_timeout_seconds,
-                         FLAGS.initialization_timeout)
+  try:
+    distributed.initialize(FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes,
+                           FLAGS.process_id, FLAGS.heartbeat_timeout_seconds,
+                           FLAGS.initialization_timeout)
+  except ValueError as e:
+    _user_error(e)
   import jax
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress

@@ -271,7 +271,7 @@ def exit_on_error(status: int) -> None:
   processes: tell them (`_failed`), give those that stop on the same error the time to exit
   with their own status (this process keeps the coordination service up meanwhile), and exit
   without JAX's shutdown barrier, which would wait for processes that run on."""
-  if jax.process_count() == 1:
+  if not _JOINED.is_set():  # a single process (or none joined yet)
     raise SystemExit(status)
   _failed()
   deadline = time.monotonic() + _OWN_EXIT_GRACE_S + 5.0
@@ -334,8 +334,13 @@ def initialize(mode: str, coordinator_address: str = "", num_processes: int | No
   _start_watchdog(heartbeat_timeout_seconds)
   from jax._src import distributed as jax_distributed
   state = jax_distributed.global_state
-  _link(state.client, _split_address(service or state.coordinator_address)[0],
-        initialization_timeout)
+  host = _split_address(service or state.coordinator_address)[0]
+  try:
+    _link(state.client, host, initialization_timeout)
+  except OSError as e:
+    raise ValueError(f"process {jax.process_index()} could not make its link with process 0 at "
+                     f"{host} ({e}): every process must reach process 0's ports (WORKSPACE.md, "
+                     f"Multi-host)") from None
   logging.info("distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())

@@ -119,8 +119,9 @@ class Data:
     return {k: v[:, 0] for k, v in self.pairs.items() if k != "margin"}  # margin: [N]
 
   def _check_sizes(self, cfg) -> None:
-    """At least one global batch for each stage that trains on it, and (--packing) pairs whose
-    rows share a prompt: refused before any stage runs, not when the DPO stage starts."""
+    """At least one global batch for each stage that trains on it, (--packing) pairs whose rows
+    share a prompt, and (a reward model) padding that is not the EOS: refused before any stage
+    runs, not when the stage that needs it starts."""
     d, batch, stages = cfg.data, cfg.optim.global_batch_size, cfg.run.stages
     for arrays, used, what in ((self.pairs, "dpo" in stages or "rm" in stages,
                                 d.train_data or "the embedded task's pairs"),
@@ -130,6 +131,12 @@ class Data:
         raise data_lib.DataError(
             f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
             f"held-out split, fewer than one batch of --global_batch_size={batch}")
+    if "rm" in stages and self.tok.pad_id == self.tok.eos_id:
+      raise data_lib.DataError(
+          f"--stage={cfg.run.stage}: this tokenizer pads with its EOS (id {self.tok.pad_id}); a "
+          f"reward model reads each sequence's last token that is not padding, as transformers "
+          f"does, which would then be the token before the EOS for transformers and the EOS "
+          f"here; give --pad_token= a token other than the EOS")
     why = (packing.prompt_lengths(self.pairs)[1]
            if cfg.model.packing and "dpo" in stages else None)
     if why is not None:

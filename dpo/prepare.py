@@ -38,7 +38,7 @@ import numpy as np
 from dpo import chat, formats
 from dpo.data import DataError, Ends, tokenize_pairs, tokenize_sft
 
-_VERSION = "prefs-v2"
+_VERSION = "prefs-v3"  # v3: the per-pair margin column
 _ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 

@@ -456,3 +456,22 @@ def test_gradient_accumulation_gives_the_whole_batch_update(reward_model):
   for name in ("loss", "accuracy", "margin", "mean_reward", "grad_norm"):
     np.testing.assert_allclose(m2[name], m1[name], rtol=1e-5, atol=1e-6, err_msg=name)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p2, p1)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_that_pads_with_its_eos_is_refused_for_a_reward_model():
+  """GPT-2's tokenizer pads with <|endoftext|>, its EOS: transformers would read the reward at
+  the token before each sequence's EOS, this stage at the EOS, so the run is refused before any
+  work, naming --pad_token."""
+  import configs
+  from dpo import data, loop
+  gpt2 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared",
+                      "data", "tokenizers", "gpt2", "tokenizer.json")
+  if not os.path.exists(gpt2):
+    pytest.skip("../shared/data is absent")
+  cfg = configs.DEFAULT.replace(stage="sft,rm", tokenizer=gpt2, vocab_size=50304,
+                                task_train_pairs=16, task_sft_examples=16, task_eval_pairs=4,
+                                global_batch_size=8)
+  with pytest.raises(data.DataError, match=r"--stage=sft,rm: this tokenizer pads with its EOS "
+                                           r".* give --pad_token="):
+    loop.Data(cfg)
