@@ -131,13 +131,19 @@ class RewardConfig:
   center_rewards_coefficient: float = option(
       0.0, "Adds coef * mean((r_chosen + r_rejected)^2) to the reward loss, pulling rewards "
       "towards zero mean (TRL's center_rewards_coefficient, Eisenstein et al. 2023); 0 = none.")
+  rm_split: float = option(0.0, "With an rm stage and other stages in --stage: the fraction of the "
+                           "training prompts (by a hash of each prompt) the rm stage trains on; "
+                           "the other stages train on the rest, so a judge (--judge=rm) does not "
+                           "score the policy on the prompts it learnt from. 0 = every stage "
+                           "trains on every pair.")
   export_rm_hf: str = option("", "Also export the trained reward model to this directory as a "
                              "transformers *ForSequenceClassification folder (one label, "
                              "score.weight) with the tokenizer; empty = none.")
 
   def __post_init__(self):
     rules(self, rm_steps=NONNEG, rm_learning_rate=FINITE_POS,
-          center_rewards_coefficient=FINITE_NONNEG)
+          center_rewards_coefficient=FINITE_NONNEG, rm_split=(lambda v: 0.0 <= v < 1.0,
+                                                              "in [0, 1)"))
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,15 @@ class EvalConfig:
   eval_max_new_tokens: int = option(0, "Tokens sampled per eval response (0 = max_target_length).")
   eval_batch_size: int = option(128, "Prompts per sampling batch during evaluation.")
   eval_show: int = option(4, "Sampled responses printed side by side at the end of a run.")
+  judge: str = option("", "The judge that scores policy and reference samples (win rate, length-"
+                      "controlled win rate, reward gain) and the held-out pairs (its accuracy): a "
+                      "reward-model checkpoint (checkpoints/rm_model of an rm stage), hf:DIR (a "
+                      "transformers *ForSequenceClassification folder with its tokenizer), or rm "
+                      "(this run's rm stage's model); empty = --reward_fn (dpo/judges.py).")
+  reward_fn: str = option("", "A judge that is a Python function module:function of (prompt, "
+                          "response) returning a number (rule-based or verifiable rewards); empty "
+                          "= the embedded task's true reward (dpo.task:reward) on that task, no "
+                          "judge on other data.")
 
   def __post_init__(self):
     rules(self, eval_every=NONNEG, eval_batch_size=POS, eval_max_new_tokens=NONNEG,
@@ -312,6 +327,15 @@ class Config:
     check("rm" not in self.run.stages or self.model.base_quant == "none",
           f"--base_quant={self.model.base_quant!r}: the rm stage trains on a float base; not "
           f"with --stage={self.run.stage}")
+    check(not (self.eval.judge and self.eval.reward_fn),
+          f"--judge={self.eval.judge!r}: give either --judge or --reward_fn, not both")
+    stages = self.run.stages
+    check(self.eval.judge != "rm" or ("rm" in stages and "dpo" in stages
+                                      and stages.index("rm") < stages.index("dpo")),
+          f"--judge=rm: must go with an rm stage before the dpo stage (--stage={self.run.stage})")
+    check(not self.reward.rm_split or ("rm" in stages and len(stages) > 1),
+          f"--rm_split={self.reward.rm_split}: must go with an rm stage and another stage to "
+          f"split the prompts with (--stage={self.run.stage})")
     check(not self.reward.export_rm_hf or "rm" in self.run.stages,
           f"--export_rm_hf={self.reward.export_rm_hf!r}: must go with an rm stage (--stage="
           f"{self.run.stage} has none)")
@@ -425,8 +449,17 @@ HH_RLHF_GPT2 = Config().replace(
     learning_rate=1e-4, sft_learning_rate=3e-3, global_batch_size=8, log_every=25,
     output_dir="runs/hh-rlhf-gpt2")
 
+# hh-rlhf-judged: the same, judged: SFT on half of the training prompts, a reward model started
+# from the SFT model on the other half (as InstructGPT starts its reward model from SFT), DPO on
+# the SFT half, and the DPO policy judged against the SFT model by that reward model. GPT-2 pads
+# with its EOS, which a reward model cannot (dpo/loop.py): PAD is the NUL byte's token instead.
+HH_RLHF_JUDGED = HH_RLHF_GPT2.replace(
+    stage="sft,rm,dpo", rm_split=0.5, judge="rm", pad_token="\u0100", rm_steps=200,
+    rm_learning_rate=1e-3, output_dir="runs/hh-rlhf-judged")
+
 PRESETS: dict[str, Config] = {
     "hh-rlhf-gpt2": HH_RLHF_GPT2,
+    "hh-rlhf-judged": HH_RLHF_JUDGED,
     "default": DEFAULT,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),  # bench-small, every weight trained

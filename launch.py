@@ -89,7 +89,8 @@ _DATA_FLAGS = ("train_data", "sft_data", "eval_data")
 
 def _check_inputs(cfg) -> None:
   """One line naming the flag and the file for an input that cannot be read: a data file that
-  does not exist, an --init_from that holds no full model (dpo/checkpoint.py)."""
+  does not exist, an --init_from that holds no full model (dpo/checkpoint.py), a judge that
+  cannot be built (dpo/judges.py)."""
   from dpo import checkpoint  # after distributed start-up, as main's imports
   for flag in _DATA_FLAGS:
     path = getattr(cfg.data, flag)
@@ -98,6 +99,8 @@ def _check_inputs(cfg) -> None:
       raise ValueError(f"--{flag}={path}: no such file{where}")
   if cfg.checkpoint.init_from:
     checkpoint.check_model_source("init_from", cfg.checkpoint.init_from)
+  from dpo import judges
+  judges.check(cfg)
 
 
 def main(argv) -> None:

@@ -28,7 +28,8 @@ PANELS = (
                                  ("eval", "eval/kl_per_token", "on-policy samples")]),
     ("gradient norm", [("dpo", "grad_norm", "dpo"), ("sft", "grad_norm", "sft")]),
     ("learning rate", [("dpo", "learning_rate", "dpo"), ("sft", "learning_rate", "sft")]),
-    ("evaluation win rate (true reward)", [("eval", "eval/win_rate", "policy vs reference")]),
+    ("evaluation win rate (judge)", [("eval", "eval/win_rate", "policy vs reference"),
+                                     ("eval", "eval/lc_win_rate", "length-controlled")]),
     ("held-out chosen perplexity", [("eval", "eval/perplexity", "policy")]),
 )
 

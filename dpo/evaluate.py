@@ -5,9 +5,11 @@ held-out pair (the last partial batch is padded with copies and masked out of th
 
 Generation metrics (`Evaluator`) sample one response per held-out prompt from the policy and one
 from the reference with models/sampler.py, then report
-  * win rate of policy over reference under the task's ground-truth reward (ties count half) and
-    the mean true reward of each; None when the data has no ground-truth reward, with the
-    reason in `win_rate_reason` (summary.json, the table and the verdict say it);
+  * with a judge (dpo/judges.py: a reward model or a reward function; on the embedded task its
+    true reward): the win rate of policy over reference (ties count half), each side's mean
+    reward and the mean gain, the length-controlled win rate (`lc_win_rate`), and the judge's own
+    accuracy on the held-out pairs; None without a judge, with the reason in
+    `win_rate_reason` (summary.json, the table and the verdict say it);
   * on-policy KL(policy || reference), estimated as the mean over policy samples y ~ pi(.|x) of
     log pi(y|x) - log pi_ref(y|x) (nats): per sequence, and per token as the sum of those
     differences over the sum of sampled tokens (EOS counted, prompt not);
@@ -27,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpo import data as data_lib
-from dpo import logprobs, losses, train
+from dpo import judges, logprobs, losses, train
 from dpo.batches import PairBatch, Rows
 from dpo.formats import distinct_n
 from models import sampler, sharding, transformer
@@ -43,16 +45,20 @@ class EvalSet(NamedTuple):
   """What a run is evaluated on. `prompts` are encoded by the Evaluator (BOS + text) unless
   `prompt_ids` gives them already tokenized (real data: the held-out pairs' prompts as rendered
   by the chat template), `prompts` then being their decoded text. `held`: the held-out pair
-  arrays (pair metrics), `reward_fn` the task's true reward of a response (win rate),
+  arrays (pair metrics), `judge` what scores a response (dpo/judges.py; win rate),
   `well_formed_fn(prompt, response)` the task's grammar check; sampling stops at EOS or any of
-  `stop_ids`."""
+  `stop_ids`. A judge reads `chats`, each prompt as the data gave it (text, or a conversation
+  of Messages: `prompts` by default), and `held_records`, the held-out pairs as read (its
+  accuracy)."""
   tok: Any
   prompts: Sequence[str]
   prompt_ids: Sequence[Sequence[int]] | None = None
   held: dict | None = None
-  reward_fn: Callable[[str], float] | None = None
+  judge: "judges.Judge | None" = None
   well_formed_fn: Callable[[str, str], bool] | None = None
   stop_ids: Sequence[int] = ()
+  chats: Sequence | None = None
+  held_records: Sequence | None = None
 
 
 def _policy_and_reference(score_fn, model, lora_cfg, policy: Weights, ref_params, batch):
@@ -116,6 +122,32 @@ def win_rate(policy_rewards, reference_rewards) -> float:
   if p.shape != r.shape or p.size == 0:
     raise ValueError(f"need equal, non-empty reward arrays, got {p.shape} and {r.shape}")
   return float(np.mean((p > r) + 0.5 * (p == r)))
+
+
+def lc_win_rate(preferences, length_diffs, l2: float = 1e-3, iters: int = 50) -> float:
+  """The length-controlled win rate (Dubois et al. 2024, AlpacaEval 2): a logistic regression
+  of the preference for the policy (1 win, 1/2 tie, 0 loss) on tanh(d / std(d)), d the
+  policy's response length minus the reference's, read at d = 0: sigmoid of the intercept.
+  Fitted by Newton's method on the mean log-likelihood with a small L2 penalty (`l2`, also on
+  the intercept) that keeps it finite when one side wins every comparison. Equal lengths give
+  (up to that penalty) the plain win rate."""
+  y = np.asarray(preferences, np.float64)
+  d = np.asarray(length_diffs, np.float64)
+  if y.shape != d.shape or y.size == 0:
+    raise ValueError(f"need equal, non-empty arrays, got {y.shape} and {d.shape}")
+  scale = d.std()
+  x = np.tanh(d / scale) if scale > 0 else np.zeros_like(d)
+  X = np.stack([np.ones_like(x), x], axis=1)
+  w = np.zeros(2)
+  for _ in range(iters):
+    p = 1.0 / (1.0 + np.exp(-X @ w))
+    grad = X.T @ (p - y) / len(y) + l2 * w
+    hess = (X.T * (p * (1 - p))) @ X / len(y) + l2 * np.eye(2)
+    step = np.linalg.solve(hess, grad)
+    w -= step
+    if np.abs(step).max() < 1e-10:
+      break
+  return float(1.0 / (1.0 + np.exp(-w[0])))
 
 
 def sampling_config(cfg, tok, stop_ids: Sequence[int] = ()) -> sampler.SamplingConfig:
@@ -183,8 +215,9 @@ def _length_stats(prefix: str, comps: Sequence[Sequence[int]], texts: Sequence[s
   }
 
 
-# Why win rate (and the true rewards) are null on data without a ground-truth reward.
-NO_REWARD = ("no reward function: only the embedded task defines a true reward; this data's "
+# Why win rate (and the rewards) are null on data without a judge.
+NO_REWARD = ("no judge: give --judge=DIR (a reward model: checkpoints/rm_model, hf:DIR, or rm "
+             "with an rm stage) or --reward_fn=module:function; without one this data's "
              "samples are compared by KL, lengths and distinct-n")
 
 
@@ -207,7 +240,12 @@ class Evaluator:
     if len(prompt_ids) != len(self.prompt_texts):
       raise ValueError(f"{len(prompt_ids)} prompt id lists for {len(self.prompt_texts)} prompts")
     self.prompt_ids = [list(p) for p in prompt_ids]
-    self.held, self.reward_fn, self.well_formed_fn = data.held, data.reward_fn, data.well_formed_fn
+    self.held, self.judge_, self.well_formed_fn = data.held, data.judge, data.well_formed_fn
+    self.chats = list(data.chats) if data.chats is not None else list(self.prompt_texts)
+    if len(self.chats) != len(self.prompt_texts):
+      raise ValueError(f"{len(self.chats)} judge prompts for {len(self.prompt_texts)} prompts")
+    self.held_records = data.held_records
+    self._judge_accuracy = None
     self.scfg = sampling_config(cfg, tok, data.stop_ids)
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 7)
     self.policy_key, self.ref_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
@@ -225,12 +263,22 @@ class Evaluator:
     return comp[:-1] if comp and comp[-1] in stops else comp
 
   def judge(self, comps):
-    """(texts, true rewards or None, well-formed flags or None) of sampled completions."""
+    """(texts, the judge's rewards or None, well-formed flags or None) of sampled completions,
+    one per prompt."""
     texts = [self.tok.decode(self._strip_stop(c)) for c in comps]
-    rewards = None if self.reward_fn is None else np.array([self.reward_fn(t) for t in texts])
+    rewards = None
+    if self.judge_ is not None:
+      rewards = self.judge_.score([judges.records_of(p, [t])[0]
+                                   for p, t in zip(self.chats, texts)])
     formed = (None if self.well_formed_fn is None else
               np.array([self.well_formed_fn(p, t) for p, t in zip(self.prompt_texts, texts)]))
     return texts, rewards, formed
+
+  def judge_accuracy(self) -> float | None:
+    """The judge's accuracy on the held-out pairs (computed once; None without them)."""
+    if self._judge_accuracy is None and self.held_records:
+      self._judge_accuracy = judges.accuracy(self.judge_, self.held_records)
+    return self._judge_accuracy
 
   def __call__(self, policy: Weights) -> tuple[dict, list[dict]]:
     """(metrics, samples): one record per sampling prompt (prompt, both responses, their true
@@ -242,8 +290,8 @@ class Evaluator:
     else:
       m.update(reward_accuracy=None, reward_margin=None, perplexity=None)
     if not self.prompt_ids:
-      m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None,
-               kl_per_sequence=None, kl_per_token=None, policy_wellformed_rate=None,
+      m.update(win_rate=None, lc_win_rate=None, policy_reward=None, reference_reward=None,
+               reward_gain=None, judge_accuracy=None, kl_per_sequence=None, kl_per_token=None, policy_wellformed_rate=None,
                reference_wellformed_rate=None, win_rate_reason="no prompts to sample from")
       return m, []
     ref_comps, ref_texts, ref_rewards, ref_formed = self._reference()
@@ -254,13 +302,19 @@ class Evaluator:
     m["kl_per_sequence"] = float(np.mean(pol - ref))
     m["kl_per_token"] = float(np.sum(pol - ref) / max(np.sum(counts), 1.0))
     m["policy_logp_per_token"] = float(np.sum(pol) / max(np.sum(counts), 1.0))
+    m["judge"] = judges.describe(self.judge_)
     if rewards is None:
-      m.update(win_rate=None, policy_true_reward=None, reference_true_reward=None,
-               win_rate_reason=NO_REWARD)
+      m.update(win_rate=None, lc_win_rate=None, policy_reward=None, reference_reward=None,
+               reward_gain=None, judge_accuracy=None, win_rate_reason=NO_REWARD)
     else:
       m["win_rate"] = win_rate(rewards, ref_rewards)
-      m["policy_true_reward"] = float(rewards.mean())
-      m["reference_true_reward"] = float(ref_rewards.mean())
+      chars = lambda ts: np.array([len(t) for t in ts], np.float64)
+      m["lc_win_rate"] = lc_win_rate((rewards > ref_rewards) + 0.5 * (rewards == ref_rewards),
+                                     chars(texts) - chars(ref_texts))
+      m["policy_reward"] = float(rewards.mean())
+      m["reference_reward"] = float(ref_rewards.mean())
+      m["reward_gain"] = float((rewards - ref_rewards).mean())
+      m["judge_accuracy"] = self.judge_accuracy()
     m["policy_wellformed_rate"] = None if formed is None else float(formed.mean())
     m["reference_wellformed_rate"] = None if ref_formed is None else float(ref_formed.mean())
     m.update(_length_stats("policy", comps, texts, self.tok.eos_id))
@@ -289,7 +343,7 @@ WELLFORMED_MIN = 0.95
 
 def verdicts(metrics: dict, reference_perplexity: float | None) -> list[dict]:
   """PASS / FAIL per recipe target, with the measured value; a target whose figure the run
-  cannot measure (no reward function, no held-out pairs) is "n/a", never a PASS."""
+  cannot measure (no judge, no held-out pairs) is "n/a", never a PASS."""
   lo, hi = KL_PER_TOKEN_BAND
   ppl, ratio = metrics.get("perplexity"), None
   if ppl is not None and reference_perplexity:
@@ -324,9 +378,12 @@ def report(metrics: dict, samples: Sequence[dict], show: int,
            verdict_rows: Sequence[dict] = ()) -> str:
   """A short terminal table of the main figures, `show` side-by-side samples and the verdicts."""
   rows = [
-      ("true-reward win rate (policy vs reference)", "win_rate"),
-      ("mean true reward: policy", "policy_true_reward"),
-      ("mean true reward: reference", "reference_true_reward"),
+      ("judge", "judge"),
+      ("win rate (policy vs reference)", "win_rate"),
+      ("length-controlled win rate", "lc_win_rate"),
+      ("mean reward: policy / reference", ("policy_reward", "reference_reward")),
+      ("mean reward gain (policy - reference)", "reward_gain"),
+      ("judge accuracy on held-out pairs", "judge_accuracy"),
       ("KL(policy||ref) per sequence (nats)", "kl_per_sequence"),
       ("KL(policy||ref) per token (nats)", "kl_per_token"),
       ("held-out implicit reward accuracy", "reward_accuracy"),

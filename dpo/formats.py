@@ -85,6 +85,22 @@ Record = Union[PreferenceRecord, ChatRecord]
 SFTExample = Union[SFTRecord, ChatSFTRecord]
 
 
+def record_json(rec: Record) -> dict:
+  """A record as plain JSON (a cache stores the held-out records so): text fields stay strings,
+  a conversation is a list of [role, content]."""
+  turns = lambda v: v if isinstance(v, str) else [list(m) for m in v]
+  return {"prompt": turns(rec.prompt), "chosen": turns(rec.chosen),
+          "rejected": turns(rec.rejected)}
+
+
+def record_of_json(obj: dict) -> Record:
+  """The record `record_json` wrote."""
+  if isinstance(obj["prompt"], str):
+    return PreferenceRecord(obj["prompt"], obj["chosen"], obj["rejected"])
+  turns = lambda v: tuple(Message(*m) for m in v)
+  return ChatRecord(turns(obj["prompt"]), turns(obj["chosen"]), turns(obj["rejected"]))
+
+
 @dataclasses.dataclass(frozen=True)
 class FormatSpec:
   """How to read records: the format name and, for "columns", the three field names."""

@@ -56,7 +56,9 @@ class Data:
     self.embedded = not d.train_data
     self.template = chat.resolve_template(d.chat_template, self.tok)
     self.reports = []
+    self.held_records = None  # the held-out pairs as read, one per held-out row
     self.pairs, self.held = self._task_pairs(cfg) if self.embedded else self._file_pairs(cfg)
+    self.rm_pairs = self._split_for_rm(cfg)
     self.sft = self._sft(cfg)
     if "margin" in self.pairs:
       logging.log(logging.INFO if "rm" in cfg.run.stages else logging.WARNING,
@@ -77,6 +79,7 @@ class Data:
     pairs = task.preference_records(d.task_train_pairs, seed)
     held = (data_lib.load_preference_jsonl(d.eval_data) if d.eval_data else
             task.preference_records(d.task_eval_pairs, seed, held_out=True))
+    self.held_records = list(held) or None
     return (data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs"),
             data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs") if held
             else None)
@@ -97,10 +100,29 @@ class Data:
     train_prep = prep(d.train_data, eval_split=d.eval_split)
     self.reports.append(train_prep.report)
     if not d.eval_data:
+      self.held_records = train_prep.held_records
       return train_prep.train, train_prep.held
-    eval_prep = prep(d.eval_data, eval_split=0.0)
+    eval_prep = prep(d.eval_data, eval_split=0.0, train_records=True)
     self.reports.append(eval_prep.report)
+    self.held_records = eval_prep.train_records
     return train_prep.train, eval_prep.train
+
+  def _split_for_rm(self, cfg) -> dict | None:
+    """--rm_split: the rm stage's pairs (that fraction of the training prompts, by a hash of
+    each prompt's token ids), which leave self.pairs; None without the flag."""
+    fraction = cfg.reward.rm_split
+    if not fraction:
+      return None
+    tokens, mask = self.pairs["tokens"][:, 0], self.pairs["loss_mask"][:, 0]
+    first = np.argmax(mask > 0, axis=1)
+    digest = lambda row, n: hashlib.sha256(row[:n].astype(np.int32).tobytes()).digest()[:8]
+    to_rm = np.array([int.from_bytes(digest(t, n), "big") / 2.0**64 < fraction
+                      for t, n in zip(tokens, first)])
+    rm_pairs = {k: v[to_rm] for k, v in self.pairs.items()}
+    self.pairs = {k: v[~to_rm] for k, v in self.pairs.items()}
+    logging.info("--rm_split=%g: %d pairs for the rm stage, %d for the others (split by prompt)",
+                 fraction, int(to_rm.sum()), int((~to_rm).sum()))
+    return rm_pairs
 
   def _sft(self, cfg) -> dict:
     """SFT rows: --sft_data (rendered with the template the preference data gets), the embedded
@@ -123,8 +145,11 @@ class Data:
     share a prompt, and (a reward model) padding that is not the EOS: refused before any stage
     runs, not when the stage that needs it starts."""
     d, batch, stages = cfg.data, cfg.optim.global_batch_size, cfg.run.stages
-    for arrays, used, what in ((self.pairs, "dpo" in stages or "rm" in stages,
+    rm_pairs = self.pairs if self.rm_pairs is None else self.rm_pairs
+    for arrays, used, what in ((self.pairs, "dpo" in stages,
                                 d.train_data or "the embedded task's pairs"),
+                               (rm_pairs, "rm" in stages, f"{d.train_data or 'the embedded task'}"
+                                f"'s pairs for the rm stage"),
                                (self.sft, "sft" in stages,
                                 d.sft_data or d.train_data or "the embedded task's SFT data")):
       if used and len(arrays["tokens"]) < batch:
@@ -152,17 +177,21 @@ class Data:
     self.eval_prompt_ids, self.stop_ids = None, ()
     if self.embedded:
       self.eval_prompts = task.eval_prompts(n)
+      self.eval_chats = list(self.eval_prompts)
     else:
-      self.eval_prompt_ids = held_prompts(self.held, n)
+      rows = held_prompts(self.held, n)
+      self.eval_prompt_ids = [ids for _, ids in rows]
       self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
+      self.eval_chats = [self.held_records[i].prompt for i, _ in rows]
       self.stop_ids = tuple(chat.end_of_turn_ids(self.template, self.tok))
-    self.reward_fn = task.true_reward if self.embedded else None
     self.well_formed_fn = task.well_formed if self.embedded else None
 
-  def eval_set(self) -> evaluate.EvalSet:
-    """What the DPO stage is evaluated on (dpo/evaluate.py)."""
+  def eval_set(self, judge=None) -> evaluate.EvalSet:
+    """What the DPO stage is evaluated on (dpo/evaluate.py), scored by `judge`
+    (dpo/judges.py)."""
     return evaluate.EvalSet(self.tok, self.eval_prompts, self.eval_prompt_ids, self.held,
-                            self.reward_fn, self.well_formed_fn, self.stop_ids)
+                            judge, self.well_formed_fn, self.stop_ids, self.eval_chats,
+                            self.held_records)
 
   def preview(self, n: int) -> list[dict]:
     """The first `n` training pairs as the model sees them: the text decoded from the token
@@ -205,16 +234,17 @@ class Data:
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}
 
 
-def held_prompts(held: dict | None, n: int) -> list[list[int]]:
+def held_prompts(held: dict | None, n: int) -> list[tuple[int, list[int]]]:
   """The distinct prompts (token ids before the first scored token) of the held-out pairs, in
-  order, at most n."""
-  out: dict[tuple[int, ...], None] = {}
-  for tokens, mask in zip(held["tokens"][:, 0], held["loss_mask"][:, 0]) if held else ():
+  order, at most n, each with the index of its first pair."""
+  out: dict[tuple[int, ...], int] = {}
+  rows = zip(held["tokens"][:, 0], held["loss_mask"][:, 0]) if held else ()
+  for i, (tokens, mask) in enumerate(rows):
     if len(out) == n:
       break
     scored = np.flatnonzero(mask)
-    out.setdefault(tuple(int(t) for t in tokens[:scored[0] if len(scored) else 0]))
-  return [list(p) for p in out if p]
+    out.setdefault(tuple(int(t) for t in tokens[:scored[0] if len(scored) else 0]), i)
+  return [(i, list(p)) for p, i in out.items() if p]
 
 
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:

@@ -38,7 +38,7 @@ import numpy as np
 from dpo import chat, formats
 from dpo.data import DataError, Ends, tokenize_pairs, tokenize_sft
 
-_VERSION = "prefs-v3"  # v3: the per-pair margin column
+_VERSION = "prefs-v4"  # v3: the per-pair margin column; v4: the held-out records
 _ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 
@@ -62,6 +62,9 @@ class Prepared(NamedTuple):
   train: dict[str, np.ndarray]            # [N, 2, T] arrays (see dpo.data)
   held: dict[str, np.ndarray] | None      # [M, 2, T'] or None when nothing was held out
   report: dict                            # counts: formats, fallbacks, filters, split, cache
+  held_records: list | None = None        # the M held-out records as read (before rendering),
+                                          # for a judge that renders them its own way
+  train_records: list | None = None       # the same of the training pairs, when asked for
 
 
 def in_held_out(prompt: str, fraction: float) -> bool:
@@ -80,12 +83,13 @@ def _file_digest(path: str) -> str:
   return h.hexdigest()
 
 
-def cache_key(path: str, how: Preparation, template_fingerprint: str, eval_split: float) -> str:
+def cache_key(path: str, how: Preparation, template_fingerprint: str, eval_split: float,
+              train_records: bool = False) -> str:
   """The cache file's key: the file's bytes, the tokenizer's fingerprint, the chat template's
   (`chat.template_fingerprint`), and every setting that changes the arrays."""
   parts = [_VERSION, _file_digest(path), how.tok.fingerprint(),
            repr(dataclasses.astuple(how.spec)), template_fingerprint, repr(tuple(how.lens)),
-           repr(float(eval_split)), repr(bool(how.skip_bad))]
+           repr(float(eval_split)), repr(bool(how.skip_bad)), repr(bool(train_records))]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -94,6 +98,10 @@ def _save(path: str, prepared: Prepared) -> None:
   if prepared.held is not None:
     flat.update({f"held/{k}": v for k, v in prepared.held.items()})
   buf = io.BytesIO()
+  for part, records in (("held", prepared.held_records), ("train", prepared.train_records)):
+    if records is not None:
+      flat[f"{part}_records"] = np.frombuffer(
+          json.dumps([formats.record_json(r) for r in records]).encode(), np.uint8)
   np.savez(buf, report=np.frombuffer(json.dumps(prepared.report).encode(), np.uint8), **flat)
   tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
   with open(tmp, "wb") as f:
@@ -141,6 +149,10 @@ def _load(path: str) -> Prepared:
       train = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("train/")}
       held = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("held/")} or None
       report = json.loads(z["report"].tobytes().decode())
+      records = {part: None if f"{part}_records" not in z.files else
+                 [formats.record_of_json(r)
+                  for r in json.loads(z[f"{part}_records"].tobytes().decode())]
+                 for part in ("held", "train")}
   except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
     raise ValueError(f"{type(e).__name__}: {e}") from None
   for part, arrays in (("train", train), ("held", held or {a: None for a in _ARRAYS})):
@@ -150,7 +162,13 @@ def _load(path: str) -> Prepared:
   shapes = {a.shape for k, a in train.items() if k != "margin"}  # margin is [N]
   if len(shapes) != 1 or len(next(iter(shapes))) != 3:
     raise ValueError(f"train arrays disagree in shape: {sorted(shapes)}")
-  return Prepared(train, held, report)
+  for part, arrays in (("held", held), ("train", train)):
+    if arrays is not None and records[part] is not None and (
+        len(records[part]) != len(arrays["tokens"])):
+      raise ValueError(f"{part} records not one per {part} pair")
+  if held is not None and records["held"] is None:
+    raise ValueError("held-out records missing")
+  return Prepared(train, held, report, records["held"], records["train"])
 
 
 def _template_marks(t, rendered: bool) -> dict:
@@ -164,9 +182,11 @@ def _template_marks(t, rendered: bool) -> dict:
 
 
 def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
-                  cache_dir: str = "") -> Prepared:
+                  cache_dir: str = "", train_records: bool = False) -> Prepared:
   """Reads, filters, renders, splits and tokenises one preference file (or loads the cache at
-  <cache_dir>/prefs-<key>.npz; "" = no cache)."""
+  <cache_dir>/prefs-<key>.npz; "" = no cache). The held-out records are kept as read (for a
+  judge that renders them its own way); the training ones too with `train_records` (a file
+  that is all held-out data, --eval_data)."""
   if not 0.0 <= eval_split < 1.0:
     raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
   if not os.path.exists(path):
@@ -177,12 +197,12 @@ def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
   cache_path = None
   if cache_dir:
     remove_stale_tmp(cache_dir)
-    key = cache_key(path, how, chat.template_fingerprint(t), eval_split)
+    key = cache_key(path, how, chat.template_fingerprint(t), eval_split, train_records)
     cache_path = os.path.join(cache_dir, f"prefs-{key}.npz")
     prepared = _cached(path, cache_path)
     if prepared is not None:
       return prepared
-  (train, held), (train_m, held_m), report = _read_pairs(path, how, t, eval_split)
+  (train, held), (train_m, held_m), records, report = _read_pairs(path, how, t, eval_split)
   report["cache"] = "miss" if cache_path else "off"
   logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
                len(train), len(held), eval_split, t.name)
@@ -194,7 +214,7 @@ def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
                                  **marks), train_m),
       with_margin(tokenize_pairs(held, how.tok, *how.lens, what=f"{path} held-out pairs",
                                  **marks), held_m) if held else None,
-      report)
+      report, records[1] if held else None, records[0] if train_records else None)
   if cache_path:
     os.makedirs(cache_dir, exist_ok=True)
     _save(cache_path, prepared)
@@ -225,14 +245,15 @@ def _cached(path: str, cache_path: str) -> Prepared | None:
 
 def _read_pairs(path: str, how: Preparation, t, eval_split: float):
   """((train texts, held-out texts), their margins (None: the file has no `margin` field),
-  report): the file's records read, filtered, rendered with template `t` and split by prompt
-  hash."""
+  (train, held-out) records as read, report): the file's records read, filtered, rendered with
+  template `t` and split by prompt hash."""
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   located = list(formats.iter_records(path, how.spec, stats, skips))
   if not located:
     raise DataError(f"{path}: no records")
   kept, filt = formats.filter_records(located)
+  read = dict(kept)  # where -> the record as read
   chats = any(isinstance(r, formats.ChatRecord) for _, r in kept)
   train, held, rendered = [], [], []
   for where, rec in kept:
@@ -247,11 +268,12 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
   kept, filt = formats.filter_rendered(rendered, filt)
   filt.log(path)
   margin = _margins(path, [where for where, _ in kept])
-  train_m, held_m = [], []
-  for (_, text), m in zip(kept, margin or [None] * len(kept)):
+  train_m, held_m, records = [], [], ([], [])
+  for (where, text), m in zip(kept, margin or [None] * len(kept)):
     out = in_held_out(text.prompt, eval_split)
     (held if out else train).append(text)
     (held_m if out else train_m).append(m)
+    records[out].append(read[where])
   if skips is not None:
     skips.log()
   if not train:
@@ -261,7 +283,8 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
             "train_pairs": len(train), "held_out_pairs": len(held), "template": t.name,
             "template_emits_bos": t.emits_bos if isinstance(t, chat.JinjaTemplate) else None,
             "tokenizer": how.tok.fingerprint(), "chats": chats}
-  return (train, held), (None, None) if margin is None else (train_m, held_m), report
+  margins = (None, None) if margin is None else (train_m, held_m)
+  return (train, held), margins, records, report
 
 
 def _margins(path: str, wheres: list[str]) -> list[float] | None:

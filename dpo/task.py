@@ -49,6 +49,13 @@ def true_reward(text: str) -> float:
   return float(np.clip(score / CLAUSES, -1.0, 1.0))
 
 
+def reward(prompt: str, completion: str) -> float:
+  """The true reward as a judge's reward function (--reward_fn=dpo.task:reward): the prompt
+  does not enter it."""
+  del prompt
+  return true_reward(completion)
+
+
 _PROMPT = re.compile(r"Review the ([a-z]+) in [A-Z][a-z]+:$")
 _CLAUSE = re.compile(r"([a-z]+) ([a-z]+)$")
 

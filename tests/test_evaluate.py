@@ -8,7 +8,7 @@ import pytest
 
 from configs import Config, DataConfig, LoraConfig, ModelConfig
 from dpo import data as data_lib
-from dpo import evaluate, task
+from dpo import evaluate, judges, task
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -42,6 +42,9 @@ def lora(mesh):
 def _hash_reward(text: str) -> float:
   """A reward with (almost) no ties that does not favour either side."""
   return zlib.crc32(text.encode()) / 2**32
+
+
+_HASH_JUDGE = judges.FunctionJudge.wrap(lambda prompt, text: _hash_reward(text), "hash")
 
 
 def test_win_rate_counts_ties_half():
@@ -84,7 +87,7 @@ def test_completion_logps_match_numpy(params, lora, mesh):
 def test_kl_of_policy_against_itself_is_zero(params, mesh):
   zero_delta = lora_lib.init(CFG.model, CFG.lora, jax.random.key(4), mesh)  # B = 0
   ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:32],
-      reward_fn=task.true_reward), params)
+      judge=judges.FunctionJudge("dpo.task:reward")), params)
   for lora in (None, zero_delta):
     m, _ = ev(evaluate.Weights(params, lora))
     assert m["kl_per_sequence"] == 0.0 and m["kl_per_token"] == 0.0
@@ -92,7 +95,7 @@ def test_kl_of_policy_against_itself_is_zero(params, mesh):
 
 @pytest.mark.slow
 def test_kl_positive_for_a_different_policy(params, lora, mesh):
-  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS, reward_fn=task.true_reward),
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS, judge=judges.FunctionJudge("dpo.task:reward")),
       params)
   m, _ = ev(evaluate.Weights(params, lora))
   assert m["kl_per_sequence"] > 0.1 and m["kl_per_token"] > 0.0
@@ -102,22 +105,22 @@ def test_self_win_rate_is_half(params, mesh):
   # Greedy: identical samples, every prompt a tie -> exactly 0.5.
   greedy = CFG.replace(eval_temperature=0.0)
   m, ex = evaluate.Evaluator(greedy, mesh, evaluate.EvalSet(TOK, PROMPTS[:32],
-      reward_fn=_hash_reward), params)(
+      judge=_HASH_JUDGE), params)(
       evaluate.Weights(params))
   assert m["win_rate"] == 0.5 and all(s["policy"] == s["reference"] for s in ex)
   # Sampled: independent draws from the same model; 0.5 in expectation (sd ~0.03 for 256).
   ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, task.eval_prompts(256),
-      reward_fn=_hash_reward), params)
+      judge=_HASH_JUDGE), params)
   m, ex = ev(evaluate.Weights(params))
   assert sum(s["policy"] != s["reference"] for s in ex) > 200
   assert abs(m["win_rate"] - 0.5) < 0.12
-  assert m["policy_true_reward"] != m["reference_true_reward"]
+  assert m["policy_reward"] != m["reference_reward"]
 
 
 def test_no_ground_truth_reward_reports_na(params, lora, mesh):
-  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:16], reward_fn=None), params)
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:16], judge=None), params)
   m, ex = ev(evaluate.Weights(params, lora))
-  for k in ("win_rate", "policy_true_reward", "reference_true_reward", "reward_accuracy",
+  for k in ("win_rate", "policy_reward", "reference_reward", "reward_accuracy",
             "reward_margin", "perplexity", "policy_wellformed_rate", "reference_wellformed_rate"):
     assert m[k] is None, k
   assert ex[0]["policy_reward"] is None and ex[0]["policy_well_formed"] is None
@@ -148,7 +151,7 @@ def test_pair_metrics_match_numpy(params, lora, mesh):
 
 
 def test_samples_carry_rewards_and_well_formedness(params, lora, mesh):
-  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:16], reward_fn=task.true_reward,
+  ev = evaluate.Evaluator(CFG, mesh, evaluate.EvalSet(TOK, PROMPTS[:16], judge=judges.FunctionJudge("dpo.task:reward"),
                           well_formed_fn=task.well_formed), params)
   m, samples = ev(evaluate.Weights(params, lora))
   assert [s["prompt"] for s in samples] == PROMPTS[:16]

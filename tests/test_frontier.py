@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _pts(*kr):
-  return [{"kl_per_sequence": k, "true_reward": r} for k, r in kr]
+  return [{"kl_per_sequence": k, "reward": r} for k, r in kr]
 
 
 def test_area_is_the_mean_of_the_upper_envelope():
@@ -60,8 +60,8 @@ def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
   reused = [json.loads(l) for l in open(again / "frontier.jsonl")]
   assert [p.pop("kl_per_sequence") for p in reused] == pytest.approx(
       [p.pop("kl_per_sequence") for p in points], abs=1e-5)
-  assert [p.pop("true_reward") for p in reused] == pytest.approx(
-      [p.pop("true_reward") for p in points], abs=1e-6)
+  assert [p.pop("reward") for p in reused] == pytest.approx(
+      [p.pop("reward") for p in points], abs=1e-6)
   assert reused == points
 
 
@@ -75,3 +75,36 @@ def test_the_frontier_refuses_flags_it_sets_per_run(tmp_path):
                         "--sft_steps=10", f"--output_dir={tmp_path}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
   assert res.returncode != 0 and "--sft_steps is read by nothing with --init_from" in res.stderr
+
+
+def vowel_reward(prompt, completion):
+  """A rule-based judge for the user-data frontier test: the share of vowels."""
+  letters = [c for c in completion.lower() if c.isalpha()]
+  return sum(c in "aeiou" for c in letters) / max(len(letters), 1)
+
+
+@pytest.mark.slow
+def test_frontier_on_user_data_ranks_best_of_n_by_the_judge(tmp_path):
+  """On a preference file the frontier needs a judge; with --reward_fn best-of-N is ranked by
+  it, so its reward does not fall as N grows, and best-of-1 is the SFT samples' mean."""
+  rows = [{"prompt": f"Q{i}: name a fruit or a colour.", "chosen": f" apple {i}",
+           "rejected": f" grey {i}"} for i in range(48)]
+  data = tmp_path / "pairs.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  base = [sys.executable, "-m", "dpo.tools.frontier", f"--train_data={data}", "--eval_split=0.25",
+          "--sft_steps=4", "--steps=2", "--eval_every=2", "--betas=0.5", "--best_of=1,2,4",
+          "--best_of_max=4", "--task_eval_prompts=8", "--eval_max_new_tokens=8",
+          "--global_batch_size=8", "--log_every=2", "--mesh=data:1"]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  res = subprocess.run(base + [f"--output_dir={tmp_path / 'none'}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode != 0 and "needs a judge: give --judge" in res.stderr
+  out = tmp_path / "judged"
+  res = subprocess.run(base + [f"--output_dir={out}", "--reward_fn=tests.test_frontier:vowel_reward"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert res.returncode == 0, res.stderr[-3000:]
+  points = [json.loads(l) for l in open(out / "frontier.jsonl")]
+  best = [p["reward"] for p in points if p["method"] == "best-of-N"]
+  assert len(best) == 3 and best[0] <= best[1] <= best[2]
+  assert all(p["wellformed_rate"] is None for p in points)
+  assert "| best-of-N |" in (out / "frontier.md").read_text()

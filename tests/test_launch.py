@@ -55,7 +55,7 @@ def test_launch_cli_writes_its_logs_and_its_flag_file_repeats_it(tmp_path):
                  f"--output_dir={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "dpo     4/4" in proc.stderr
-  assert "true-reward win rate" in proc.stdout  # the end-of-run evaluation table
+  assert "win rate (policy vs reference)" in proc.stdout  # the end-of-run evaluation table
   assert "config default; settings that differ from it: --lora_targets=q,v,o" in proc.stderr
   cfg = json.load(open(out / "config.json"))
   assert cfg["loss"]["beta"] == 0.2 and cfg["lora"]["lora_targets"] == ["q", "v", "o"]

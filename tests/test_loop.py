@@ -40,7 +40,7 @@ def test_short_run_learns_preferences(tmp_path):
   evals = [r for r in records if r["stage"] == "eval"]
   assert [r["step"] for r in evals] == [30, 60]
   for key in ("win_rate", "kl_per_sequence", "kl_per_token", "reward_accuracy", "perplexity",
-              "policy_true_reward", "reference_true_reward", "policy_distinct_2"):
+              "policy_reward", "reference_reward", "policy_distinct_2"):
     assert f"eval/{key}" in evals[-1] and summary[key] is not None, key
   for key in ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen",
               "rewards/rejected", "logps/chosen", "logps/rejected", "grad_norm", "learning_rate"):

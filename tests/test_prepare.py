@@ -126,7 +126,7 @@ def test_run_end_to_end(tmp_path, capsys, rows, name, fmt):
   with open(out / "summary.json") as f:
     assert json.load(f)["data"][0]["filters"]["kept"] == 64
   # Generation metrics on real data: the held-out prompts as the template rendered them are
-  # sampled; KL, lengths and distinct-n are measured, win rate has no reward function and is
+  # sampled; KL, lengths and distinct-n are measured, win rate has no judge and is
   # null with the reason, in summary.json, its verdict and the table.
   with open(out / "summary.json") as f:
     written = json.load(f)
@@ -135,7 +135,7 @@ def test_run_end_to_end(tmp_path, capsys, rows, name, fmt):
     assert isinstance(written[k], float), k
   assert written["policy_length_mean"] > 0
   assert written["win_rate"] is None and written["policy_wellformed_rate"] is None
-  assert written["win_rate_reason"].startswith("no reward function")
+  assert written["win_rate_reason"].startswith("no judge")
   verdicts = {v["target"]: v for v in written["verdicts"]}
   assert verdicts["win rate"]["verdict"] == "n/a" and verdicts["KL per token (nats)"][
       "verdict"] != "n/a"

@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 
 from dpo import algorithms, batches, chat, checkpoint, evaluate, hooks, identity, packing
-from dpo import reference
+from dpo import judges, reference
 from dpo import tokenizer as tokenizer_lib
 from dpo import train
 from dpo.program import Start
@@ -29,9 +29,9 @@ def _evaluate(evaluator: evaluate.Evaluator, policy: evaluate.Weights, step: int
   metrics["eval_time_s"] = round(time.perf_counter() - t, 2)
   writer.write({"stage": "eval", "step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
   f = lambda k: "n/a" if metrics.get(k) is None else f"{metrics[k]:.3f}"
-  logging.info("eval  %5d  win %s  reward %s vs %s  KL/seq %s  KL/tok %s  acc %s  margin %s  "
-               "ppl %s  (%.1fs)", step, f("win_rate"), f("policy_true_reward"),
-               f("reference_true_reward"), f("kl_per_sequence"), f("kl_per_token"),
+  logging.info("eval  %5d  win %s  lc-win %s  reward %s vs %s  KL/seq %s  KL/tok %s  acc %s  "
+               "margin %s  ppl %s  (%.1fs)", step, f("win_rate"), f("lc_win_rate"),
+               f("policy_reward"), f("reference_reward"), f("kl_per_sequence"), f("kl_per_token"),
                f("reward_accuracy"), f("reward_margin"), f("perplexity"), metrics["eval_time_s"])
   return metrics, examples
 
@@ -71,7 +71,9 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
   # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
   # (TR-DPO moves the training reference).
-  evaluator = evaluate.Evaluator(c, mesh, p.data.eval_set(), ref_model)
+  judge = judges.load(c, mesh, p.data.tok, p.data.template)
+  logging.info("evaluation judge: %s", judges.describe(judge))
+  evaluator = evaluate.Evaluator(c, mesh, p.data.eval_set(judge), ref_model)
   weights = lambda st: (evaluate.Weights(params, st.params) if c.lora.enabled
                         else evaluate.Weights(st.params))
   evaluate_state = lambda step, st: _evaluate(evaluator, weights(st), step, p.writer)

@@ -54,6 +54,16 @@ def _last_slot(valid_BT: jax.Array) -> jax.Array:
   return jnp.max(jnp.where(valid_BT, jnp.arange(T), 0), axis=1)
 
 
+def sequence_rewards(model, params, score_D1, rows: batches.Rows) -> jax.Array:
+  """[N] float32 rewards of right-padded sequences `rows` ([N, T]): the final hidden state at
+  each one's last token that is not padding times `score_D1` (a judge's scores)."""
+  inputs = transformer.Inputs(rows.tokens, rows.positions, rows.segment_ids)
+  h_NTD = transformer.hidden(model, params, inputs)
+  last_N = _last_slot(rows.segment_ids != 0)
+  h_ND = jnp.take_along_axis(h_NTD, last_N[:, None, None], axis=1)[:, 0]
+  return jnp.einsum("nd,do->n", h_ND.astype(jnp.float32), score_D1.astype(jnp.float32))
+
+
 def rewards(model, params, score_D1, batch: PairBatch, adapter=None) -> jax.Array:
   """[B, 2] float32 rewards of chosen and rejected: the final hidden state at each sequence's
   last scored token times `score_D1`. Runs on the shared-prefix rows when the batch has them
@@ -180,10 +190,15 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   stage_hooks = [hooks.LogMetrics(c.run.log_every),
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
   t_rm = time.perf_counter()
-  state = p.stage(RM, start, _rows(c, p.data.pairs), stage_hooks).run()
+  pairs = p.data.pairs if p.data.rm_pairs is None else p.data.rm_pairs  # --rm_split
+  state = p.stage(RM, start, _rows(c, pairs), stage_hooks).run()
   out = os.path.join(c.run.output_dir, "checkpoints", "rm_model")
   made = reward_model(c, base, state.params)
-  checkpoint.save_params(out, made, c.model, stage="rm", step=int(state.step), base=model.path)
+  # What a judge built from this checkpoint must read text with (dpo/judges.py).
+  reads = {"tokenizer": p.data.tok.fingerprint(),
+           "chat_template": chat.template_fingerprint(p.data.template)}
+  checkpoint.save_params(out, made, c.model, stage="rm", step=int(state.step), base=model.path,
+                         reads=reads)
   p.summary["rm_model"] = os.path.abspath(out)
   if p.data.held is not None:  # TRL's eval_* metrics, on the held-out pairs
     held = held_out_metrics(c, mesh, made, p.data.held)

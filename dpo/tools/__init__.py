@@ -9,7 +9,10 @@ Every tool takes absl flags: those that read a config take `--config` and every 
   compile_check         compile the DPO step from abstract shapes; per-device memory, no weights
   base_memory           frozen-base bytes of the real-size presets: float32, bfloat16, int8, nf4
   curves                a run's metrics.jsonl as one PNG page of curves
-  frontier              reward-KL frontier: DPO over betas, Preferred-FT, best-of-N (table, PNG)
+  frontier              reward-KL frontier: DPO over betas, Preferred-FT, best-of-N (table, PNG),
+                        under the embedded task's true reward or any judge (--judge, --reward_fn)
+  generate              a model's answers to AlpacaEval / MT-Bench questions, in the files their
+                        judges read (model_outputs.json, FastChat answer JSONL)
 
 Nothing in dpo/ or models/ imports these modules or launch.py.
 """

@@ -1,6 +1,9 @@
-"""The reward-KL frontier on the embedded task (the DPO paper's Figure 2, Rafailov et al. 2023).
+"""The reward-KL frontier (the DPO paper's Figure 2, Rafailov et al. 2023), on the embedded task
+under its true reward, or on your data under a judge (dpo/judges.py).
 
     python -m dpo.tools.frontier --output_dir=runs/frontier
+    python -m dpo.tools.frontier --train_data=pairs.jsonl --eval_split=0.1 \
+        --judge=runs/rm/checkpoints/rm_model --init_from=runs/rm/checkpoints/sft_model
 
 One SFT model is the reference and the starting point of every method: the preset's SFT stage,
 trained once under <output_dir>/sft, or with --init_from an SFT model already trained (the
@@ -10,10 +13,10 @@ default job's runs/default/checkpoints/sft_model, so the sweep does not train it
   * Preferred-FT: supervised fine-tuning on the chosen responses of the same pairs (the `sft`
     loss of dpo/losses.py: the chosen NLL, no reference), with the same LoRA and schedule;
   * best-of-N from the SFT model, N in --best_of: --best_of_max samples per prompt drawn once,
-    the first N of them ranked by the true reward. Its KL is the analytic log N - (N - 1) / N
+    the first N of them ranked by the judge. Its KL is the analytic log N - (N - 1) / N
     (Stiennon et al. 2020, app. G.3; an upper bound, Beirami et al. 2024).
 Each DPO and Preferred-FT run is evaluated every --eval_every steps, so a run contributes one
-point per evaluation: mean true reward of the policy's samples against KL(policy || SFT) per
+point per evaluation: the judge's mean reward of the policy's samples against KL(policy || SFT) per
 sequence (nats), both from dpo/evaluate.py on the held-out prompts. The tool writes
 <output_dir>/frontier.jsonl (one record per point), frontier.md (the table and the area under
 each method's curve) and, with matplotlib installed, frontier.png.
@@ -33,7 +36,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from dpo import cli, evaluate, loop
+from dpo import cli, evaluate, judges, loop
 from dpo.tools import compare_losses
 from models import sharding
 
@@ -51,22 +54,22 @@ def run_points(cfg, mesh, params, method: str, value: float) -> list[dict]:
       if r["stage"] == "eval":
         if not points:  # every run starts at the SFT model: KL 0, its samples' mean reward
           points.append({"method": method, "param": value, "step": 0, "kl_per_sequence": 0.0,
-                         "true_reward": r["eval/reference_true_reward"],
+                         "reward": r["eval/reference_reward"],
                          "wellformed_rate": r["eval/reference_wellformed_rate"]})
         points.append({"method": method, "param": value, "step": r["step"],
                        "kl_per_sequence": r["eval/kl_per_sequence"],
-                       "true_reward": r["eval/policy_true_reward"],
+                       "reward": r["eval/policy_reward"],
                        "wellformed_rate": r["eval/policy_wellformed_rate"]})
   print(f"{method} {value}: {len(points)} points in {time.perf_counter() - t:.0f}s", flush=True)
   return points
 
 
 def best_of_n(cfg, mesh, params, ns: list[int], n_max: int) -> list[dict]:
-  """Mean true reward of the best of the first N SFT samples per prompt, for each N."""
+  """Mean reward of the best of the first N SFT samples per prompt, for each N, ranked and
+  scored by the run's judge (dpo/judges.py: the true reward, a reward model or a function)."""
   data = loop.Data(cfg)
-  ev = evaluate.Evaluator(cfg, mesh, evaluate.EvalSet(
-      data.tok, data.eval_prompts, reward_fn=data.reward_fn,
-      well_formed_fn=data.well_formed_fn), params)
+  judge = judges.load(cfg, mesh, data.tok, data.template)
+  ev = evaluate.Evaluator(cfg, mesh, data.eval_set(judge), params)
   key = jax.random.fold_in(jax.random.key(cfg.run.seed), 11)
   rewards, formed = [], []
   for i in range(n_max):
@@ -75,15 +78,16 @@ def best_of_n(cfg, mesh, params, ns: list[int], n_max: int) -> list[dict]:
     _, r, w = ev.judge(comps)
     rewards.append(r)
     formed.append(w)
-  r, w = np.array(rewards), np.array(formed)  # [n_max, prompts]
+  r = np.array(rewards)  # [n_max, prompts]
+  w = None if formed[0] is None else np.array(formed)
   points = []
   for n in ns:
     best = np.argmax(r[:n], axis=0)  # first maximum: ties keep the earlier sample
     cols = np.arange(r.shape[1])
     points.append({"method": "best-of-N", "param": n, "step": 0,
                    "kl_per_sequence": float(np.log(n) - (n - 1) / n),
-                   "true_reward": float(r[best, cols].mean()),
-                   "wellformed_rate": float(w[best, cols].mean())})
+                   "reward": float(r[best, cols].mean()),
+                   "wellformed_rate": None if w is None else float(w[best, cols].mean())})
   return points
 
 
@@ -91,7 +95,7 @@ def area(points: list[dict], kl_range: float) -> float:
   """Mean over k in [0, kl_range] of the best reward reached at KL <= k (trapezoid rule); the
   reward below the first point's KL is that point's (every run's first point is the SFT model
   at KL 0)."""
-  pts = sorted((p["kl_per_sequence"], p["true_reward"]) for p in points)
+  pts = sorted((p["kl_per_sequence"], p["reward"]) for p in points)
   grid = np.linspace(0.0, kl_range, 513)
   kl = np.array([max(k, 0.0) for k, _ in pts])
   envelope = np.maximum.accumulate(np.array([r for _, r in pts]))
@@ -101,11 +105,12 @@ def area(points: list[dict], kl_range: float) -> float:
 
 
 def table(points: list[dict], kl_range: float) -> str:
-  lines = ["| method | parameter | step | KL per sequence (nats) | mean true reward | well-formed |",
+  shown = lambda v: "n/a" if v is None else f"{v:.3f}"
+  lines = ["| method | parameter | step | KL per sequence (nats) | mean reward | well-formed |",
            "|---|---|---|---|---|---|"]
   for p in sorted(points, key=lambda p: (p["method"], p["param"], p["step"])):
     lines.append(f"| {p['method']} | {p['param']:g} | {p['step']} | {p['kl_per_sequence']:.3f} | "
-                 f"{p['true_reward']:.3f} | {p['wellformed_rate']:.3f} |")
+                 f"{p['reward']:.3f} | {shown(p['wellformed_rate'])} |")
   lines += ["", f"Area under the curve (mean best reward over KL in [0, {kl_range:g}] nats):", "",
             "| method | area |", "|---|---|"]
   for method in sorted({p["method"] for p in points}):
@@ -113,7 +118,7 @@ def table(points: list[dict], kl_range: float) -> str:
   return "\n".join(lines)
 
 
-def plot(points: list[dict], path: str) -> bool:
+def plot(points: list[dict], path: str, judge: str) -> bool:
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -123,11 +128,11 @@ def plot(points: list[dict], path: str) -> bool:
     return False
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for method in sorted({p["method"] for p in points}):
-    pts = sorted((p["kl_per_sequence"], p["true_reward"]) for p in points if p["method"] == method)
+    pts = sorted((p["kl_per_sequence"], p["reward"]) for p in points if p["method"] == method)
     ax.plot(*zip(*pts), "o" if method.startswith("DPO") else "s-", label=method, ms=4)
   ax.set_xlabel("KL(policy || SFT) per sequence (nats)")
-  ax.set_ylabel("mean true reward")
-  ax.set_title("Reward-KL frontier, embedded review task")
+  ax.set_ylabel(f"mean reward ({judge})")
+  ax.set_title("Reward-KL frontier")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
@@ -144,8 +149,12 @@ def main(argv) -> None:
   cfg = cli.from_flags().replace(rpo_alpha=0.0)
   if max(int(n) for n in FLAGS.best_of) > FLAGS.best_of_max:
     raise app.UsageError("--best_of_max must be at least the largest --best_of")
-  if cfg.data.train_data:
-    raise app.UsageError("the frontier needs the embedded task's true reward; drop --train_data")
+  if cfg.data.train_data and not (cfg.eval.judge or cfg.eval.reward_fn):
+    raise app.UsageError("the frontier on --train_data needs a judge: give --judge=DIR|hf:DIR "
+                         "(a reward model) or --reward_fn=module:function")
+  if cfg.eval.judge == "rm":
+    raise app.UsageError("--judge=rm names a run's own rm stage; the frontier runs none: give "
+                         "the reward model's directory")
   out = cfg.run.output_dir
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   t0 = time.perf_counter()
@@ -177,7 +186,7 @@ def main(argv) -> None:
   with open(os.path.join(out, "frontier.md"), "w") as f:
     f.write(text + "\n")
   print(text)
-  if plot(points, os.path.join(out, "frontier.png")):
+  if plot(points, os.path.join(out, "frontier.png"), judges.source(cfg) or "judge"):
     print(f"plot: {os.path.join(out, 'frontier.png')}")
   print(f"total {time.perf_counter() - t0:.0f}s")
 

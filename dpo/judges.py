@@ -1,0 +1,288 @@
+"""Judges: what scores a response on any data, so that a run can say whether it aligned.
+
+A judge maps (prompt, response) records to one number each, higher meaning better:
+  * `FunctionJudge` (--reward_fn=module:function): a Python function of the prompt and the
+    response, for rule-based or verifiable rewards. The prompt is the prompt text, or for
+    conversational data the conversation as a list of {"role", "content"} dicts (as TRL passes
+    conversational prompts to its reward functions); the response is the text. The embedded
+    task's true reward is one (`dpo.task:reward`), the default on that task.
+  * `RewardModelJudge` (--judge=): a reward model (dpo/algorithms/rm.py's scalar head on the
+    transformer): `hf:DIR`, a transformers `*ForSequenceClassification` folder with one label
+    and its tokenizer; a reward-model checkpoint (checkpoints/rm_model of an rm stage), which
+    reads text with the tokenizer and chat template it was trained with, the run's; or `rm`,
+    the one this run's rm stage trained. Each record is rendered the judge's way (its own chat
+    template for conversations, else the prompt text and the response) and tokenised as its
+    training pairs were, and the reward read at the last token.
+
+`load(cfg, mesh, run_tok, run_template)` builds the judge the flags name (None: no judge).
+Every judge input that cannot work is a `JudgeError`, one line naming the flag and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import numbers
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dpo import chat, checkpoint, formats
+from dpo import data as data_lib
+from dpo import tokenizer as tokenizer_lib
+from dpo.batches import Rows
+from dpo.formats import ChatRecord, Message, Record
+from dpo.data import PreferenceRecord
+
+
+class JudgeError(ValueError):
+  """A judge that cannot be built or cannot score, named with its flag."""
+
+
+def records_of(prompt, responses: Sequence[str]) -> list[Record]:
+  """One record per response to `prompt` (text, or a conversation of Messages), the response
+  as both sides (a judge scores the chosen side)."""
+  if isinstance(prompt, str):
+    return [PreferenceRecord(prompt, r, r) for r in responses]
+  return [ChatRecord(tuple(prompt), (Message("assistant", r),), (Message("assistant", r),))
+          for r in responses]
+
+
+class FunctionJudge:
+  """--reward_fn=module:function: function(prompt, response) -> a finite number."""
+
+  def __init__(self, spec: str, flag: str = "--reward_fn"):
+    self.name, self.flag = spec, flag
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+      raise JudgeError(f"{flag}={spec}: give module:function, e.g. dpo.task:reward")
+    try:
+      mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 (whatever the import raises, it is this flag's)
+      raise JudgeError(f"{flag}={spec}: cannot import {module!r} "
+                       f"({type(e).__name__}: {e})") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+      raise JudgeError(f"{flag}={spec}: module {module!r} has no function {attr!r}")
+    self.fn: Callable[[Any, str], Any] = fn
+
+  @classmethod
+  def wrap(cls, fn: Callable[[Any, str], Any], name: str = "") -> "FunctionJudge":
+    """A judge of a function in hand (a tool's or a test's), named `name`."""
+    judge = cls.__new__(cls)
+    judge.name, judge.flag, judge.fn = name or getattr(fn, "__name__", "function"), "judge", fn
+    return judge
+
+  def score(self, records: Sequence[Record]) -> np.ndarray:
+    """[N] float64: the function of each record's prompt and chosen response."""
+    out = np.empty(len(records), np.float64)
+    for i, rec in enumerate(records):
+      prompt = (rec.prompt if isinstance(rec.prompt, str) else
+                [{"role": m.role, "content": m.content} for m in rec.prompt])
+      value = self.fn(prompt, formats.response_text(rec.chosen))
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or (
+          not math.isfinite(float(value))):
+        raise JudgeError(f"{self.flag}={self.name}: returned {value!r} "
+                         f"({type(value).__name__}) for record {i} (prompt "
+                         f"{str(prompt)[:60]!r}); a reward function returns a finite number")
+      out[i] = float(value)
+    return out
+
+
+@dataclasses.dataclass
+class RewardModelJudge:
+  """A reward model's params ({transformer..., "score"}) with the tokenizer and chat template
+  it reads text with; scores in batches of `batch_size` rows on `mesh`."""
+  name: str
+  model: Any           # models.config.ModelConfig
+  params: Any
+  tok: Any
+  template: Any
+  mesh: Any
+  batch_size: int
+  max_prompt_length: int
+  max_target_length: int
+
+  def rows(self, records: Sequence[Record]) -> dict[str, np.ndarray]:
+    """[N, T] arrays of the records' chosen sides, rendered and tokenised as the judge's own
+    training pairs were (dpo.prepare): a conversation by its chat template (BOS where the
+    template writes one, no EOS added), a text record as prompt + response + EOS."""
+    parts = []
+    for is_chat in (False, True):
+      idx = [i for i, r in enumerate(records) if isinstance(r, ChatRecord) == is_chat]
+      if not idx:
+        continue
+      rendered = [chat.render_record(records[i], self.template, f"{self.name} record {i}")
+                  for i in idx]
+      marks = ({"ends": data_lib.Ends(bos=self.template.emits_bos, eos=False)}
+               if is_chat and isinstance(self.template, chat.JinjaTemplate)
+               and self.template.emits_bos is not None else {})
+      pairs = data_lib.tokenize_pairs(rendered, self.tok, self.max_prompt_length,
+                                      self.max_target_length, what=f"judge {self.name}",
+                                      **marks)
+      parts.append((idx, {k: v[:, 0] for k, v in pairs.items()}))
+    T = max(a["tokens"].shape[1] for _, a in parts)
+    out = {k: np.zeros((len(records), T), v.dtype) for k, v in parts[0][1].items()}
+    out["tokens"][:] = self.tok.pad_id
+    for idx, arrays in parts:
+      for k, v in arrays.items():
+        out[k][idx, :v.shape[1]] = v
+    return out
+
+  def score(self, records: Sequence[Record]) -> np.ndarray:
+    """[N] float64 rewards of the records' chosen sides."""
+    if not records:
+      return np.zeros(0)
+    from dpo import evaluate  # evaluate imports this module
+    fn = _score_fn(self.model, self.mesh)
+    (r,) = evaluate.in_batches(self.mesh, lambda b: fn(self.params, b),
+                               Rows.of(self.rows(records)), self.batch_size)
+    return np.asarray(r, np.float64)
+
+
+_SCORE_FNS: dict = {}
+
+
+def _score_fn(model, mesh):
+  key = (model, id(mesh))
+  if key not in _SCORE_FNS:
+    from dpo.algorithms import rm
+    _SCORE_FNS[key] = jax.jit(lambda p, rows: rm.sequence_rewards(model, p, p["score"], rows),
+                              out_shardings=NamedSharding(mesh, P()))
+  return _SCORE_FNS[key]
+
+
+Judge = FunctionJudge | RewardModelJudge
+
+
+def _check_hf_folder(path: str) -> None:
+  from models import hf
+  flag = f"--judge=hf:{path}"
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise JudgeError(f"{flag}: {path} has no config.json (a transformers "
+                     f"*ForSequenceClassification folder)")
+  if not hf.is_reward_model(path):
+    raise JudgeError(f"{flag}: config.json names no *ForSequenceClassification; a judge is a "
+                     f"reward model (one label, score.weight)")
+  if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+    raise JudgeError(f"{flag}: {path} has no tokenizer (tokenizer.json); a judge reads text "
+                     f"with its own tokenizer")
+
+
+def _hf_judge(cfg, mesh, path: str) -> RewardModelJudge:
+  from models import hf
+  flag = f"--judge=hf:{path}"
+  _check_hf_folder(path)
+  tok = tokenizer_lib.HFTokenizer(path)
+  if tok.pad_id is None or tok.eos_id is None:
+    raise JudgeError(f"{flag}: the tokenizer in {path} names no EOS/PAD token")
+  try:
+    model, params = hf.load(path, mesh, dataclasses.replace(cfg.model), reward=True)
+  except hf.HFError as e:
+    raise JudgeError(f"{flag}: {e}") from None
+  template = chat.resolve_template("auto", tok)
+  return RewardModelJudge(f"hf:{path}", model, params, tok, template, mesh,
+                          cfg.eval.eval_batch_size, cfg.data.max_prompt_length,
+                          cfg.data.max_target_length)
+
+
+def _checkpoint_meta(flag: str, path: str) -> dict:
+  try:
+    meta = checkpoint.read_meta(path)
+  except (OSError, checkpoint.CheckpointError, ValueError) as e:
+    raise JudgeError(f"{flag}: {path} is not a readable reward-model checkpoint ({e})") from None
+  if meta.get("stage") != "rm" or "model" not in meta:
+    raise JudgeError(f"{flag}: {path} is a {meta.get('stage')!r} checkpoint, not a reward "
+                     f"model (checkpoints/rm_model of an rm stage)")
+  return meta
+
+
+def _checkpoint_judge(cfg, mesh, path: str, run_tok, run_template) -> RewardModelJudge:
+  from dpo.algorithms import rm
+  from models.config import ModelConfig
+  flag = f"--judge={cfg.eval.judge}"
+  meta = _checkpoint_meta(flag, path)
+  reads = meta.get("reads") or {}
+  want = {"tokenizer": run_tok.fingerprint(),
+          "chat_template": chat.template_fingerprint(run_template)}
+  if reads != want:
+    raise JudgeError(f"{flag}: {path} reads text with another tokenizer or chat template than "
+                     f"this run ({reads or 'not recorded'} vs {want}); export it with "
+                     f"--export_rm_hf and give --judge=hf:DIR, which carries its own")
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  model = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields})
+  model = dataclasses.replace(model, **{k: tuple(v) for k, v in dataclasses.asdict(model).items()
+                                        if isinstance(v, list)})
+  params = rm.load(path, model, mesh)
+  return RewardModelJudge(path, model, params, run_tok, run_template, mesh,
+                          cfg.eval.eval_batch_size, cfg.data.max_prompt_length,
+                          cfg.data.max_target_length)
+
+
+def source(cfg) -> str:
+  """What --judge / --reward_fn name, as the judge's name in the metrics ("" = none)."""
+  if cfg.eval.judge:
+    return cfg.eval.judge
+  if cfg.eval.reward_fn:
+    return f"reward_fn:{cfg.eval.reward_fn}"
+  return "reward_fn:dpo.task:reward" if not cfg.data.train_data else ""
+
+
+def check(cfg) -> None:
+  """What can be checked before any work: --reward_fn imports, --judge names a reward-model
+  checkpoint or a folder with a sequence classifier and its tokenizer (`rm` is checked when the
+  rm stage has run)."""
+  e = cfg.eval
+  if e.reward_fn:
+    FunctionJudge(e.reward_fn)
+  if e.judge.startswith("hf:"):
+    _check_hf_folder(e.judge[3:])
+  elif e.judge and e.judge != "rm":
+    if not os.path.isdir(e.judge):
+      raise JudgeError(f"--judge={e.judge}: no such directory (give a reward-model checkpoint, "
+                       f"hf:DIR or rm)")
+    _checkpoint_meta(f"--judge={e.judge}", e.judge)
+
+
+def load(cfg, mesh, run_tok, run_template) -> Judge | None:
+  """The judge --judge or --reward_fn names; on the embedded task without either, its true
+  reward; else None."""
+  e = cfg.eval
+  if e.judge == "rm":
+    path = os.path.join(cfg.run.output_dir, "checkpoints", "rm_model")
+    if not os.path.isdir(path):
+      raise JudgeError(f"--judge=rm: {path} does not exist; --judge=rm is the reward model an "
+                       f"rm stage earlier in --stage trains")
+    return _checkpoint_judge(cfg, mesh, path, run_tok, run_template)
+  if e.judge.startswith("hf:"):
+    return _hf_judge(cfg, mesh, e.judge[3:])
+  if e.judge:
+    check(cfg)
+    return _checkpoint_judge(cfg, mesh, e.judge, run_tok, run_template)
+  if e.reward_fn:
+    return FunctionJudge(e.reward_fn)
+  if not cfg.data.train_data:
+    return FunctionJudge("dpo.task:reward", "the embedded task's reward")
+  return None
+
+
+def describe(judge: Judge | None) -> str:
+  if judge is None:
+    return "none"
+  return f"{'reward model' if isinstance(judge, RewardModelJudge) else 'reward function'} " \
+         f"{judge.name}"
+
+
+def accuracy(judge: Judge, records: Sequence[Record]) -> float | None:
+  """The judge's accuracy on preference pairs: the fraction whose chosen response it scores
+  strictly above the rejected one (ties count half). None without pairs."""
+  if not records:
+    return None
+  chosen = judge.score(records)
+  rejected = judge.score([r._replace(chosen=r.rejected) for r in records])
+  return float(np.mean((chosen > rejected) + 0.5 * (chosen == rejected)))
+

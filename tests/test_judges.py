@@ -1,0 +1,301 @@
+"""dpo/judges.py and the judged evaluation: a reward model read from a transformers folder scores
+text rendered with its own chat template as transformers scores it (the oracle: the same folder
+in `AutoModelForSequenceClassification`, the text from its tokenizer's `apply_chat_template`);
+reward functions; the length-controlled win rate against an independent fit (scipy); every bad
+judge input a one-line error naming it; a run whose recipe trains its own judge (rm on half
+the prompts, SFT and DPO on the other half) ends with a judged win rate and verdict."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import configs
+from dpo import evaluate, judges, loop, task
+from dpo.data import PreferenceRecord
+from dpo.formats import ChatRecord, Message
+from models import sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT2 = os.path.join(ROOT, "..", "shared", "data", "tokenizers", "gpt2", "tokenizer.json")
+needs_gpt2 = pytest.mark.skipif(not os.path.exists(GPT2), reason="no ../shared/data")
+
+# ChatML, as Qwen2.5 and SmolLM2 write it (a short form: no default system turn).
+CHATML = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>\\n' }}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+def _mesh():
+  return sharding.make_mesh("data:1", jax.devices()[:1])
+
+
+# --- reward functions -----------------------------------------------------------------------------
+
+def bad_value(prompt, completion):
+  return "high"
+
+
+def nan_value(prompt, completion):
+  return float("nan")
+
+
+def length_reward(prompt, completion):
+  return len(completion) / (1 + len(prompt if isinstance(prompt, str) else prompt[-1]["content"]))
+
+
+def test_reward_function_scores_text_and_conversations():
+  judge = judges.FunctionJudge("tests.test_judges:length_reward")
+  text = PreferenceRecord("Say hi:", " hello", " hello")
+  conv = judges.records_of((Message("user", "Hi"),), ["Hello there"])[0]
+  np.testing.assert_allclose(judge.score([text, conv]), [6 / 8, 11 / 3])
+  assert judges.FunctionJudge("dpo.task:reward").score(
+      [PreferenceRecord("p", " great coffee, lovely cake, warm staff.", "")]) == [1.0]
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("nocolon", "give module:function"),
+    ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+    ("dpo.task:no_such_fn", "has no function 'no_such_fn'"),
+])
+def test_reward_function_that_cannot_be_imported_is_one_line(spec, match):
+  with pytest.raises(judges.JudgeError, match=match) as e:
+    judges.FunctionJudge(spec)
+  assert str(e.value).startswith(f"--reward_fn={spec}: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fn", ["bad_value", "nan_value"])
+def test_reward_function_returning_a_non_number_is_one_line(fn):
+  judge = judges.FunctionJudge(f"tests.test_judges:{fn}")
+  with pytest.raises(judges.JudgeError, match="record 0 .* a reward function returns a finite "
+                     "number") as e:
+    judge.score([PreferenceRecord("p", "c", "c")])
+  assert str(e.value).startswith(f"--reward_fn=tests.test_judges:{fn}: returned ")
+
+
+# --- the length-controlled win rate --------------------------------------------------------------
+
+def test_lc_win_rate_is_the_win_rate_when_lengths_are_equal():
+  y = np.array([1, 1, 0, 0.5, 1, 0, 1, 1])
+  assert evaluate.lc_win_rate(y, np.zeros(8)) == pytest.approx(y.mean(), abs=1e-3)
+
+
+def test_lc_win_rate_removes_a_preference_for_length():
+  """A judge that prefers the longer answer and nothing else: the policy writes longer answers
+  70% of the time, so it wins 70%; controlled for length it is even."""
+  rng = np.random.default_rng(0)
+  d = np.abs(rng.normal(0, 50, 1000)) * np.where(rng.random(1000) < 0.7, 1, -1)
+  y = (d > 0).astype(float)
+  flip = rng.random(1000) < 0.2  # and some noise, so the fit is not separable
+  y[flip] = 1 - y[flip]
+  assert evaluate.win_rate(y, np.full(1000, 0.5)) > 0.6
+  assert evaluate.lc_win_rate(y, d) == pytest.approx(0.5, abs=0.05)
+
+
+def test_lc_win_rate_equals_an_independent_fit():
+  """scipy's BFGS on the same penalised logistic likelihood gives the same intercept."""
+  optimize = pytest.importorskip("scipy.optimize")
+  rng = np.random.default_rng(1)
+  d = rng.normal(20, 80, 300)
+  x = np.tanh(d / d.std())
+  y = (rng.random(300) < 1 / (1 + np.exp(-(0.4 + 1.2 * x)))).astype(float)
+  y[:10] = 0.5  # ties count half
+
+  def nll(w, l2=1e-3):
+    z = w[0] + w[1] * x
+    return np.mean(np.logaddexp(0, z) - y * z) + 0.5 * l2 * w @ w
+
+  w = optimize.minimize(nll, np.zeros(2), method="BFGS", options={"gtol": 1e-10}).x
+  assert evaluate.lc_win_rate(y, d) == pytest.approx(1 / (1 + np.exp(-w[0])), abs=1e-6)
+
+
+# --- reward models from transformers folders ------------------------------------------------------
+
+def _hf_judge_folder(directory, chat_template=True, tokenizer=True):
+  """A tiny random LlamaForSequenceClassification over GPT-2's tokenizer with ChatML tokens and
+  template, saved as transformers saves it."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from tokenizers import AddedToken, Tokenizer
+  tok = Tokenizer.from_file(GPT2)
+  tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>",
+                                                                 "<pad>")])
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+      tie_word_embeddings=False, num_labels=1, pad_token_id=tok.token_to_id("<pad>"),
+      rms_norm_eps=1e-6)
+  model = transformers.LlamaForSequenceClassification(config).float().eval()
+  with torch.no_grad():
+    model.score.weight.normal_(0.0, 1.0)
+  os.makedirs(directory, exist_ok=True)
+  model.save_pretrained(directory, safe_serialization=True)
+  if tokenizer:
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+           "pad_token": "<pad>", "bos_token": None}
+    if chat_template:
+      cfg["chat_template"] = CHATML
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+      json.dump(cfg, f)
+  return model
+
+
+def _transformers_scores(model, directory, texts_or_convs):
+  import torch
+  import transformers
+  tok = transformers.AutoTokenizer.from_pretrained(directory)
+  out = []
+  for item in texts_or_convs:
+    if isinstance(item, str):
+      ids = tok(item, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    else:
+      ids = tok.apply_chat_template(item, tokenize=True)
+      ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+      out.append(float(model(input_ids=torch.tensor([ids])).logits[0, 0]))
+  return np.array(out)
+
+
+@needs_gpt2
+def test_hf_judge_scores_conversations_rendered_its_own_way_as_transformers(tmp_path):
+  """A judge with its own tokenizer and ChatML template: each (conversation, response) is
+  rendered by the judge's template and scored as transformers scores the text its tokenizer's
+  apply_chat_template gives; a text prompt is scored as prompt + response + EOS."""
+  d = str(tmp_path / "rm")
+  model = _hf_judge_folder(d)
+  cfg = configs.DEFAULT.replace(judge=f"hf:{d}", stage="dpo", eval_batch_size=3)
+  judge = judges.load(cfg, _mesh(), None, None)
+  assert isinstance(judge, judges.RewardModelJudge) and judge.name == f"hf:{d}"
+  convs = [((Message("system", "Be brief."), Message("user", "What is France's capital?")),
+            "Paris."),
+           ((Message("user", "Hi"), Message("assistant", "Hello!"), Message("user", "Bye?")),
+            "Goodbye, and café."),
+           ((Message("user", "2+2?"),), "4")]
+  records = [judges.records_of(p, [r])[0] for p, r in convs]
+  records.append(PreferenceRecord("Review the cafe in Oslo:", " warm coffee.", " warm coffee."))
+  want = _transformers_scores(model, d, [
+      [{"role": m.role, "content": m.content} for m in p] + [{"role": "assistant", "content": r}]
+      for p, r in convs] + ["Review the cafe in Oslo: warm coffee."])
+  np.testing.assert_allclose(judge.score(records), want, rtol=1e-4, atol=1e-4)
+  # Its accuracy on pairs: chosen scored strictly above rejected.
+  pairs = [ChatRecord(p, (Message("assistant", "Paris."),), (Message("assistant", "Rome."),))
+           for p, _ in convs]
+  acc = judges.accuracy(judge, pairs)
+  c, r = judge.score(pairs), judge.score([x._replace(chosen=x.rejected) for x in pairs])
+  assert acc == pytest.approx(np.mean(c > r))
+
+
+@needs_gpt2
+def test_bad_judge_folders_are_one_line_errors(tmp_path):
+  no_tok = str(tmp_path / "no_tok")
+  _hf_judge_folder(no_tok, tokenizer=False)
+  cases = [(f"hf:{no_tok}", r"has no tokenizer \(tokenizer.json\)"),
+           (f"hf:{tmp_path / 'missing'}", "has no config.json"),
+           (str(tmp_path / "missing"), "no such directory")]
+  policy = str(tmp_path / "policy")
+  os.makedirs(policy)
+  with open(os.path.join(policy, "config.json"), "w") as f:
+    json.dump({"architectures": ["LlamaForCausalLM"]}, f)
+  cases.append((f"hf:{policy}", "names no \\*ForSequenceClassification"))
+  for flag, match in cases:
+    cfg = configs.DEFAULT.replace(judge=flag, stage="dpo")
+    with pytest.raises(judges.JudgeError, match=match) as e:
+      judges.check(cfg)
+    assert str(e.value).startswith(f"--judge={flag}: ") and "\n" not in str(e.value)
+
+
+def test_judge_flags_that_cannot_work_together_are_refused():
+  with pytest.raises(ValueError, match="give either --judge or --reward_fn"):
+    configs.DEFAULT.replace(judge="hf:x", reward_fn="dpo.task:reward")
+  with pytest.raises(ValueError, match="--judge=rm: must go with an rm stage before the dpo"):
+    configs.DEFAULT.replace(judge="rm")
+  with pytest.raises(ValueError, match="--rm_split=0.5: must go with an rm stage and another"):
+    configs.DEFAULT.replace(rm_split=0.5, stage="rm")
+
+
+def test_launch_refuses_an_unimportable_reward_fn_before_any_work(tmp_path):
+  res = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch.py"), "--reward_fn=no_such_module_xyz:f",
+       f"--output_dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT,
+      timeout=300)
+  assert res.returncode == 2, res.stderr[-2000:]
+  last = res.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: --reward_fn=no_such_module_xyz:f: cannot import"), last
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+# --- a run that trains its own judge ------------------------------------------------------------
+
+def _small(**kw):
+  return configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+      task_train_pairs=128, task_sft_examples=64, task_eval_pairs=16, task_eval_prompts=8,
+      global_batch_size=16, sft_steps=20, steps=10, rm_steps=30, rm_learning_rate=3e-3,
+      sft_learning_rate=3e-3, learning_rate=1e-3, log_every=5, eval_every=0,
+      checkpoint_every=0, eval_max_new_tokens=16, **kw)
+
+
+def test_rm_split_gives_disjoint_prompts_to_the_rm_stage(tmp_path):
+  cfg = _small(stage="rm,sft,dpo", rm_split=0.5, judge="rm", output_dir=str(tmp_path))
+  data = loop.Data(cfg)
+  prompt = lambda arrays: {tuple(t[:np.argmax(m > 0)]) for t, m in
+                           zip(arrays["tokens"][:, 0], arrays["loss_mask"][:, 0])}
+  rm_prompts, rest = prompt(data.rm_pairs), prompt(data.pairs)
+  assert rm_prompts and rest and not rm_prompts & rest
+  assert len(data.rm_pairs["tokens"]) + len(data.pairs["tokens"]) == 128
+  assert len(data.sft["tokens"]) == 64  # the embedded task's own SFT set is not split
+
+
+@pytest.mark.slow
+def test_a_run_judged_by_its_own_reward_model(tmp_path):
+  """--stage=rm,sft,dpo --rm_split=0.5 --judge=rm: the reward model trained on one half of the
+  prompts judges the DPO policy trained on the other: a win rate, a length-controlled win rate,
+  reward gain and the judge's held-out accuracy in the summary, the log, metrics.jsonl and a
+  measured win-rate verdict; the same checkpoint given as --judge=DIR to another run scores the
+  same."""
+  out = str(tmp_path / "run")
+  cfg = _small(stage="rm,sft,dpo", rm_split=0.5, judge="rm", output_dir=out)
+  summary = loop.run(cfg)
+  rm_dir = os.path.join(out, "checkpoints", "rm_model")
+  assert summary["judge"] == f"reward model {rm_dir}"
+  for k in ("win_rate", "lc_win_rate", "policy_reward", "reference_reward", "reward_gain",
+            "judge_accuracy"):
+    assert isinstance(summary[k], float), k
+  assert 0 <= summary["judge_accuracy"] <= 1 and 0 <= summary["lc_win_rate"] <= 1
+  row = summary["verdicts"][0]
+  assert row["target"] == "win rate" and row["verdict"] in ("PASS", "FAIL")
+  assert row["value"] == summary["win_rate"]
+  with open(os.path.join(out, "samples.jsonl")) as f:
+    samples = [json.loads(line) for line in f]
+  gain = np.mean([s["policy_reward"] - s["reference_reward"] for s in samples])
+  assert summary["reward_gain"] == pytest.approx(gain, abs=1e-5)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    evals = [json.loads(line) for line in f if '"stage": "eval"' in line]
+  assert evals[-1]["eval/lc_win_rate"] == summary["lc_win_rate"]
+  # The same reward model named by its path scores the same samples alike.
+  mesh = _mesh()
+  data = loop.Data(cfg)
+  by_path = judges.load(cfg.replace(judge=rm_dir), mesh, data.tok, data.template)
+  by_name = judges.load(cfg, mesh, data.tok, data.template)
+  recs = [judges.records_of(s["prompt"], [s["policy"]])[0] for s in samples]
+  np.testing.assert_allclose(by_path.score(recs), by_name.score(recs))
+  # A run with another tokenizer cannot read with it.
+  other = data.tok.__class__()
+  other.fingerprint = lambda: "another"
+  with pytest.raises(judges.JudgeError, match="another tokenizer or chat template"):
+    judges.load(cfg.replace(judge=rm_dir), mesh, other, data.template)
+
+
+def test_embedded_task_is_judged_by_its_true_reward_by_default():
+  cfg = configs.DEFAULT
+  judge = judges.load(cfg, _mesh(), None, None)
+  assert judge.name == "dpo.task:reward"
+  assert judge.score([PreferenceRecord("p", " great coffee, rude staff, warm bread.", "")]) == [
+      task.true_reward(" great coffee, rude staff, warm bread.")]
+  assert judges.load(cfg.replace(train_data="x.jsonl"), _mesh(), None, None) is None
