@@ -147,6 +147,25 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class OnlineConfig:
+  """Online preference stages (dpo/algorithms/online_dpo.py): each step samples from the
+  current policy and the judge (--judge / --reward_fn) labels the samples."""
+  online_steps: int = option(200, "Online DPO optimizer steps (stage online_dpo); each samples two "
+                             "completions for each of --global_batch_size training prompts.")
+  online_temperature: float = option(0.9, "Sampling temperature of the online stages' samples "
+                                     "(TRL's default 0.9).")
+  online_max_new_tokens: int = option(0, "Tokens sampled per online completion (0 = "
+                                      "max_target_length).")
+  missing_eos_penalty: float = option(0.0, "Subtracted from the judge's reward of a sample that "
+                                      "does not end (no EOS or end-of-turn within the token "
+                                      "budget), as TRL's missing_eos_penalty; 0 = none.")
+
+  def __post_init__(self):
+    rules(self, online_steps=NONNEG, online_temperature=FINITE_NONNEG,
+          online_max_new_tokens=NONNEG, missing_eos_penalty=FINITE_NONNEG)
+
+
+@dataclass(frozen=True)
 class ReferenceConfig:
   """How the DPO reference is held: fixed (default), precomputed, or updated (TR-DPO)."""
   ref_update: str = option("none", "TR-DPO reference updates (Gorbatovski et al. 2024): none, soft "
@@ -288,8 +307,12 @@ class RunConfig:
     return ("sft", "dpo") if self.stage == "all" else tuple(self.stage.split(","))
 
 
+# Stages that sample from the policy as they train (they read the online section and a judge).
+ONLINE_STAGES = ("online_dpo",)
+
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
-             "loss": LossConfig, "reward": RewardConfig, "reference": ReferenceConfig,
+             "loss": LossConfig, "reward": RewardConfig, "online": OnlineConfig,
+             "reference": ReferenceConfig,
              "guard": GuardConfig,
              "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
              "run": RunConfig}
@@ -307,6 +330,7 @@ class Config:
   optim: OptimConfig = OptimConfig()
   loss: LossConfig = LossConfig()
   reward: RewardConfig = RewardConfig()
+  online: OnlineConfig = OnlineConfig()
   reference: ReferenceConfig = ReferenceConfig()
   guard: GuardConfig = GuardConfig()
   eval: EvalConfig = EvalConfig()
@@ -330,12 +354,28 @@ class Config:
     check(not (self.eval.judge and self.eval.reward_fn),
           f"--judge={self.eval.judge!r}: give either --judge or --reward_fn, not both")
     stages = self.run.stages
-    check(self.eval.judge != "rm" or ("rm" in stages and "dpo" in stages
-                                      and stages.index("rm") < stages.index("dpo")),
+    trains = [s for s in stages if s in ("dpo", *ONLINE_STAGES)]
+    check(self.eval.judge != "rm" or ("rm" in stages and trains
+                                      and stages.index("rm") < stages.index(trains[0])),
           f"--judge=rm: must go with an rm stage before the dpo stage (--stage={self.run.stage})")
     check(not self.reward.rm_split or ("rm" in stages and len(stages) > 1),
           f"--rm_split={self.reward.rm_split}: must go with an rm stage and another stage to "
           f"split the prompts with (--stage={self.run.stage})")
+    online = self.online_stages
+    check(not online or stages.count(online[0]) == 1,
+          f"--stage={self.run.stage}: an online stage runs once in a recipe")
+    check(not online or not self.reference.precompute_ref,
+          f"--precompute_ref=True: the online stage {online[0] if online else ''} trains on "
+          f"fresh samples, whose reference log-probs cannot be computed ahead")
+    check(not online or not self.model.packing,
+          f"--packing=True: the online stage {online[0] if online else ''} trains on one pair a "
+          f"row of fresh samples")
+    check(not online or bool(self.eval.judge or self.eval.reward_fn or not self.data.train_data),
+          f"--stage={self.run.stage}: an online stage needs a judge to label its samples: give "
+          f"--judge or --reward_fn")
+    check(not (online and self.eval.judge == "rm" and "rm" in stages
+               and stages.index("rm") > stages.index(online[0])),
+          f"--judge=rm: must go with an rm stage before the online stage (--stage={self.run.stage})")
     check(not self.reward.export_rm_hf or "rm" in self.run.stages,
           f"--export_rm_hf={self.reward.export_rm_hf!r}: must go with an rm stage (--stage="
           f"{self.run.stage} has none)")
@@ -357,6 +397,11 @@ class Config:
           f"--kl_max={self.guard.kl_max!r}: must go with the reference in the step, not "
           f"--precompute_ref or a reference-free loss: it bounds the exact token KL of the KL "
           f"guard (the --kl_spike_factor test runs there, on an estimate)")
+
+  @property
+  def online_stages(self) -> tuple[str, ...]:
+    """The recipe's stages that sample as they train (`ONLINE_STAGES`)."""
+    return tuple(s for s in self.run.stages if s in ONLINE_STAGES)
 
   @property
   def kl_estimate(self) -> str:
@@ -455,7 +500,7 @@ HH_RLHF_GPT2 = Config().replace(
 # with its EOS, which a reward model cannot (dpo/loop.py): PAD is the NUL byte's token instead.
 HH_RLHF_JUDGED = HH_RLHF_GPT2.replace(
     stage="sft,rm,dpo", rm_split=0.5, judge="rm", pad_token="\u0100", rm_steps=200,
-    rm_learning_rate=1e-3, output_dir="runs/hh-rlhf-judged")
+    rm_learning_rate=1e-3, task_eval_prompts=128, output_dir="runs/hh-rlhf-judged")
 
 PRESETS: dict[str, Config] = {
     "hh-rlhf-gpt2": HH_RLHF_GPT2,

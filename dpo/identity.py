@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESUME = ("auto", "never", "must")
 
 # Fields that do not change what a stage computes (see the module docstring).
-_NEVER = {"steps", "sft_steps", "rm_steps", "export_rm_hf", "log_kl", "ref_cache_dir",
+_NEVER = {"steps", "sft_steps", "rm_steps", "online_steps", "export_rm_hf", "log_kl", "ref_cache_dir",
           "data_cache_dir", "eval_data", "task_eval_pairs", "task_eval_prompts", "tokenizer",
           "train_data", "sft_data"}
 

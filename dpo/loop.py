@@ -57,7 +57,10 @@ class Data:
     self.template = chat.resolve_template(d.chat_template, self.tok)
     self.reports = []
     self.held_records = None  # the held-out pairs as read, one per held-out row
-    self.pairs, self.held = self._task_pairs(cfg) if self.embedded else self._file_pairs(cfg)
+    self.train_records = None  # the training pairs as read (kept for an online stage's judge)
+    online = bool(cfg.online_stages)
+    self.pairs, self.held = (self._task_pairs(cfg) if self.embedded else
+                             self._file_pairs(cfg, online))
     self.rm_pairs = self._split_for_rm(cfg)
     self.sft = self._sft(cfg)
     if "margin" in self.pairs:
@@ -77,6 +80,7 @@ class Data:
     d, seed = cfg.data, cfg.run.seed
     lens = (d.max_prompt_length, d.max_target_length)
     pairs = task.preference_records(d.task_train_pairs, seed)
+    self.train_records = list(pairs)
     held = (data_lib.load_preference_jsonl(d.eval_data) if d.eval_data else
             task.preference_records(d.task_eval_pairs, seed, held_out=True))
     self.held_records = list(held) or None
@@ -84,7 +88,7 @@ class Data:
             data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs") if held
             else None)
 
-  def _file_pairs(self, cfg) -> tuple[dict, dict | None]:
+  def _file_pairs(self, cfg, train_records: bool = False) -> tuple[dict, dict | None]:
     """(training pairs, held-out pairs) of --train_data through dpo.prepare; held-out: the
     --eval_split of it, or --eval_data."""
     d = cfg.data
@@ -97,8 +101,9 @@ class Data:
                                      d.rejected_field),
         self.template, d.max_prompt_length, d.max_target_length, d.skip_bad_records)
     prep = functools.partial(prepare.prepare_pairs, how=how, cache_dir=cache_dir)
-    train_prep = prep(d.train_data, eval_split=d.eval_split)
+    train_prep = prep(d.train_data, eval_split=d.eval_split, train_records=train_records)
     self.reports.append(train_prep.report)
+    self.train_records = train_prep.train_records
     if not d.eval_data:
       self.held_records = train_prep.held_records
       return train_prep.train, train_prep.held

@@ -39,19 +39,23 @@ class Program:
   summary: dict = dataclasses.field(default_factory=dict)
 
   def stage(self, algorithm, start: Start, arrays, hooks: list,
-            to_pack: dict | None = None) -> Stage:
+            to_pack: dict | None = None, online: Callable | None = None) -> Stage:
     """The stage of `algorithm` (dpo/algorithms) over `arrays` from `start`, resuming from
     <output_dir>/checkpoints/<name>; the stage's fingerprint is what a checkpoint must match to
     be resumed. `to_pack` (every pair's shared-prefix rows) packs each batch's rows from them
-    (--packing)."""
+    (--packing). `online(spec, update)` builds the dispatch of a stage whose host batch is not
+    the rows it trains on (an online stage samples them first), from `update(state, frozen,
+    typed batch)`, the jitted step on the mesh."""
     c, o, name = self.cfg, self.cfg.optim, algorithm.name
     spec = algorithm.step_config(c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
 
-    def dispatch(state, frozen, batch):  # jit_step is cached: one compile per stage
+    def update(state, frozen, typed):  # jit_step is cached: one compile per stage
       step = train.jit_step(algorithm.step, spec, self.mesh, state, frozen)
-      return step(state, frozen, train.device_batch(self.mesh, algorithm.batch(batch),
-                                                    o.global_batch_size))
+      return step(state, frozen, train.device_batch(self.mesh, typed, o.global_batch_size))
+
+    dispatch = (online(spec, update) if online is not None else
+                lambda state, frozen, batch: update(state, frozen, algorithm.batch(batch)))
 
     loader = data_lib.Loader(arrays, o.global_batch_size, c.run.seed + algorithm.data_seed,
                              (pid, nproc))

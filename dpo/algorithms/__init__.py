@@ -60,3 +60,4 @@ def recipe(stages: tuple[str, ...]) -> list[Algorithm]:
 from dpo.algorithms import sft  # noqa: E402,F401
 from dpo.algorithms import dpo  # noqa: E402,F401
 from dpo.algorithms import rm  # noqa: E402,F401
+from dpo.algorithms import online_dpo  # noqa: E402,F401

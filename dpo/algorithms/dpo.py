@@ -40,6 +40,15 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   """The DPO stage from `model` (the policy's start and, unless --ref_init_from names another,
   the frozen reference), then export and the final evaluation (into the run's summary); hands
   on the policy (LoRA merged) and where it is saved."""
+  return preference_stage(p, model, DPO)
+
+
+def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm,
+                     online=None) -> algorithms.Model:
+  """A preference stage of `algorithm` from `model`: the DPO stage on the training pairs, or
+  with `online(p, judge, base) -> (prompt arrays, Program.stage's online)` a stage that samples
+  its pairs as it trains (dpo/algorithms/online_dpo.py); the same reference, loss, hooks,
+  export and evaluation either way."""
   c, mesh, summary = p.cfg, p.mesh, p.summary
   reference_path = _reference_path(c, model)
   params = _quantized_base(c, mesh, model.params, summary)
@@ -51,7 +60,7 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
     summary["reference_perplexity"] = evaluate.pair_metrics(
         c, mesh, evaluate.Weights(ref_model), ref_model, p.data.held,
         c.optim.global_batch_size)["perplexity"]
-  spec = train.StepConfig.dpo(c)
+  spec = algorithm.step_config(c)
   opt, _ = spec.optimizer()
   if c.guard.log_kl and not spec.kl:
     logging.warning("--log_kl: no reference forward runs in the step (precompute_ref or a "
@@ -67,26 +76,31 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   tr_dpo = c.reference.ref_update != "none"
   frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None, ref,
                                 c.lora.enabled)
-  pairs, packed = _training_rows(p, spec, frozen)
   # Evaluation (held-out pairs, samples, KL, win rate) is against the SFT model (`params`), or
   # the --ref_init_from model, for every loss and reference scheme, so runs stay comparable
   # (TR-DPO moves the training reference).
   judge = judges.load(c, mesh, p.data.tok, p.data.template)
   logging.info("evaluation judge: %s", judges.describe(judge))
   evaluator = evaluate.Evaluator(c, mesh, p.data.eval_set(judge), ref_model)
+  if online is None:
+    (pairs, packed), sampled = _training_rows(p, spec, frozen), None
+  else:
+    pairs, sampled = online(p, judge, params)
+    packed = None
   weights = lambda st: (evaluate.Weights(params, st.params) if c.lora.enabled
                         else evaluate.Weights(st.params))
   evaluate_state = lambda step, st: _evaluate(evaluator, weights(st), step, p.writer)
   t_dpo = time.perf_counter()
   start = Start(fresh, frozen, identity.model_digest(reference_path),
                 {"reference": reference_path, "lora": c.lora.enabled})
-  state = p.stage(DPO, start, pairs, _hooks(c, p.data, evaluate_state), packed).run()
-  summary["dpo_time_s"] = round(time.perf_counter() - t_dpo, 1)
+  state = p.stage(algorithm, start, pairs, _hooks(c, p.data, evaluate_state), packed,
+                  sampled).run()
+  summary[f"{algorithm.name}_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy = weights(state)
-  handed_on = _save_policy(c, policy, int(state.step), reference_path)
+  handed_on = _save_policy(c, policy, int(state.step), reference_path, algorithm.name)
   if c.checkpoint.export_hf:
     _export_hf(c, policy, int(state.step), p.data, model.path)
-  final, samples = evaluate_state(c.optim.steps, state)
+  final, samples = evaluate_state(spec.total_steps, state)
   summary.update(final)
   summary["skipped_steps"] = int(state.skipped)
   summary["lr_scale"] = float(state.lr_scale)
@@ -171,8 +185,8 @@ def _write_jsonl(path: str, records: Sequence[dict]) -> None:
   os.replace(path + ".tmp", path)
 
 
-def _save_policy(c, weights: evaluate.Weights, step: int,
-                 reference_path: str) -> algorithms.Model:
+def _save_policy(c, weights: evaluate.Weights, step: int, reference_path: str,
+                 stage: str = "dpo") -> algorithms.Model:
   """The policy (LoRA merged) as a dpo-jax params checkpoint, checkpoints/policy. With a
   quantized base there is no float policy to save (the adapters are in the step checkpoints):
   what is handed on is Model(None, "")."""
@@ -183,7 +197,7 @@ def _save_policy(c, weights: evaluate.Weights, step: int,
                  c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
     return algorithms.Model(None, "")
   merged = lora_lib.merge(params, lora, c.lora) if lora is not None else params
-  checkpoint.save_params(policy_out, merged, c.model, stage="dpo", step=step,
+  checkpoint.save_params(policy_out, merged, c.model, stage=stage, step=step,
                          reference=reference_path)
   logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
   return algorithms.Model(merged, os.path.abspath(policy_out))

@@ -1,0 +1,170 @@
+"""Online DPO (Guo et al. 2024, "Direct language model alignment from online AI feedback"; TRL's
+`OnlineDPOTrainer`): every step samples two completions for each of a batch of training prompts
+from the current policy, the judge (dpo/judges.py: a reward model or a reward function) scores
+them, and the better one becomes the chosen response of a pair on which any registered
+preference loss takes one step against the frozen reference.
+
+As TRL does: completions that do not end within the token budget lose `missing_eos_penalty`
+from their reward; the first sample is chosen when the rewards tie; the step logs the samples'
+mean reward (`objective/scores`), the chosen-rejected gap (`objective/scores_margin`) and the
+share that ended (`val/contain_eos_token`), and here also the time split between sampling,
+judging and the update (`time/sample_s`, `time/judge_s`, `time/train_s`).
+
+The sampler (models/sampler.py) runs jitted on the training mesh and reads the training weights
+as they are (the base and the LoRA factors as an adapter, or the full weights): no copy. Prompts
+are the distinct prompts of the training pairs, left-padded to one length, and completions are
+laid out in rows of one length (prompt length + `online_max_new_tokens`, rounded up to 8), so
+neither sampling nor the update recompiles as lengths vary. The sampling key of step s is
+fold_in(key, s), so a resumed run draws what the uninterrupted one drew: checkpoints, resume and
+the KL guard are the offline stage's (dpo/runner.py, dpo/hooks.py). Single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from dpo import algorithms, batches, identity, judges, packing, train
+from dpo import data as data_lib
+from dpo.algorithms import dpo
+from models import sampler, transformer
+
+
+def prompt_table(pairs: dict, pad_id: int) -> tuple[dict, list[int]]:
+  """(arrays of the training pairs' distinct prompts, left-padded to one length: "tokens" and
+  "segment_ids" [N, P] and "prompt_index" [N], the index of each prompt's first pair)."""
+  seen: dict[tuple[int, ...], int] = {}
+  for i, (tokens, mask) in enumerate(zip(pairs["tokens"][:, 0], pairs["loss_mask"][:, 0])):
+    scored = np.flatnonzero(mask)
+    seen.setdefault(tuple(int(t) for t in tokens[:scored[0] if len(scored) else 0]), i)
+  prompts = [list(p) for p in seen if p]
+  index = [i for p, i in seen.items() if p]
+  tokens, segments = sampler.left_pad(prompts, pad_id, multiple=8)
+  return {"tokens": tokens, "segment_ids": segments,
+          "prompt_index": np.asarray(index, np.int32)}, index
+
+
+def pair_rows(prompts, chosen, rejected, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+  """[B, 2, seq_len] pair arrays (dpo/data.py's layout) of prompt + chosen / rejected ids."""
+  side = lambda comps: data_lib._pack_rows([(list(p), list(c)) for p, c in zip(prompts, comps)],
+                                           seq_len, pad_id)
+  c, r = side(chosen), side(rejected)
+  return {k: np.stack([c[k], r[k]], axis=1) for k in c}
+
+
+def choose(rewards_2B: np.ndarray, ended_2B: np.ndarray, missing_eos_penalty: float):
+  """(chosen is the first sample [B] bool, the rewards after the penalty [2B]): TRL's online DPO
+  rule on rewards laid out [first samples of every prompt, then second samples]."""
+  r = np.asarray(rewards_2B, np.float64).copy()
+  if missing_eos_penalty:
+    r[~ended_2B] -= missing_eos_penalty
+  first, second = np.split(r, 2)
+  return first >= second, r
+
+
+@dataclasses.dataclass
+class Sampled:
+  """Program.stage's `online` for online DPO: samples, judges and updates, one step a call."""
+  cfg: object
+  mesh: object
+  tok: object
+  judge: object
+  chats: list          # the judge's prompt for each row of the prompt table (text or messages)
+  base: object         # the frozen base the LoRA factors apply to (LoRA on); None: full weights
+  scfg: sampler.SamplingConfig
+  seq_len: int
+
+  def __call__(self, spec, update):
+    key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), 5)
+
+    def dispatch(state, frozen, batch):
+      t0 = time.perf_counter()
+      step = int(state.step)
+      comps = self.sample(state, batch, jax.random.fold_in(key, step))
+      t1 = time.perf_counter()
+      chosen, rewards, ended = self.judged(batch, comps)
+      t2 = time.perf_counter()
+      B = len(batch["tokens"])
+      prompts = [row[seg != 0] for row, seg in zip(batch["tokens"], batch["segment_ids"])]
+      first, second = comps[:B], comps[B:]
+      rows = pair_rows(prompts, [a if c else b for a, b, c in zip(first, second, chosen)],
+                       [b if c else a for a, b, c in zip(first, second, chosen)], self.seq_len,
+                       self.tok.pad_id)
+      state, metrics = update(state, frozen, batches.PairBatch(batches.Rows.of(rows)))
+      jax.block_until_ready(state)
+      picked = np.where(chosen, rewards[:B], rewards[B:])
+      other = np.where(chosen, rewards[B:], rewards[:B])
+      metrics = {**metrics, "objective/scores": float(rewards.mean()),
+                 "objective/scores_margin": float((picked - other).mean()),
+                 "val/contain_eos_token": float(ended.mean()),
+                 "time/sample_s": round(t1 - t0, 3), "time/judge_s": round(t2 - t1, 3),
+                 "time/train_s": round(time.perf_counter() - t2, 3)}
+      return state, metrics
+    return dispatch
+
+  def sample(self, state, batch, key) -> list[list[int]]:
+    """Two completions per prompt of `batch` from the policy `state` ([first samples, second
+    samples]), each ending with its stop token when it ended."""
+    tokens = np.concatenate([batch["tokens"]] * 2)
+    segments = np.concatenate([batch["segment_ids"]] * 2)
+    prompts = train.device_batch(self.mesh, sampler.Prompts(tokens, segments))
+    if self.base is None:
+      params, adapter = state.params, None
+    else:
+      params, adapter = self.base, transformer.Adapter(state.params, self.cfg.lora.scale)
+    samples = sampler.generate(self.cfg.model, self.scfg, params, prompts, key, adapter)
+    return sampler.completions(jax.device_get(samples))
+
+  def judged(self, batch, comps):
+    """(first sample chosen [B], rewards after the EOS penalty [2B], ended [2B])."""
+    stops = {self.scfg.eos_id, *self.scfg.stop_ids}
+    ended = np.array([bool(c) and c[-1] in stops for c in comps])
+    texts = [self.tok.decode(c[:-1] if e else c) for c, e in zip(comps, ended)]
+    chats = [self.chats[i] for i in batch["prompt_index"]] * 2
+    rewards = self.judge.score([judges.records_of(p, [t])[0] for p, t in zip(chats, texts)])
+    chosen, rewards = choose(rewards, ended, self.cfg.online.missing_eos_penalty)
+    return chosen, rewards, ended
+
+
+def sampled(p, judge, base):
+  """dpo.preference_stage's `online`: the prompt table and the dispatch factory."""
+  c = p.cfg
+  if jax.process_count() > 1:
+    raise ValueError(f"--stage={c.run.stage}: the online stages run in a single process")
+  if judge is None:
+    raise ValueError(f"--stage={c.run.stage}: online DPO needs a judge to label its samples: "
+                     f"give --judge or --reward_fn")
+  table, index = prompt_table(p.data.pairs, p.data.tok.pad_id)
+  records = p.data.train_records
+  chats = ([records[i].prompt for i in index] if records is not None else
+           [p.data.tok.decode(row[seg != 0]) for row, seg in zip(table["tokens"],
+                                                                 table["segment_ids"])])
+  table["prompt_index"] = np.arange(len(index), dtype=np.int32)  # rows of `chats`
+  new = c.online.online_max_new_tokens or c.data.max_target_length
+  from dpo import evaluate
+  scfg = dataclasses.replace(evaluate.sampling_config(c, p.data.tok, p.data.stop_ids),
+                             max_new_tokens=new, temperature=c.online.online_temperature,
+                             top_k=0, top_p=1.0)
+  seq_len = packing.round_up(table["tokens"].shape[1] + new, 8)
+  return table, Sampled(c, p.mesh, p.data.tok, judge, chats,
+                        base if c.lora.enabled else None, scfg, seq_len)
+
+
+def run(p, model: algorithms.Model) -> algorithms.Model:
+  return dpo.preference_stage(p, model, ONLINE_DPO, sampled)
+
+
+def step_config(cfg) -> train.StepConfig:
+  return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.online_steps)
+
+
+ONLINE_DPO = algorithms.register(algorithms.Algorithm(
+    name="online_dpo", step=train.dpo_step, batch=batches.PairBatch.of, step_config=step_config,
+    run=run,
+    hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "loss", "reference",
+                                                          "guard", "online")),
+                                 "judge": judges.source(cfg)},
+    data_files=("train_data", "tokenizer"), data_seed=4, steps_flag="--online_steps"))
