@@ -233,7 +233,8 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
   loop.run(cfg)
   with open(os.path.join(out, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f if '"stage": "rm"' in line]
-  assert [r["step"] for r in records][-1] == 40
+  *records, held = records  # the held-out figures, once at the end, under TRL's eval_ names
+  assert [r["step"] for r in records][-1] == 40 and held["step"] == 40
   assert np.mean([r["accuracy"] for r in records[-3:]]) > 0.6, records
   assert os.path.isdir(os.path.join(out, "checkpoints", "rm", "step_00000040"))
   saved = checkpoint.read_meta(os.path.join(out, "checkpoints", "rm_model"))
@@ -242,6 +243,7 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
     summary = json.load(f)
   assert summary["rm_model"].endswith("rm_model")
   assert summary["rm_eval_pairs"] == 8 and 0 <= summary["rm_eval_accuracy"] <= 1
+  assert held["eval_accuracy"] == summary["rm_eval_accuracy"] and held["eval_pairs"] == 8
   # The trained reward model, exported: transformers scores pairs as we do (byte PAD = 256).
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   params = rm.load(summary["rm_model"], cfg.model, mesh)

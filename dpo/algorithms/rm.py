@@ -203,6 +203,8 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   if p.data.held is not None:  # TRL's eval_* metrics, on the held-out pairs
     held = held_out_metrics(c, mesh, made, p.data.held)
     p.summary.update({f"rm_eval_{k}": v for k, v in held.items()})
+    p.writer.write({"stage": "rm", "step": int(state.step),
+                    **{f"eval_{k}": v for k, v in held.items()}})
     logging.info("rm: held-out accuracy %.3f, margin %+.4f, loss %.4f over %d pairs",
                  held["accuracy"], held["margin"], held["loss"], held["pairs"])
   if c.reward.export_rm_hf:
