@@ -247,7 +247,7 @@ def test_missing_inputs_are_one_line_errors():
 def trl_advantages(rewards_N, scale_rewards, num_generations):
   """TRL 1.16 trl/trainer/grpo_trainer.py, `_generate_and_score_completions`, the
   multi_objective_aggregation == "sum_then_normalize" branch and the nan_to_num after it
-  (lines 2761-2808 of the installed file), from the summed rewards on: written out here with
+  (lines 2761-2788 and 2810 of the installed file), from the summed rewards on: written out with
   torch ops and TRL's own `nanstd`, because TRL does not factor it into a function."""
   rewards = rewards_N.clone()
   mean_grouped = torch.nanmean(rewards.view(-1, num_generations), dim=1)
@@ -266,7 +266,7 @@ def trl_advantages(rewards_N, scale_rewards, num_generations):
 
 
 def trl_weighted_rewards(rewards_NF, weights):
-  """The same block's lines 2757-2764: nansum of the weighted functions, NaN where all are NaN."""
+  """The same function's lines 2759-2764: nansum of the weighted functions, NaN where all are NaN."""
   unscorable = torch.isnan(rewards_NF).all(dim=1)
   rewards = (rewards_NF * torch.tensor(weights).unsqueeze(0)).nansum(dim=1)
   rewards[unscorable] = torch.nan
