@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dpo.losses import LossConfig
+from dpo.policy_gradient import GRPOConfig
 from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARGETS, NONNEG, POS,
                            UNIT, LoraConfig, ModelConfig, at_least, check, one_of, option, rules,
                            shown)
@@ -156,12 +157,14 @@ class OnlineConfig:
                                      "(TRL's default 0.9).")
   online_max_new_tokens: int = option(0, "Tokens sampled per online completion (0 = "
                                       "max_target_length).")
+  grpo_steps: int = option(200, "GRPO optimizer steps (stage grpo); a batch of samples is drawn "
+                           "every --num_iterations of them.")
   missing_eos_penalty: float = option(0.0, "Subtracted from the judge's reward of a sample that "
                                       "does not end (no EOS or end-of-turn within the token "
                                       "budget), as TRL's missing_eos_penalty; 0 = none.")
 
   def __post_init__(self):
-    rules(self, online_steps=NONNEG, online_temperature=FINITE_NONNEG,
+    rules(self, online_steps=NONNEG, grpo_steps=NONNEG, online_temperature=FINITE_NONNEG,
           online_max_new_tokens=NONNEG, missing_eos_penalty=FINITE_NONNEG)
 
 
@@ -308,10 +311,11 @@ class RunConfig:
 
 
 # Stages that sample from the policy as they train (they read the online section and a judge).
-ONLINE_STAGES = ("online_dpo",)
+ONLINE_STAGES = ("online_dpo", "grpo")
 
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
              "loss": LossConfig, "reward": RewardConfig, "online": OnlineConfig,
+             "grpo": GRPOConfig,
              "reference": ReferenceConfig,
              "guard": GuardConfig,
              "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
@@ -331,6 +335,7 @@ class Config:
   loss: LossConfig = LossConfig()
   reward: RewardConfig = RewardConfig()
   online: OnlineConfig = OnlineConfig()
+  grpo: GRPOConfig = GRPOConfig()
   reference: ReferenceConfig = ReferenceConfig()
   guard: GuardConfig = GuardConfig()
   eval: EvalConfig = EvalConfig()
@@ -376,6 +381,15 @@ class Config:
     check(not (online and self.eval.judge == "rm" and "rm" in stages
                and stages.index("rm") > stages.index(online[0])),
           f"--judge=rm: must go with an rm stage before the online stage (--stage={self.run.stage})")
+    g = self.grpo
+    check("grpo" not in stages or self.optim.global_batch_size % g.num_generations == 0,
+          f"--num_generations={g.num_generations}: must divide --global_batch_size="
+          f"{self.optim.global_batch_size} (a step's completions, G per prompt)")
+    check("grpo" not in stages or (self.online.grpo_steps % g.num_iterations == 0 and
+                                   self.checkpoint.checkpoint_every % g.num_iterations == 0),
+          f"--num_iterations={g.num_iterations}: must divide --grpo_steps="
+          f"{self.online.grpo_steps} and --checkpoint_every={self.checkpoint.checkpoint_every} "
+          f"(checkpoints fall between generation batches)")
     check(not self.reward.export_rm_hf or "rm" in self.run.stages,
           f"--export_rm_hf={self.reward.export_rm_hf!r}: must go with an rm stage (--stage="
           f"{self.run.stage} has none)")

@@ -282,6 +282,31 @@ def tokenize_sft(records: Sequence[SFTRecord], tok, max_prompt_length: int,
 
 # --- batching -------------------------------------------------------------------------------------
 
+class Repeat:
+  """A loader whose every batch is given `k` times in a row (GRPO's num_iterations updates on
+  one generation batch). Its state is the inner loader's after the batch being repeated, and a
+  restore starts a new batch: checkpoints fall between repeated batches."""
+
+  def __init__(self, loader, k: int):
+    self.loader, self.k, self.given, self.batch = loader, k, 0, None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    if self.given % self.k == 0:
+      self.batch = next(self.loader)
+    self.given += 1
+    return self.batch
+
+  def state(self) -> dict:
+    return self.loader.state()
+
+  def restore(self, state: dict) -> None:
+    self.loader.restore(state)
+    self.given, self.batch = 0, None
+
+
 class Loader:
   """Deterministic, seeded, epoch-shuffled batches; each process reads only its slice.
 

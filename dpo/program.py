@@ -57,14 +57,16 @@ class Program:
     dispatch = (online(spec, update) if online is not None else
                 lambda state, frozen, batch: update(state, frozen, algorithm.batch(batch)))
 
-    loader = data_lib.Loader(arrays, o.global_batch_size, c.run.seed + algorithm.data_seed,
-                             (pid, nproc))
+    rows = getattr(online, "prompts_per_step", o.global_batch_size)  # GRPO: prompts, not rows
+    loader = data_lib.Loader(arrays, rows, c.run.seed + algorithm.data_seed, (pid, nproc))
     if to_pack is not None:
       k = o.gradient_accumulation_steps
       packer = packing.Packer(to_pack, o.global_batch_size, nproc, k,
                               sharding.batch_shards(self.mesh) * k)
       logging.info("%s", packer.fit(loader.batch_rows(0)[:_FIT_BATCHES]))
       loader.pack = packer.pack
+    if getattr(online, "repeat", 1) > 1:
+      loader = data_lib.Repeat(loader, online.repeat)
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
                                c.checkpoint.keep_checkpoints,
                                {"fingerprint": self.fingerprint(algorithm, arrays, start.initial)},

@@ -58,6 +58,7 @@ class StepConfig:
   loss: Any = None          # DPO: LossConfig; SFT: None
   kl: bool = False          # DPO: also compute the token KL(pi || ref) metric
   reward: Any = None        # RM: RewardConfig (dpo/algorithms/rm.py)
+  grpo: Any = None          # GRPO: policy_gradient.GRPOConfig (dpo/algorithms/grpo.py)
 
   @classmethod
   def sft(cls, cfg) -> "StepConfig":

@@ -61,3 +61,4 @@ from dpo.algorithms import sft  # noqa: E402,F401
 from dpo.algorithms import dpo  # noqa: E402,F401
 from dpo.algorithms import rm  # noqa: E402,F401
 from dpo.algorithms import online_dpo  # noqa: E402,F401
+from dpo.algorithms import grpo  # noqa: E402,F401

@@ -44,11 +44,12 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
 
 
 def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm,
-                     online=None) -> algorithms.Model:
+                     online=None, kl_estimate: str | None = "") -> algorithms.Model:
   """A preference stage of `algorithm` from `model`: the DPO stage on the training pairs, or
   with `online(p, judge, base) -> (prompt arrays, Program.stage's online)` a stage that samples
   its pairs as it trains (dpo/algorithms/online_dpo.py); the same reference, loss, hooks,
-  export and evaluation either way."""
+  export and evaluation either way. `kl_estimate` is what the KL guard watches ("" = the DPO
+  step's, `Config.kl_estimate`; None = nothing the stage logs, the guard off)."""
   c, mesh, summary = p.cfg, p.mesh, p.summary
   reference_path = _reference_path(c, model)
   params = _quantized_base(c, mesh, model.params, summary)
@@ -93,7 +94,8 @@ def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm
   t_dpo = time.perf_counter()
   start = Start(fresh, frozen, identity.model_digest(reference_path),
                 {"reference": reference_path, "lora": c.lora.enabled})
-  state = p.stage(algorithm, start, pairs, _hooks(c, p.data, evaluate_state), packed,
+  estimate = c.kl_estimate if kl_estimate == "" else kl_estimate
+  state = p.stage(algorithm, start, pairs, _hooks(c, p.data, evaluate_state, estimate), packed,
                   sampled).run()
   summary[f"{algorithm.name}_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy = weights(state)
@@ -165,14 +167,18 @@ def _training_rows(p, spec: train.StepConfig, frozen: train.Frozen):
   return (pairs, None) if shared is None else ({**pairs, **shared}, None)
 
 
-def _hooks(c, data, evaluate_state) -> list:
-  """The DPO stage's hooks: the KL guard (when on), logging, checkpoints, evaluation and the
-  TR-DPO reference update (when on)."""
+def _hooks(c, data, evaluate_state, estimate: str | None) -> list:
+  """The DPO stage's hooks: the KL guard (when on, watching `estimate`), logging, checkpoints,
+  evaluation and the TR-DPO reference update (when on)."""
   log = hooks.LogMetrics(c.run.log_every)
   mask = data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
-  guard = hooks.KLGuard(c.guard, c.kl_estimate, c.loss.beta, float(mask.sum() / max(
+  guarded = c.guard.enabled and estimate is not None
+  if c.guard.enabled and not guarded:
+    logging.warning("KL guard off: this stage logs no KL to watch (GRPO logs it with "
+                    "--grpo_beta > 0)")
+  guard = hooks.KLGuard(c.guard, estimate or "kl", c.loss.beta, float(mask.sum() / max(
       mask.shape[0] * mask.shape[1], 1)))
-  return [*([guard] if c.guard.enabled else []), log,
+  return [*([guard] if guarded else []), log,
           hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
           hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
           *([hooks.UpdateReference(c.reference)] if c.reference.ref_update != "none" else [])]

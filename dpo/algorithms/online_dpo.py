@@ -105,11 +105,11 @@ class Sampled:
       return state, metrics
     return dispatch
 
-  def sample(self, state, batch, key) -> list[list[int]]:
-    """Two completions per prompt of `batch` from the policy `state` ([first samples, second
-    samples]), each ending with its stop token when it ended."""
-    tokens = np.concatenate([batch["tokens"]] * 2)
-    segments = np.concatenate([batch["segment_ids"]] * 2)
+  def sample(self, state, batch, key, n: int = 2) -> list[list[int]]:
+    """n completions per prompt of `batch` from the policy `state`, laid out [sample 0 of every
+    prompt, sample 1, ...], each ending with its stop token when it ended."""
+    tokens = np.concatenate([batch["tokens"]] * n)
+    segments = np.concatenate([batch["segment_ids"]] * n)
     prompts = train.device_batch(self.mesh, sampler.Prompts(tokens, segments))
     if self.base is None:
       params, adapter = state.params, None

@@ -1,0 +1,180 @@
+"""GRPO (Shao et al. 2024; TRL's `GRPOTrainer`): every `num_iterations` steps, G completions are
+sampled for each of global_batch_size / G training prompts from the current policy, the judge
+(dpo/judges.py) scores them, and each completion's advantage is its reward less its group's mean
+(scaled as --scale_rewards says); each step then updates the policy with the clipped
+importance-ratio objective of dpo/policy_gradient.py (the loss aggregations grpo, dr_grpo, dapo,
+bnpo; the k3 KL to the frozen reference weighted by --grpo_beta).
+
+Samples, their old log-probs (the policy that drew them) and the reference's are computed once
+per generation batch and reused for its `num_iterations` updates, as TRL does; checkpoints fall
+between generation batches (--checkpoint_every and --grpo_steps must be multiples of
+--num_iterations), so no batch of samples outlives a checkpoint and a resumed run draws what the
+uninterrupted one drew (the sampling key of a batch is fold_in(key, its first step)). Sampling is
+online DPO's (dpo/algorithms/online_dpo.py): jitted on the training mesh, no weight copy, fixed
+shapes. LoRA dropout is off in the GRPO step, so the importance ratio of the first update of a
+batch is exactly 1. Single process.
+
+Logged per step, TRL's names: reward, reward_std, frac_reward_zero_std, completions/mean_length,
+completions/clipped_ratio, kl, clip_ratio/*, and the time split (time/sample_s, time/judge_s,
+time/train_s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpo import algorithms, batches, identity, judges, logprobs, train
+from dpo import policy_gradient as pg
+from dpo.algorithms import dpo, online_dpo
+from models import transformer
+
+
+class GRPOBatch(NamedTuple):
+  """One step's rows: prompt + completion [N, T] (the loss mask on completion tokens), each
+  completion's advantage [N], and the per-token log-probs [N, T] of the policy that sampled it
+  and of the reference (None without the KL term)."""
+  rows: batches.Rows
+  advantages: np.ndarray
+  old_logps: np.ndarray
+  ref_logps: np.ndarray | None = None
+
+
+def _policy(spec: train.StepConfig, frozen, trainable):
+  """(params, adapter) of the policy: the base with the LoRA factors, or every weight."""
+  if spec.lora.enabled:
+    return frozen.params, transformer.Adapter(trainable, spec.lora.scale)
+  return trainable, None
+
+
+def grpo_step(spec: train.StepConfig, state: train.TrainState, frozen,
+              batch: GRPOBatch) -> tuple[train.TrainState, dict]:
+  """One GRPO update on a generation batch's rows (gradient accumulation as train.accumulate
+  does: dapo's normaliser is the whole batch's token count / K)."""
+  k = spec.optim.gradient_accumulation_steps
+  num_items = batch.rows.loss_mask.sum() / k
+
+  def loss_fn(trainable, micro):
+    params, adapter = _policy(spec, frozen, trainable)
+    s = logprobs.score(spec.model, params, micro.rows, adapter)
+    return pg.grpo_loss(s.logps, micro.old_logps, micro.ref_logps, micro.advantages, s.mask,
+                        spec.grpo, num_items=num_items)
+
+  def grad_fn(trainable, micro, i):
+    del i
+    return jax.value_and_grad(loss_fn, has_aux=True)(trainable, micro)
+
+  (loss, metrics), grads = train.accumulate(grad_fn, state.params, batch, k)
+  return train.apply_update(state, *spec.optimizer(), loss, grads, metrics)
+
+
+def _token_logps(model, params, rows, adapter=None):
+  return logprobs.score(model, params, rows, adapter).logps
+
+
+@dataclasses.dataclass
+class Generated(online_dpo.Sampled):
+  """Program.stage's `online` for GRPO: a generation batch every num_iterations steps."""
+  buffer: GRPOBatch | None = None
+  info: dict | None = None
+
+  @property
+  def repeat(self) -> int:
+    return self.cfg.grpo.num_iterations
+
+  @property
+  def prompts_per_step(self) -> int:
+    return self.cfg.optim.global_batch_size // self.cfg.grpo.num_generations
+
+  def __call__(self, spec, update):
+    key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), 6)
+    G, K = self.cfg.grpo.num_generations, self.cfg.grpo.num_iterations
+    score = jax.jit(functools.partial(_token_logps, self.cfg.model))
+
+    def dispatch(state, frozen, batch):
+      step = int(state.step)
+      times = {"time/sample_s": 0.0, "time/judge_s": 0.0}
+      if step % K == 0 or self.buffer is None:
+        t0 = time.perf_counter()
+        comps = self.sample(state, batch, jax.random.fold_in(key, step), G)
+        t1 = time.perf_counter()
+        self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec)
+        times = {"time/sample_s": round(t1 - t0, 3),
+                 "time/judge_s": round(time.perf_counter() - t1, 3)}
+      t2 = time.perf_counter()
+      state, metrics = update(state, frozen, self.buffer)
+      jax.block_until_ready(state)
+      return state, {**metrics, **self.info, **times,
+                     "time/train_s": round(time.perf_counter() - t2, 3)}
+    return dispatch
+
+  def generation(self, state, frozen, batch, comps, score, spec):
+    """(the GRPOBatch of a generation batch, its logged figures): rewards, advantages, rows,
+    old and reference log-probs."""
+    G, c = self.cfg.grpo.num_generations, self.cfg
+    B = len(batch["tokens"])
+    stops = {self.scfg.eos_id, *self.scfg.stop_ids}
+    ended = np.array([bool(x) and x[-1] in stops for x in comps])
+    texts = [self.tok.decode(x[:-1] if e else x) for x, e in zip(comps, ended)]
+    chats = [self.chats[i] for i in batch["prompt_index"]] * G
+    rewards = self.judge.score([judges.records_of(p, [t])[0] for p, t in zip(chats, texts)])
+    rewards_BG = rewards.reshape(G, B).T  # row b: prompt b's G completions
+    adv_BG = np.asarray(pg.group_advantages(jnp.asarray(rewards_BG, jnp.float32),
+                                            c.grpo.scale_rewards))
+    prompts = [row[seg != 0] for row, seg in zip(batch["tokens"], batch["segment_ids"])] * G
+    rows = online_dpo.data_lib._pack_rows([(list(p), list(x)) for p, x in zip(prompts, comps)],
+                                          self.seq_len, self.tok.pad_id)
+    if c.grpo.mask_truncated_completions:  # a completion that did not end leaves the loss
+      rows["loss_mask"] = rows["loss_mask"] * ended[:, None].astype(np.float32)
+    rows = batches.Rows.of(rows)
+    device_rows = train.device_batch(self.mesh, rows)
+    params, adapter = _policy(spec, frozen, state.params)
+    old = np.asarray(jax.device_get(score(params, device_rows, adapter)))
+    ref = None
+    if c.grpo.grpo_beta > 0:
+      ref_params = frozen.params if frozen.ref_params is None else frozen.ref_params
+      ref = np.asarray(jax.device_get(score(ref_params, device_rows)))
+    lengths = np.array([len(x) for x in comps], np.float64)
+    std_BG = rewards_BG.std(axis=1, ddof=1)
+    info = {"reward": float(rewards.mean()), "reward_std": float(rewards.std(ddof=1)),
+            "frac_reward_zero_std": float(np.mean(np.isclose(std_BG, 0.0))),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(1.0 - ended.mean())}
+    flat = lambda a_BG: a_BG.T.reshape(-1)  # back to the rows' layout
+    return GRPOBatch(rows, flat(adv_BG).astype(np.float32), old, ref), info
+
+
+def generated(p, judge, base):
+  """dpo.preference_stage's `online` for GRPO."""
+  table, online = online_dpo.sampled(p, judge, base)
+  c = p.cfg
+  new = c.grpo.max_completion_length
+  scfg = dataclasses.replace(online.scfg, max_new_tokens=new)
+  seq_len = online_dpo.packing.round_up(table["tokens"].shape[1] + new, 8)
+  fields = {f.name: getattr(online, f.name) for f in dataclasses.fields(online_dpo.Sampled)}
+  return table, Generated(**{**fields, "scfg": scfg, "seq_len": seq_len})
+
+
+def run(p, model: algorithms.Model) -> algorithms.Model:
+  """The GRPO stage: the KL guard watches the k3 KL the step logs with --grpo_beta > 0."""
+  estimate = "kl" if p.cfg.grpo.grpo_beta > 0 else None
+  return dpo.preference_stage(p, model, GRPO, generated, estimate)
+
+
+def step_config(cfg) -> train.StepConfig:
+  return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.grpo_steps,
+                             loss=None, kl=False, grpo=cfg.grpo)
+
+
+GRPO = algorithms.register(algorithms.Algorithm(
+    name="grpo", step=grpo_step, batch=lambda host: host, step_config=step_config, run=run,
+    hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "online",
+                                                          "grpo")),
+                                 "judge": judges.source(cfg)},
+    data_files=("train_data", "tokenizer"), data_seed=5, steps_flag="--grpo_steps"))

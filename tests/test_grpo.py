@@ -1,0 +1,91 @@
+"""The GRPO stage (dpo/algorithms/grpo.py; its loss is checked against TRL in
+tests/test_grpo_trl.py): generation batches reused for num_iterations updates, group advantages
+from the judge's rewards, a bitwise resume after a crash, and the settings it refuses."""
+
+import json
+
+import numpy as np
+import pytest
+
+import configs
+from dpo import checkpoint, loop
+from dpo.algorithms import grpo
+from faults import Crash, SimulatedCrash
+from models import sharding
+
+
+def length_reward(prompt, completion):
+  return float(len(completion))
+
+
+def _cfg(out, **kw):
+  return configs.DEFAULT.replace(**{
+      **dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+             task_train_pairs=128, task_sft_examples=64, task_eval_pairs=16, task_eval_prompts=8,
+             global_batch_size=16, num_generations=4, sft_steps=20, grpo_steps=6,
+             num_iterations=2, grpo_beta=0.04, sft_learning_rate=3e-3, learning_rate=1e-3,
+             max_completion_length=8, log_every=1, eval_every=0, checkpoint_every=2,
+             eval_max_new_tokens=8, stage="sft,grpo", output_dir=str(out),
+             reward_fn="tests.test_grpo:length_reward"), **kw})
+
+
+def _records(out, stage="grpo"):
+  with open(out / "metrics.jsonl") as f:
+    return [json.loads(l) for l in f if f'"stage": "{stage}"' in l]
+
+
+@pytest.mark.slow
+def test_generation_batches_are_reused_for_num_iterations_updates(tmp_path, monkeypatch):
+  """Samples are drawn at steps 1, 3, 5 (num_iterations 2) for 16 / 4 prompts, 4 each; each
+  batch's advantages are its rewards less their group's mean over the group's std; the first
+  update of a batch is on-policy (no clipping), and the policy moves."""
+  batches = []
+  generation = grpo.Generated.generation
+
+  def recording(self, *args):
+    out = generation(self, *args)
+    batches.append(out[0])
+    return out
+
+  monkeypatch.setattr(grpo.Generated, "generation", recording)
+  loop.run(_cfg(tmp_path / "run"))
+  assert len(batches) == 3
+  for b in batches:
+    assert b.rows.tokens.shape[0] == 16 and b.ref_logps is not None
+    adv = b.advantages.reshape(4, 4).T  # rows are [sample 0 of every prompt, sample 1, ...]
+    np.testing.assert_allclose(adv.sum(axis=1), 0.0, atol=1e-4)
+  steps = _records(tmp_path / "run")
+  assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+  assert [r["time/sample_s"] > 0 for r in steps] == [True, False] * 3
+  assert all(r["clip_ratio/region_mean"] == 0.0 for r in steps[::2])
+  assert any(r["grad_norm"] > 0 for r in steps)
+  assert {"reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+          "completions/clipped_ratio", "kl", "loss", "time/train_s"} <= set(steps[0])
+
+
+@pytest.mark.slow
+def test_grpo_resumes_bitwise_after_a_crash(tmp_path):
+  whole, cut = tmp_path / "whole", tmp_path / "cut"
+  loop.run(_cfg(whole))
+  with pytest.raises(SimulatedCrash):
+    loop.run(_cfg(cut), extra_hooks={"grpo": [Crash(3)]})  # last checkpoint: step 2
+  loop.run(_cfg(cut))
+  strip = lambda rows: [{k: v for k, v in r.items()
+                         if not k.startswith("time/") and k != "tokens_per_sec"} for r in rows]
+  assert strip(_records(cut)) == strip(_records(whole))
+  cfg = _cfg(whole)
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  a = checkpoint.load_params(str(cut / "checkpoints" / "policy"), cfg.model, mesh)
+  b = checkpoint.load_params(str(whole / "checkpoints" / "policy"), cfg.model, mesh)
+  import jax
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_settings_grpo_cannot_honour_are_one_line_errors(tmp_path):
+  with pytest.raises(ValueError, match="--num_generations=3: must divide --global_batch_size"):
+    _cfg(tmp_path, num_generations=3)
+  with pytest.raises(ValueError, match="--num_iterations=4: must divide --grpo_steps=6"):
+    _cfg(tmp_path, num_iterations=4)
+  with pytest.raises(ValueError, match="checkpoints fall between generation batches"):
+    _cfg(tmp_path, checkpoint_every=3)
