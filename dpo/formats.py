@@ -19,7 +19,9 @@ another format than the file's is an error naming it, or a counted skip with
                     including the last "\\n\\nAssistant:". Where the two transcripts disagree
                     before that marker, the prompt falls back to the longest common prefix, cut
                     back to the last marker inside it. Message-list transcripts split at the
-                    longest common run of messages.
+                    longest common run of messages; so do they beside a string "prompt"
+                    (HuggingFaceH4/ultrafeedback_binarized; TRL's maybe_extract_prompt also
+                    takes the prompt from the conversations then, and the string is not read).
     openai          {"input": {"messages": [msg]}, "preferred_output": [assistant msg],
                     "non_preferred_output": [assistant msg]}  (OpenAI preference fine-tuning)
     sharegpt        LLaMA-Factory's ShareGPT preference layout: {"conversations": [{"from",
@@ -351,7 +353,12 @@ def record_format(obj: dict) -> str | None:
       return "sharegpt"
     if "prompt" not in obj:
       return "implicit"
-    return "conversational" if isinstance(obj["prompt"], list) else "standard"
+    if isinstance(obj["prompt"], list):
+      return "conversational"
+    # A string prompt beside whole conversations (HuggingFaceH4/ultrafeedback_binarized): the
+    # prompt is the messages both share, as TRL's maybe_extract_prompt takes it.
+    conversations = isinstance(obj["chosen"], list) and isinstance(obj["rejected"], list)
+    return "implicit" if conversations else "standard"
   return None
 
 
