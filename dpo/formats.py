@@ -1,7 +1,9 @@
 """Preference data as users bring it: format detection, parsing, quality filters.
 
-Files are read by `dpo.data.iter_objects` (JSONL or a JSON array, optionally gzipped). Every
-record is parsed into one of two internal records:
+Sources are read by `dpo.data.iter_objects` (JSONL or a JSON array, optionally gzipped;
+Parquet; Arrow; a glob of shards or a save_to_disk folder of them), so a Parquet row reaches the
+parsers as the same dict its JSON line would. Every record is parsed into one of two internal
+records:
 
     PreferenceRecord(prompt, chosen, rejected)   plain strings (from dpo.data)
     ChatRecord(prompt, chosen, rejected)         tuples of Message(role, content)
@@ -47,8 +49,10 @@ A message's content is a string or an OpenAI content-part list ([{"type": "text"
 the text parts are joined; any other part is an error). The prompt of a conversation must not
 end with an assistant turn (the completion would be a second one).
 
-Errors are `DataError`s whose message starts with the record's location (`file:LINE` or
-`file[INDEX]`, as `iter_objects` yields it) and names the offending field.
+Errors are `DataError`s whose message starts with the record's location (`file:LINE`,
+`file[INDEX]` or `file row ROW`, as `iter_objects` yields it) and names the offending field.
+`iter_records` and `iter_sft_records` read one source; a mixture (`dpo.data.read_sources`) reads
+each of its sources through them, so each source has its own format.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
 from dpo.data import (DataError, PreferenceRecord, SFTRecord, check_text, get_field,
-                      iter_objects, text_field)
+                      iter_objects, parse_sources, text_field)
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "sharegpt", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
@@ -445,10 +449,10 @@ def _iter_parsed(path: str, fmt: str, parse, classify, skips: "Skips | None", st
 
 def margins(path: str) -> dict[str, float]:
   """{location: margin} of the records with a `margin` field (TRL's reward-model column: the
-  pair's required reward gap, read by the rm stage); a value that is not a finite number is a
-  DataError naming the record and the field."""
+  pair's required reward gap, read by the rm stage) in every source `path` names; a value that
+  is not a finite number is a DataError naming the record and the field."""
   out = {}
-  for where, obj in iter_objects(path):
+  for where, obj in (x for s in parse_sources(path) for x in iter_objects(s.path)):
     value = obj.get("margin") if isinstance(obj, dict) else None
     if value is None:
       continue

@@ -71,6 +71,11 @@ EXPECTED_CHAT = formats.ChatRecord(
 
 
 def _write(path, rows, kind="jsonl", gz=False):
+  if kind == "parquet":
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
   text = (json.dumps(rows) if kind == "array" else "".join(json.dumps(r) + "\n" for r in rows))
   data = text.encode()
   with open(path, "wb") as f:
@@ -80,8 +85,10 @@ def _write(path, rows, kind="jsonl", gz=False):
 
 @pytest.mark.parametrize("name", sorted(ROWS))
 @pytest.mark.parametrize("kind,gz", [("jsonl", False), ("jsonl", True), ("array", False),
-                                     ("array", True)])
+                                     ("array", True), ("parquet", False)])
 def test_every_format_gives_the_same_record(tmp_path, name, kind, gz):
+  if kind == "parquet" and name == "openai_parts":
+    pytest.skip("an Arrow column cannot mix strings and content-part lists")
   path = _write(tmp_path / "d", [ROWS[name]] * 2, kind, gz)
   spec = SPECS.get(name, formats.FormatSpec())
   stats = collections.Counter()
