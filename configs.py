@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dpo import data as data_lib
 from dpo.losses import LossConfig
 from dpo.policy_gradient import GRPOConfig
 from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARGETS, NONNEG, POS,
@@ -41,12 +42,19 @@ def _distinct_names(stage: str) -> bool:
 
 @dataclass(frozen=True)
 class DataConfig:
-  train_data: str = option("", "Preference data for DPO (JSONL or JSON array, gzip ok); empty = "
-                           "the embedded default task.")
-  eval_data: str = option("", "Held-out preference data (same formats); empty = --eval_split of "
-                          "train_data, or the embedded task's held-out pairs.")
+  train_data: str = option("", "Preference data for DPO: a JSONL or JSON-array file (gzip ok), "
+                           "a Parquet or Arrow file, a glob of shards ('data/train-*.parquet', "
+                           "sorted), a datasets save_to_disk folder, or a mixture "
+                           "'a.parquet:0.7,b.jsonl:0.3' (each source read in its own format; "
+                           "fractions in (0, 1] are shares of the mixture, normalised, as TRL's "
+                           "DatasetMixtureConfig: the largest mixture that repeats no record, "
+                           "picked by --seed; 'a,b' = all of each; a part is split at its last "
+                           "':' only before a number). Empty = the embedded default task.")
+  eval_data: str = option("", "Held-out preference data (same forms as train_data); empty = "
+                          "--eval_split of train_data, or the embedded task's held-out pairs.")
   sft_data: str = option("", "SFT data ({prompt, completion}, {messages}, ShareGPT "
-                         "{conversations}; rendered with the --chat_template the preference data "
+                         "{conversations}, in the same files, globs, folders and mixtures as "
+                         "train_data; rendered with the --chat_template the preference data "
                          "gets); empty = the chosen responses of train_data, or the embedded "
                          "task's SFT data.")
   data_format: str = option("auto", "auto, standard, conversational, implicit, openai, sharegpt or "
@@ -87,6 +95,12 @@ class DataConfig:
           max_target_length=(lambda v: v >= 1, ">= 1 (tokens kept of each completion)"),
           eval_split=UNIT, task_train_pairs=POS, task_sft_examples=POS,
           task_eval_pairs=NONNEG, task_eval_prompts=NONNEG)
+    for name in data_lib.DATA_FLAGS:  # a mixture's syntax and fractions (the files: launch.py)
+      value = getattr(self, name)
+      try:
+        data_lib.parse_sources(value)
+      except ValueError as e:
+        check(False, f"--{name}={value}: {e}")
 
 
 @dataclass(frozen=True)

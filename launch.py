@@ -12,7 +12,6 @@ see WORKSPACE.md, "Multi-host".
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import traceback
@@ -83,20 +82,14 @@ def _parse(argv: list[str]) -> list[str]:
   return rest
 
 
-# Files a run reads from its first step: a missing one is refused before any work, naming the flag.
-_DATA_FLAGS = ("train_data", "sft_data", "eval_data")
-
-
 def _check_inputs(cfg) -> None:
-  """One line naming the flag and the file for an input that cannot be read: a data file that
-  does not exist, an --init_from that holds no full model (dpo/checkpoint.py), a judge that
-  cannot be built (dpo/judges.py)."""
-  from dpo import checkpoint  # after distributed start-up, as main's imports
-  for flag in _DATA_FLAGS:
-    path = getattr(cfg.data, flag)
-    if path and not os.path.exists(path):
-      where = "" if os.path.isabs(path) else f" ({os.path.abspath(path)})"
-      raise ValueError(f"--{flag}={path}: no such file{where}")
+  """One line naming the flag and the file for an input that cannot be read: data that does
+  not exist (a glob that matches nothing, a folder save_to_disk did not write, Parquet without
+  pyarrow: dpo/data.py), an --init_from that holds no full model (dpo/checkpoint.py), a judge
+  that cannot be built (dpo/judges.py)."""
+  from dpo import checkpoint, data  # after distributed start-up, as main's imports
+  for flag in data.DATA_FLAGS:
+    data.check_sources(flag, getattr(cfg.data, flag))
   if cfg.checkpoint.init_from:
     checkpoint.check_model_source("init_from", cfg.checkpoint.init_from)
   from dpo import judges

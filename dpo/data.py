@@ -1,11 +1,20 @@
 """Preference and SFT data: files -> records -> token arrays -> per-process batches.
 
-Every data file is read by `iter_objects`: JSONL or a JSON array, optionally gzipped (detected
-from the magic bytes, not the name), with or without a UTF-8 byte-order mark. JSONL is read
-lazily; a JSON array is parsed whole (the format allows nothing else). Errors are `DataError`s whose message starts with the record's
-location, `file:LINE` for JSONL (1-based line) or `file[INDEX]` for JSON arrays (0-based), and
-names the offending field. `dpo.formats` parses the objects of the preference and SFT formats
-users bring; `load_preference_jsonl` reads plain string preference records (--eval_data of the
+A data flag's value (`--train_data`, `--eval_data`, `--sft_data`) names one source or a
+mixture of several (`parse_sources`). A source is a file, a glob pattern of shards (read in
+sorted order), or a folder written by `datasets`' `Dataset.save_to_disk` (the Arrow files its
+state.json lists, in that order). Every source is read by `iter_objects`, which tells a file's
+kind from its magic bytes, not its name: JSONL or a JSON array, optionally gzipped, with or
+without a UTF-8 byte-order mark; Parquet; Arrow IPC (stream, as `save_to_disk` writes it, or
+file). JSONL, Parquet and Arrow are read lazily (Parquet and Arrow one record batch at a
+time, turned into plain Python dicts, so a large file is never held twice in memory); a JSON
+array is parsed whole (the format allows nothing else). Parquet and Arrow need pyarrow (the
+`parquet` extra). Errors are `DataError`s whose message starts with the record's location,
+`file:LINE` for JSONL (1-based line), `file[INDEX]` for JSON arrays (0-based), `file row ROW`
+for Parquet and Arrow (0-based within the file), and names the offending field.
+`dpo.formats` parses the objects of the preference and SFT formats users bring; a mixture is
+each source's records parsed on their own, then `read_sources` takes each source's share of
+them; `load_preference_jsonl` reads plain string preference records (--eval_data of the
 embedded task).
 
 Layout of a tokenized DPO example (one row per pair, axis P = 2 for chosen / rejected):
@@ -23,13 +32,16 @@ boundary. Truncation keeps BOS plus the *end* of the prompt and the *start* of t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
 import gzip
+import hashlib
 import io
 import json
 import logging
 import os
 import zlib
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
@@ -37,7 +49,11 @@ from dpo import packing
 
 
 class DataError(ValueError):
-  """Bad input data; the message names the file, record (file:LINE or file[INDEX]) and field."""
+  """Bad input data; the message names the file, record (file:LINE, file[INDEX] or file row ROW)
+  and field."""
+
+
+T = TypeVar("T")
 
 
 class PreferenceRecord(NamedTuple):
@@ -49,6 +65,221 @@ class PreferenceRecord(NamedTuple):
 class SFTRecord(NamedTuple):
   prompt: str
   completion: str
+
+
+# --- sources: what a data flag names ---------------------------------------------------------
+
+PARQUET_EXTRA = "pip install 'dpo-jax[parquet]'"
+DATA_FLAGS = ("train_data", "eval_data", "sft_data")  # the DataConfig fields that name data
+_GLOB = "*?["
+
+
+class Source(NamedTuple):
+  """One source of a data flag: a file, a glob of shards or a save_to_disk folder, and its
+  share of a mixture (None: all its records)."""
+  path: str
+  fraction: float | None = None
+
+
+def _split_fraction(part: str) -> Source:
+  """A part split at its last ':' when what follows reads as a number (`a.parquet:0.7`); else
+  all path (`C:\\data\\a.jsonl`, `x:y.jsonl`)."""
+  path, sep, tail = part.rpartition(":")
+  try:
+    return Source(path, float(tail)) if sep and path else Source(part)
+  except ValueError:
+    return Source(part)
+
+
+def parse_sources(value: str) -> tuple[Source, ...]:
+  """The sources a data flag's value names (`()` for an empty value).
+
+  `PATH` is one source. `PATH:FRACTION,PATH:FRACTION,...` is a mixture whose fractions are
+  each source's share of it, as TRL's `DatasetMixtureConfig` means them (`mixture_counts`);
+  `PATH,PATH,...` without fractions is every record of each source, one after another. A part
+  is split at its last ':' only when what follows reads as a number, so a path holding ':'
+  (`C:\\data\\a.jsonl`) stays a path, and a value that names an existing file or folder is
+  that one source whatever it holds. ValueError, in words that follow `--flag=VALUE: `, for a
+  fraction that is not a number in (0, 1], fractions on some sources only, a fraction on a
+  lone source, a source named twice, or an empty part.
+  """
+  if not value:
+    return ()
+  if os.path.exists(value):
+    return (Source(value),)
+  sources = tuple(_split_fraction(part.strip()) for part in value.split(","))
+  if any(not s.path for s in sources):
+    raise ValueError("an empty source between commas")
+  for s in sources:
+    if s.fraction is not None and not 0 < s.fraction <= 1:
+      raise ValueError(f"{s.path}'s fraction {s.fraction:g} must be a number in (0, 1]")
+  given = [s.fraction is not None for s in sources]
+  if any(given) and not all(given):
+    without, with_one = sources[given.index(False)].path, sources[given.index(True)].path
+    raise ValueError(f"give every source of a mixture a fraction or none ({without} has none, "
+                     f"{with_one} has one)")
+  if len(sources) == 1 and given[0]:
+    raise ValueError(f"a mixture needs two or more sources; {sources[0].path} alone is read "
+                     f"whole (drop ':{sources[0].fraction:g}')")
+  paths = [s.path for s in sources]
+  twice = [p for p in paths if paths.count(p) > 1]
+  if twice:
+    raise ValueError(f"names {twice[0]} twice")
+  return sources
+
+
+def source_files(path: str) -> list[str]:
+  """The files one source reads, in reading order: the file itself, the sorted files a glob
+  matches (`**` spans folders), or the Arrow files a save_to_disk folder's state.json lists. A
+  DataError naming the path for anything else."""
+  if os.path.isdir(path):
+    return _saved_dataset_files(path)
+  if os.path.exists(path):
+    return [path]
+  if any(c in path for c in _GLOB):
+    files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    if not files:
+      raise DataError(f"{path}: the pattern matches no file")
+    return files
+  raise DataError(f"{path}: no such file")
+
+
+def _saved_dataset_files(folder: str) -> list[str]:
+  """The Arrow files of a folder written by `datasets.Dataset.save_to_disk`, in state.json's
+  order (the order `datasets.load_from_disk` reads them)."""
+  state = os.path.join(folder, "state.json")
+  if not os.path.isfile(state):
+    splits = os.path.join(folder, "dataset_dict.json")
+    if os.path.isfile(splits):
+      with open(splits) as f:
+        names = json.load(f).get("splits") or ["train"]
+      raise DataError(f"{folder}: is a directory holding a DatasetDict (splits "
+                      f"{', '.join(names)}); give one split's folder, e.g. "
+                      f"{os.path.join(folder, names[0])}")
+    raise DataError(f"{folder}: is a directory, not a folder written by datasets' save_to_disk "
+                    f"(no state.json); give a JSONL, JSON, Parquet or Arrow file, a glob of "
+                    f"shards, or such a folder")
+  try:
+    with open(state) as f:
+      files = [os.path.join(folder, d["filename"]) for d in json.load(f)["_data_files"]]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise DataError(f"{state}: not the state.json of save_to_disk ({type(e).__name__}: {e})"
+                    ) from None
+  missing = [f for f in files if not os.path.isfile(f)]
+  if missing:
+    raise DataError(f"{missing[0]}: listed in {state} but missing")
+  if not files:
+    raise DataError(f"{state}: lists no data files")
+  return files
+
+
+def _pyarrow(path: str):
+  """pyarrow with its Parquet and IPC modules, or one line saying how to install it."""
+  try:
+    import pyarrow
+    import pyarrow.ipc
+    import pyarrow.parquet
+  except ImportError:
+    raise DataError(f"{path}: reading Parquet and Arrow files needs pyarrow: {PARQUET_EXTRA}"
+                    ) from None
+  return pyarrow
+
+
+def check_sources(flag: str, value: str) -> None:
+  """A ValueError, one line naming `--flag=value`, for a value whose sources cannot be read:
+  a path that does not exist, a glob that matches nothing, a folder that save_to_disk did not
+  write, a Parquet or Arrow file without pyarrow. Run before any work (launch.py)."""
+  for s in parse_sources(value):
+    try:
+      files = source_files(s.path)
+      arrow = [f for f in files if _kind(f) != "json"]
+      if arrow:
+        _pyarrow(arrow[0])
+    except DataError as e:
+      message = str(e).removeprefix(f"{value}: ")
+      where = f" ({os.path.abspath(value)})" if (
+          value == s.path and message == "no such file" and not os.path.isabs(value)) else ""
+      raise ValueError(f"--{flag}={value}: {message}{where}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+  del size, mtime_ns  # the cache key: a rewritten file is hashed again
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_sha256(path: str) -> str:
+  """sha256 of a file's content, hashed once per version of the file (its size and mtime)."""
+  st = os.stat(path)
+  return _sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def source_digest(value: str) -> str:
+  """sha256 of what a data flag's value reads: one file's content (so a file's digest is the
+  same whatever names it); else, source by source, its fraction and the names and contents of
+  the files it reads, in reading order (a changed, added or removed shard changes it)."""
+  sources = parse_sources(value)
+  if len(sources) == 1 and os.path.isfile(sources[0].path):
+    return file_sha256(sources[0].path)
+  h = hashlib.sha256()
+  for s in sources:
+    h.update(f"source {s.fraction}\n".encode())
+    for f in source_files(s.path):
+      h.update(f"{os.path.basename(f)}:{file_sha256(f)}\n".encode())
+  return h.hexdigest()
+
+
+def mixture_counts(sizes: Sequence[int], fractions: Sequence[float]) -> list[int]:
+  """How many records a mixture takes from each source, as TRL's `DatasetMixtureConfig`
+  (trl.scripts.utils.get_dataset) decides: the fractions are the sources' shares of the
+  mixture, normalised to sum to one; the mixture is the largest that oversamples no source,
+  N = min(size / share); each source gives round(share * N) of its records."""
+  weights = [f / sum(fractions) for f in fractions]
+  total = min(n / w for n, w in zip(sizes, weights))
+  return [round(w * total) for w in weights]
+
+
+def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]], seed: int = 0,
+                 flag: str = "") -> tuple[list[tuple[str, T]], list[dict]]:
+  """((location, record) of every record `value` gives, {source, fraction, records, taken} of
+  each source).
+
+  Each source is read on its own by `read(path)` (so each has its own format); a mixture then
+  takes `mixture_counts` of each source's records, chosen by a permutation drawn from (`seed`,
+  the source's index) and kept in file order; the sources follow one another. A source that
+  would give no record is a DataError naming `--flag` and the source.
+  """
+  sources = parse_sources(value)
+  named = f"--{flag}={value}" if flag else value
+  if not sources:
+    raise DataError(f"{named}: no data given")
+  located = [list(read(s.path)) for s in sources]
+  sizes = [len(x) for x in located]
+  counts = (sizes if sources[0].fraction is None else
+            mixture_counts(sizes, [s.fraction for s in sources]))
+  for s, n, k in zip(sources, sizes, counts):
+    if len(sources) == 1:
+      break  # a lone source that gives nothing: its caller's "no records"
+    if not n:
+      raise DataError(f"{named}: {s.path} has no records")
+    if not k:
+      cap = min(range(len(sources)), key=lambda i: sizes[i] / sources[i].fraction)
+      raise DataError(f"{named}: {s.path}'s fraction {s.fraction:g} comes to no record of a "
+                      f"mixture of {sum(counts)} (capped by the {sizes[cap]} records of "
+                      f"{sources[cap].path}); raise the fraction or give "
+                      f"{sources[cap].path} more records")
+  out, report = [], []
+  for i, (s, records, k) in enumerate(zip(sources, located, counts)):
+    rows = (range(k) if k == len(records) else
+            np.sort(np.random.default_rng([seed, i]).permutation(len(records))[:k]))
+    out.extend(records[j] for j in rows)
+    report.append({"source": s.path, "fraction": s.fraction, "records": len(records),
+                   "taken": k})
+    if len(sources) > 1:
+      logging.info("%s: %d of %d records from %s%s", value, k, len(records), s.path,
+                   "" if s.fraction is None else f" (fraction {s.fraction:g}, seed {seed})")
+  return out, report
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -79,16 +310,59 @@ def _first_char(path: str) -> bytes:
   return b""
 
 
+def _kind(path: str) -> str:
+  """A file's kind from its magic bytes: "parquet", "arrow stream" (IPC stream, as save_to_disk
+  writes it), "arrow file" (IPC file) or "json" (JSONL or a JSON array, maybe gzipped)."""
+  with open(path, "rb") as f:
+    head = f.read(6)
+  if head[:4] == b"PAR1":
+    return "parquet"
+  if head == b"ARROW1":
+    return "arrow file"
+  if head[:4] == b"\xff\xff\xff\xff":
+    return "arrow stream"
+  return "json"
+
+
 def iter_objects(path: str) -> Iterator[tuple[str, dict]]:
-  """Yields (location, object) for each record; lazy for JSONL."""
-  if not os.path.exists(path):
-    raise DataError(f"{path}: no such file")
-  if os.path.isdir(path):
-    raise DataError(f"{path}: is a directory; give a JSONL or JSON file")
-  if _first_char(path) == b"[":
-    yield from _iter_array(path)
-  else:
-    yield from _iter_jsonl(path)
+  """Yields (location, object) for each record of one source (a file, a glob of shards, a
+  save_to_disk folder: `source_files`), each file read as its kind; lazy but for a JSON array."""
+  for file in source_files(path):
+    kind = _kind(file)
+    if kind != "json":
+      yield from _iter_arrow(file, kind)
+    elif _first_char(file) == b"[":
+      yield from _iter_array(file)
+    else:
+      yield from _iter_jsonl(file)
+
+
+_BATCH_ROWS = 1024  # rows turned into Python objects at a time
+
+
+def _iter_arrow(path: str, kind: str) -> Iterator[tuple[str, dict]]:
+  """The rows of a Parquet (row group by row group) or Arrow IPC file (batch by batch) as plain
+  Python dicts (`to_pylist`: Python ints, floats, strings, lists, dicts), `_BATCH_ROWS` at a
+  time, so only that many exist as Python objects at once."""
+  pa = _pyarrow(path)
+  row = 0
+  try:
+    with (pa.parquet.ParquetFile(path) if kind == "parquet" else pa.memory_map(path)) as source:
+      if kind == "parquet":
+        batches = source.iter_batches(batch_size=_BATCH_ROWS)
+      elif kind == "arrow stream":
+        batches = pa.ipc.open_stream(source)
+      else:
+        reader = pa.ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+      for batch in batches:
+        for start in range(0, batch.num_rows, _BATCH_ROWS):
+          for obj in batch.slice(start, _BATCH_ROWS).to_pylist():
+            yield f"{path} row {row}", obj
+            row += 1
+  except (pa.ArrowException, OSError) as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise DataError(f"{path}: not a readable {kind} file after {row} rows ({first})") from None
 
 
 def _iter_array(path: str) -> Iterator[tuple[str, dict]]:
@@ -176,14 +450,16 @@ def text_field(obj: dict, field: str, where: str, allow_empty: bool = False) -> 
   return value
 
 
-def load_preference_jsonl(path: str) -> list[PreferenceRecord]:
-  """Reads {"prompt", "chosen", "rejected"} records from any file `iter_objects` reads."""
-  out = [PreferenceRecord(text_field(o, "prompt", where, allow_empty=True),
-                          text_field(o, "chosen", where), text_field(o, "rejected", where))
-         for where, o in iter_objects(path)]
-  if not out:
+def load_preference_jsonl(path: str, seed: int = 0, flag: str = "") -> list[PreferenceRecord]:
+  """Reads {"prompt", "chosen", "rejected"} records from any source `iter_objects` reads, or a
+  mixture of them (`read_sources`, with `seed`; errors name `--flag`)."""
+  read = lambda p: ((where, PreferenceRecord(
+      text_field(o, "prompt", where, allow_empty=True), text_field(o, "chosen", where),
+      text_field(o, "rejected", where))) for where, o in iter_objects(p))
+  located, _ = read_sources(path, read, seed, flag)
+  if not located:
     raise DataError(f"{path}: no records")
-  return out
+  return [r for _, r in located]
 
 
 # --- tokenization ---------------------------------------------------------------------------------

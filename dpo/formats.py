@@ -1,7 +1,9 @@
 """Preference data as users bring it: format detection, parsing, quality filters.
 
-Files are read by `dpo.data.iter_objects` (JSONL or a JSON array, optionally gzipped). Every
-record is parsed into one of two internal records:
+Sources are read by `dpo.data.iter_objects` (JSONL or a JSON array, optionally gzipped;
+Parquet; Arrow; a glob of shards or a save_to_disk folder of them), so a Parquet row reaches the
+parsers as the same dict its JSON line would. Every record is parsed into one of two internal
+records:
 
     PreferenceRecord(prompt, chosen, rejected)   plain strings (from dpo.data)
     ChatRecord(prompt, chosen, rejected)         tuples of Message(role, content)
@@ -19,7 +21,9 @@ another format than the file's is an error naming it, or a counted skip with
                     including the last "\\n\\nAssistant:". Where the two transcripts disagree
                     before that marker, the prompt falls back to the longest common prefix, cut
                     back to the last marker inside it. Message-list transcripts split at the
-                    longest common run of messages.
+                    longest common run of messages; so do they beside a string "prompt"
+                    (HuggingFaceH4/ultrafeedback_binarized; TRL's maybe_extract_prompt also
+                    takes the prompt from the conversations then, and the string is not read).
     openai          {"input": {"messages": [msg]}, "preferred_output": [assistant msg],
                     "non_preferred_output": [assistant msg]}  (OpenAI preference fine-tuning)
     sharegpt        LLaMA-Factory's ShareGPT preference layout: {"conversations": [{"from",
@@ -45,8 +49,10 @@ A message's content is a string or an OpenAI content-part list ([{"type": "text"
 the text parts are joined; any other part is an error). The prompt of a conversation must not
 end with an assistant turn (the completion would be a second one).
 
-Errors are `DataError`s whose message starts with the record's location (`file:LINE` or
-`file[INDEX]`, as `iter_objects` yields it) and names the offending field.
+Errors are `DataError`s whose message starts with the record's location (`file:LINE`,
+`file[INDEX]` or `file row ROW`, as `iter_objects` yields it) and names the offending field.
+`iter_records` and `iter_sft_records` read one source; a mixture (`dpo.data.read_sources`) reads
+each of its sources through them, so each source has its own format.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
 from dpo.data import (DataError, PreferenceRecord, SFTRecord, check_text, get_field,
-                      iter_objects, text_field)
+                      iter_objects, parse_sources, text_field)
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "sharegpt", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
@@ -351,7 +357,12 @@ def record_format(obj: dict) -> str | None:
       return "sharegpt"
     if "prompt" not in obj:
       return "implicit"
-    return "conversational" if isinstance(obj["prompt"], list) else "standard"
+    if isinstance(obj["prompt"], list):
+      return "conversational"
+    # A string prompt beside whole conversations (HuggingFaceH4/ultrafeedback_binarized): the
+    # prompt is the messages both share, as TRL's maybe_extract_prompt takes it.
+    conversations = isinstance(obj["chosen"], list) and isinstance(obj["rejected"], list)
+    return "implicit" if conversations else "standard"
   return None
 
 
@@ -438,10 +449,10 @@ def _iter_parsed(path: str, fmt: str, parse, classify, skips: "Skips | None", st
 
 def margins(path: str) -> dict[str, float]:
   """{location: margin} of the records with a `margin` field (TRL's reward-model column: the
-  pair's required reward gap, read by the rm stage); a value that is not a finite number is a
-  DataError naming the record and the field."""
+  pair's required reward gap, read by the rm stage) in every source `path` names; a value that
+  is not a finite number is a DataError naming the record and the field."""
   out = {}
-  for where, obj in iter_objects(path):
+  for where, obj in (x for s in parse_sources(path) for x in iter_objects(s.path)):
     value = obj.get("margin") if isinstance(obj, dict) else None
     if value is None:
       continue

@@ -2,7 +2,8 @@
 
 A stage's fingerprint is a flat {name: value} of everything its result depends on: the
 hyperparameters that change the run (the model, LoRA, optimizer, loss, reference and guard
-sections, the seed, the data settings), content hashes of the data files, the tokenizer and the
+sections, the seed, the data settings), content hashes of the data (every shard of a glob or a
+save_to_disk folder, a mixture's fractions; the seed picks its records), the tokenizer and the
 tokenised arrays, the initial model's content (a checkpoint's manifest digest, or a Hugging Face
 folder's files), and the library's source (a hash of each file). `checkpoint.Manager` stores it
 and refuses a checkpoint whose fingerprint differs, naming each field with its old and new value;
@@ -29,7 +30,7 @@ import os
 
 import numpy as np
 
-from dpo import checkpoint
+from dpo import checkpoint, data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESUME = ("auto", "never", "must")
@@ -53,13 +54,6 @@ def source_digests() -> dict[str, str]:
   return out
 
 
-@functools.lru_cache(maxsize=64)
-def _file_sha(path: str, size: int, mtime_ns: int) -> str:
-  del size, mtime_ns  # the cache key: a rewritten file is hashed again
-  with open(path, "rb") as f:
-    return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def file_digest(path: str) -> str:
   """sha256 of a file's content, or of a directory's files (names and contents)."""
   if os.path.isdir(path):
@@ -68,8 +62,7 @@ def file_digest(path: str) -> str:
       if os.path.isfile(f):
         h.update(f"{os.path.basename(f)}:{file_digest(f)}".encode())
     return h.hexdigest()
-  st = os.stat(path)
-  return _file_sha(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+  return data.file_sha256(path)
 
 
 def arrays_digest(arrays: dict) -> str:
@@ -115,8 +108,9 @@ def fingerprint(cfg, hyperparameters: dict | None = None, data_files: tuple[str,
     d = cfg.data
     fp.update({k: v for k, v in dataclasses.asdict(d).items() if k not in _NEVER})
     for flag in data_files:
-      if getattr(d, flag):
-        fp[f"{flag} sha256"] = file_digest(getattr(d, flag))
+      if getattr(d, flag):  # data: every shard, a mixture's fractions (data.source_digest)
+        digest = data.source_digest if flag in data.DATA_FLAGS else file_digest
+        fp[f"{flag} sha256"] = digest(getattr(d, flag))
     fp["data arrays sha256"] = arrays_digest(arrays)
     fp["initial model"] = initial
     fp.update(hyperparameters)

@@ -81,7 +81,7 @@ class Data:
     lens = (d.max_prompt_length, d.max_target_length)
     pairs = task.preference_records(d.task_train_pairs, seed)
     self.train_records = list(pairs)
-    held = (data_lib.load_preference_jsonl(d.eval_data) if d.eval_data else
+    held = (data_lib.load_preference_jsonl(d.eval_data, seed, "eval_data") if d.eval_data else
             task.preference_records(d.task_eval_pairs, seed, held_out=True))
     self.held_records = list(held) or None
     return (data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs"),
@@ -99,15 +99,17 @@ class Data:
     how = prepare.Preparation(
         self.tok, formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field,
                                      d.rejected_field),
-        self.template, d.max_prompt_length, d.max_target_length, d.skip_bad_records)
-    prep = functools.partial(prepare.prepare_pairs, how=how, cache_dir=cache_dir)
-    train_prep = prep(d.train_data, eval_split=d.eval_split, train_records=train_records)
+        self.template, d.max_prompt_length, d.max_target_length, d.skip_bad_records,
+        cfg.run.seed, "train_data")
+    prep = functools.partial(prepare.prepare_pairs, cache_dir=cache_dir)
+    train_prep = prep(d.train_data, how, eval_split=d.eval_split, train_records=train_records)
     self.reports.append(train_prep.report)
     self.train_records = train_prep.train_records
     if not d.eval_data:
       self.held_records = train_prep.held_records
       return train_prep.train, train_prep.held
-    eval_prep = prep(d.eval_data, eval_split=0.0, train_records=True)
+    eval_prep = prep(d.eval_data, how._replace(flag="eval_data"), eval_split=0.0,
+                     train_records=True)
     self.reports.append(eval_prep.report)
     self.held_records = eval_prep.train_records
     return train_prep.train, eval_prep.train
@@ -137,7 +139,8 @@ class Data:
     if d.sft_data:
       sft, report = prepare.prepare_sft(d.sft_data, prepare.Preparation(
           self.tok, template=self.template, max_prompt_length=lens[0],
-          max_target_length=lens[1], skip_bad=d.skip_bad_records))
+          max_target_length=lens[1], skip_bad=d.skip_bad_records, seed=cfg.run.seed,
+          flag="sft_data"))
       self.reports.append(report)
       return sft
     if self.embedded:

@@ -3,12 +3,15 @@
     read lazily (dpo.formats) -> quality filters -> chat template (dpo.chat)
       -> held-out split by prompt hash -> tokenise (dpo.data) -> .npz cache
 
-Tokenising is the slow part for real data, so the result is stored under
-`<cache_dir>/prefs-<key>.npz`, where the key is a SHA-256 over the file's bytes, the tokenizer's
-fingerprint, the chat template's and every setting that changes the arrays; a second run with
-the same inputs loads the arrays instead of re-reading and re-tokenising. The cache file is
-written to a temporary name (`.tmp.<host>.<pid>`) and renamed, so concurrent processes
-(multi-host) never read a half-written file; a cache file that does not load (corrupt,
+A file, a glob of shards, a save_to_disk folder or a mixture of them (`dpo.data.read_sources`:
+each source read and parsed on its own, then its share of the records taken by the seed) all
+go the same way. Tokenising is the slow part for real data, so the result is stored under
+`<cache_dir>/prefs-<key>.npz`, where the key is a SHA-256 over the data's bytes
+(`data.source_digest`: every shard's name and content, a mixture's fractions, and its seed),
+the tokenizer's fingerprint, the chat template's and every setting that changes the arrays;
+a second run with the same inputs loads the arrays instead of re-reading and re-tokenising. The
+cache file is written to a temporary name (`.tmp.<host>.<pid>`) and renamed, so concurrent
+processes (multi-host) never read a half-written file; a cache file that does not load (corrupt,
 truncated, missing arrays) is removed and rebuilt, and temporary files left by interrupted
 writes (their process is gone, or they are over an hour old) are removed.
 
@@ -35,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dpo import chat, formats
+from dpo import chat, data, formats
 from dpo.data import DataError, Ends, tokenize_pairs, tokenize_sft
 
 _VERSION = "prefs-v4"  # v3: the per-pair margin column; v4: the held-out records
@@ -44,14 +47,18 @@ _ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 class Preparation(NamedTuple):
   """How a file becomes arrays: the tokenizer, the record layout (--data_format and its
-  fields), the --chat_template value (`chat.resolve_template`), the token budgets, and whether
-  records that do not fit the format or that the template refuses are counted and skipped."""
+  fields), the --chat_template value (`chat.resolve_template`), the token budgets, whether
+  records that do not fit the format or that the template refuses are counted and skipped, the
+  seed that picks a mixture's records (the run's --seed) and the flag that named the data
+  (`train_data`; a mixture's errors name it)."""
   tok: Any
   spec: formats.FormatSpec = formats.FormatSpec()
   template: Any = "auto"
   max_prompt_length: int = 512
   max_target_length: int = 512
   skip_bad: bool = False
+  seed: int = 0
+  flag: str = ""
 
   @property
   def lens(self) -> tuple[int, int]:
@@ -75,21 +82,16 @@ def in_held_out(prompt: str, fraction: float) -> bool:
   return h / 2.0**64 < fraction
 
 
-def _file_digest(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
-
-
 def cache_key(path: str, how: Preparation, template_fingerprint: str, eval_split: float,
               train_records: bool = False) -> str:
-  """The cache file's key: the file's bytes, the tokenizer's fingerprint, the chat template's
-  (`chat.template_fingerprint`), and every setting that changes the arrays."""
-  parts = [_VERSION, _file_digest(path), how.tok.fingerprint(),
+  """The cache file's key: the data's bytes (`data.source_digest`; a mixture's fractions and
+  seed too), the tokenizer's fingerprint, the chat template's (`chat.template_fingerprint`),
+  and every setting that changes the arrays."""
+  parts = [_VERSION, data.source_digest(path), how.tok.fingerprint(),
            repr(dataclasses.astuple(how.spec)), template_fingerprint, repr(tuple(how.lens)),
            repr(float(eval_split)), repr(bool(how.skip_bad)), repr(bool(train_records))]
+  if len(data.parse_sources(path)) > 1:
+    parts.append(f"seed {how.seed}")
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -183,16 +185,15 @@ def _template_marks(t, rendered: bool) -> dict:
 
 def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
                   cache_dir: str = "", train_records: bool = False) -> Prepared:
-  """Reads, filters, renders, splits and tokenises one preference file (or loads the cache at
+  """Reads, filters, renders, splits and tokenises preference data (a file, a glob of shards, a
+  save_to_disk folder, or a mixture of them: `data.parse_sources`) (or loads the cache at
   <cache_dir>/prefs-<key>.npz; "" = no cache). The held-out records are kept as read (for a
   judge that renders them its own way); the training ones too with `train_records` (a file
   that is all held-out data, --eval_data)."""
   if not 0.0 <= eval_split < 1.0:
     raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
-  if not os.path.exists(path):
-    raise DataError(f"{path}: no such file")
-  if os.path.isdir(path):
-    raise DataError(f"{path}: is a directory; give a JSONL or JSON file")
+  for source in data.parse_sources(path):
+    data.source_files(source.path)  # a path that names no data: one line, before any work
   t = chat.resolve_template(how.template, how.tok)
   cache_path = None
   if cache_dir:
@@ -249,7 +250,8 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
   template `t` and split by prompt hash."""
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
-  located = list(formats.iter_records(path, how.spec, stats, skips))
+  located, sources = data.read_sources(
+      path, lambda p: formats.iter_records(p, how.spec, stats, skips), how.seed, how.flag)
   if not located:
     raise DataError(f"{path}: no records")
   kept, filt = formats.filter_records(located)
@@ -283,6 +285,8 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
             "train_pairs": len(train), "held_out_pairs": len(held), "template": t.name,
             "template_emits_bos": t.emits_bos if isinstance(t, chat.JinjaTemplate) else None,
             "tokenizer": how.tok.fingerprint(), "chats": chats}
+  if len(sources) > 1:
+    report["sources"] = sources
   margins = (None, None) if margin is None else (train_m, held_m)
   return (train, held), margins, records, report
 
@@ -301,8 +305,9 @@ def _margins(path: str, wheres: list[str]) -> list[float] | None:
 
 
 def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dict]:
-  """(the [N, T] arrays, a report) of one SFT file in any layout `formats.iter_sft_records`
-  reads (`how.spec` is not read), its conversations rendered by the template exactly as
+  """(the [N, T] arrays, a report) of SFT data (a source or a mixture, as for `prepare_pairs`)
+  in any layout `formats.iter_sft_records` reads (`how.spec` is not read), its conversations
+  rendered by the template exactly as
   `prepare_pairs` renders a pair's prompt and chosen side (so SFT and DPO see one text
   format)."""
   tok = how.tok
@@ -310,7 +315,9 @@ def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dic
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   examples, chats = [], False
-  for where, rec in formats.iter_sft_records(path, stats, skips):
+  located, sources = data.read_sources(
+      path, lambda p: formats.iter_sft_records(p, stats, skips), how.seed, how.flag)
+  for where, rec in located:
     chats = chats or isinstance(rec, formats.ChatSFTRecord)
     try:
       examples.append(chat.render_sft(rec, t, where))
@@ -326,6 +333,8 @@ def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dic
   report = {"path": path, "role": "sft", **dict(stats), "examples": len(examples),
             "skipped_bad_records": skips.count if skips is not None else 0,
             "template": t.name if chats else None}
+  if len(sources) > 1:
+    report["sources"] = sources
   logging.info("%s: %d SFT examples%s", path, len(examples),
                f", chat template {t.name}" if chats else " (text, no chat template)")
   arrays = tokenize_sft(examples, tok, *how.lens, what=f"{path} SFT examples",

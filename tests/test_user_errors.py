@@ -82,7 +82,9 @@ def test_launch_prints_one_line_and_exits_2(tmp_path):
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 2, r.stderr[-2000:]
   errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
-  assert errors == [f"error: {tmp_path}: is a directory; give a JSONL or JSON file"]
+  assert errors == [f"error: --train_data={tmp_path}: is a directory, not a folder written by "
+                    f"datasets' save_to_disk (no state.json); give a JSONL, JSON, Parquet or "
+                    f"Arrow file, a glob of shards, or such a folder"]
   assert "Traceback" not in r.stderr
 
 
@@ -104,6 +106,8 @@ INPUTS = {  # name: (make the flag's value, the message after `--flag=value: `)
     "init_from, hf: without config.json": (
         "init_from", lambda p: f"hf:{p}", r"/config\.json is missing"),
     "train_data, missing": ("train_data", lambda p: str(p / "pairs.jsonl"), r"no such file$"),
+    "sft_data, a glob that matches nothing": (
+        "sft_data", lambda p: str(p / "train-*.parquet"), r": the pattern matches no file$"),
 }
 
 
