@@ -121,3 +121,69 @@ def test_settings_an_online_stage_cannot_honour_are_one_line_errors():
   with pytest.raises(ValueError, match="--judge=rm: must go with an rm stage before"):
     base.replace(judge="rm")
   assert judges.source(base) == "reward_fn:dpo.task:reward"
+
+
+def _trl_online_dpo(rewards, ended, logps, ref_logps, mask, beta, penalty):
+  """(loss, stats) of TRL 1.16 OnlineDPOTrainer.training_step on 2B given completions (laid out
+  [first samples, second samples]): generation, the forward passes and the reward functions
+  replaced by the given tensors, so TRL's own code picks chosen and rejected and computes the
+  loss."""
+  import collections
+  import types
+  torch = pytest.importorskip("torch")
+  trl_online = pytest.importorskip("trl.experimental.online_dpo.online_dpo_trainer")
+  EOS, PAD = 2, 0
+  n, L = mask.shape
+  completion_ids = np.where(mask > 0, 7, PAD)
+  last = mask.sum(axis=1).astype(int) - 1
+  completion_ids[np.arange(n)[ended], last[ended]] = EOS
+  t = object.__new__(trl_online.OnlineDPOTrainer)
+  t.args = types.SimpleNamespace(use_vllm=False, missing_eos_penalty=penalty or None,
+                                 loss_type="sigmoid", n_gpu=1, optim="adamw_torch",
+                                 gradient_accumulation_steps=1, torch_empty_cache_steps=None)
+  t.accelerator = types.SimpleNamespace(device="cpu", gather_for_metrics=lambda x: x,
+                                        backward=lambda loss, **kw: None)
+  t.eos_token_ids, t._beta, t.reward_funcs = [EOS], beta, [object()]
+  t.ref_model = object()
+  t.stats = collections.defaultdict(list)
+  t.state = types.SimpleNamespace(global_step=1)
+  t.processing_class = types.SimpleNamespace(
+      batch_decode=lambda ids, skip_special_tokens=True: ["c"] * len(ids))
+  prompt = torch.ones((n, 3), dtype=torch.long)
+  t._generate = lambda model, prompts, images: (
+      prompt, torch.ones_like(prompt), torch.tensor(completion_ids), torch.tensor(mask), None)
+  t._forward = lambda model, *args: torch.tensor(ref_logps if model is t.ref_model else logps)
+  t._calculate_rewards_from_functions = lambda **kw: torch.tensor(rewards, dtype=torch.float32)
+  loss = t.training_step(types.SimpleNamespace(train=lambda: None), {"prompt": ["p"] * (n // 2)})
+  return float(loss), {k: v[-1] for k, v in t.stats.items()}
+
+
+@pytest.mark.parametrize("penalty", [0.0, 1.0])
+def test_chosen_pairs_and_loss_equal_trls_online_dpo(penalty):
+  """TRL's OnlineDPOTrainer (its own training_step) and ours pick the same chosen samples and
+  give the same sigmoid loss and score margin on the same rewards and log-probs, ties and a
+  missing EOS included."""
+  import jax.numpy as jnp
+  from dpo import losses
+  rng = np.random.default_rng(0)
+  B, L = 6, 5
+  rewards = np.array([1.0, 0.2, 0.5, 0.3, 2.0, 0.0, 0.5, 0.9, 0.5, 0.3, 1.5, 0.4], np.float32)
+  ended = np.array([True, False, True, True, True, True, True, True, True, False, True, True])
+  mask = (np.arange(L)[None] < rng.integers(2, L + 1, 2 * B)[:, None]).astype(np.float32)
+  logps = (rng.normal(-1.0, 0.5, (2 * B, L)) * mask).astype(np.float32)
+  ref = (rng.normal(-1.0, 0.5, (2 * B, L)) * mask).astype(np.float32)
+  beta = 0.1
+  trl_loss, stats = _trl_online_dpo(rewards, ended, logps, ref, mask, beta, penalty)
+  first, r = online_dpo.choose(rewards, ended, penalty)
+  pick = lambda a: np.where(first, a[:B], a[B:])
+  other = lambda a: np.where(first, a[B:], a[:B])
+  s, sr = (logps * mask).sum(1), (ref * mask).sum(1)
+  lp = losses.Logps(jnp.asarray(pick(s)), jnp.asarray(other(s)), jnp.asarray(pick(sr)),
+                    jnp.asarray(other(sr)), jnp.asarray(pick(mask.sum(1))),
+                    jnp.asarray(other(mask.sum(1))))
+  d = configs.DEFAULT.loss
+  ours, _ = losses.sigmoid(lp, beta, 0.0, d.f_divergence, d.f_alpha)
+  assert float(ours.mean()) == pytest.approx(trl_loss, rel=1e-5)
+  assert stats["objective/scores_margin"] == pytest.approx(float((pick(r) - other(r)).mean()),
+                                                           rel=1e-5)
+  assert stats["val/contain_eos_token"] == pytest.approx(float(ended.mean()))
