@@ -477,3 +477,15 @@ def test_a_tokenizer_that_pads_with_its_eos_is_refused_for_a_reward_model():
   with pytest.raises(data.DataError, match=r"--stage=sft,rm: this tokenizer pads with its EOS "
                                            r".* give --pad_token="):
     loop.Data(cfg)
+
+
+def test_the_rm_stage_fingerprints_what_it_reads():
+  """A resume of the rm stage is refused for a changed rm_learning_rate or batch, not for the
+  DPO stage's --learning_rate, which it does not read."""
+  import configs
+  hp = rm.RM.hyperparameters(configs.DEFAULT)
+  assert {"rm_learning_rate", "global_batch_size", "center_rewards_coefficient",
+          "lora_rank"} <= set(hp)
+  assert "learning_rate" not in hp and "rm_steps" not in hp
+  assert rm.RM.hyperparameters(configs.DEFAULT.replace(learning_rate=1.0)) == hp
+  assert rm.RM.hyperparameters(configs.DEFAULT.replace(rm_split=0.5, stage="rm,dpo")) != hp

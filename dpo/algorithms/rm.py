@@ -258,5 +258,6 @@ def _rows(c, pairs: dict) -> dict:
 
 RM = algorithms.register(algorithms.Algorithm(
     name="rm", step=rm_step, batch=batches.PairBatch.of, step_config=step_config, run=run,
-    hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "reward")),
+    hyperparameters=lambda cfg: {k: v for k, v in identity.sections(
+        cfg, ("lora", "optim", "reward")).items() if k != "learning_rate"},  # DPO's, not read
     data_files=("train_data", "tokenizer"), data_seed=3, steps_flag="--rm_steps"))
