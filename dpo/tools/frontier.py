@@ -12,6 +12,9 @@ default job's runs/default/checkpoints/sft_model, so the sweep does not train it
     --betas, one run each;
   * Preferred-FT: supervised fine-tuning on the chosen responses of the same pairs (the `sft`
     loss of dpo/losses.py: the chosen NLL, no reference), with the same LoRA and schedule;
+  * with --online_methods=online_dpo --online_methods=grpo, online DPO and GRPO
+    (dpo/algorithms/), the same number of steps from the same SFT model, their samples labelled
+    by the judge;
   * best-of-N from the SFT model, N in --best_of: --best_of_max samples per prompt drawn once,
     the first N of them ranked by the judge. Its KL is the analytic log N - (N - 1) / N
     (Stiennon et al. 2020, app. G.3; an upper bound, Beirami et al. 2024).
@@ -62,6 +65,22 @@ def run_points(cfg, mesh, params, method: str, value: float) -> list[dict]:
                        "wellformed_rate": r["eval/policy_wellformed_rate"]})
   print(f"{method} {value}: {len(points)} points in {time.perf_counter() - t:.0f}s", flush=True)
   return points
+
+
+ONLINE = {"online_dpo": "online DPO", "grpo": "GRPO"}
+
+
+def online_config(cfg, method: str, output_dir: str):
+  """An online method's run from the SFT model for as many steps as each DPO run, on the same
+  prompts: online DPO with the sigmoid loss at --online_beta, GRPO with the k3 KL weighted by
+  it; completions as long as the evaluation's."""
+  new = cfg.eval.eval_max_new_tokens or cfg.data.max_target_length
+  common = dict(stage=method, output_dir=output_dir, online_steps=cfg.optim.steps,
+                grpo_steps=cfg.optim.steps, online_max_new_tokens=new, max_completion_length=new,
+                loss_type=("sigmoid",), beta=float(FLAGS.online_beta))
+  if method == "grpo":
+    common.update(grpo_beta=float(FLAGS.online_beta), num_iterations=1)
+  return cfg.replace(**common)
 
 
 def best_of_n(cfg, mesh, params, ns: list[int], n_max: int) -> list[dict]:
@@ -177,6 +196,9 @@ def main(argv) -> None:
   points += run_points(cfg.replace(stage="dpo", loss_type=("sft",),
                                    output_dir=os.path.join(out, "preferred_ft")),
                        mesh, params, "Preferred-FT", 0.0)
+  for method in FLAGS.online_methods:  # the same steps, prompts and reference as DPO
+    points += run_points(online_config(cfg, method, os.path.join(out, method)), mesh, params,
+                         ONLINE[method], float(FLAGS.online_beta))
   # One DPO curve over all betas (the paper's frontier), beside the per-beta points.
   dpo = [{**p, "method": "DPO"} for p in points if p["method"].startswith("DPO beta")]
   curves = [p for p in points if not p["method"].startswith("DPO beta")] + dpo
@@ -199,5 +221,9 @@ if __name__ == "__main__":
   flags.DEFINE_list("best_of", ["1", "2", "4", "8", "16"], "N values of the best-of-N baseline.")
   flags.DEFINE_integer("best_of_max", 16, "Samples per prompt drawn for best-of-N (>= max N).")
   flags.DEFINE_float("kl_range", 8.0, "KL budget (nats per sequence) of the area under a curve.")
+  flags.DEFINE_multi_enum("online_methods", [], ["online_dpo", "grpo"],
+                          "Online methods added to the frontier (dpo/algorithms): online DPO and "
+                          "GRPO, each as long as a DPO run, labelled by the same judge.")
+  flags.DEFINE_float("online_beta", 0.1, "beta of online DPO's sigmoid loss and GRPO's KL weight.")
   flags.register_validator("best_of_max", lambda n: n >= 1, "--best_of_max must be >= 1")
   app.run(main)
