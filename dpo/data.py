@@ -556,6 +556,38 @@ def tokenize_sft(records: Sequence[SFTRecord], tok, max_prompt_length: int,
   return _pack_rows(rows, seq_len, tok.pad_id)
 
 
+# --- unpaired examples (KTO) ----------------------------------------------------------------------
+
+# datasets' `Dataset.map` batch size, which TRL's `unpair_preference_dataset` leaves at its default:
+# each map batch of pairs becomes its chosen examples, then its rejected ones.
+UNPAIR_BATCH = 1000
+_ROWS = ("tokens", "positions", "segment_ids", "loss_mask")
+
+
+def unpair_order(n: int, batch: int = UNPAIR_BATCH) -> tuple[np.ndarray, np.ndarray]:
+  """(pair index [2n], side [2n]: 0 chosen, 1 rejected) of each unpaired example that TRL's
+  `trl.data_utils.unpair_preference_dataset` makes of n pairs, in its order: per map batch of
+  `batch` pairs, their chosen completions (label True), then their rejected ones (False)."""
+  index, side = [], []
+  for start in range(0, n, batch):
+    rows = np.arange(start, min(start + batch, n))
+    index += [rows, rows]
+    side += [np.zeros_like(rows), np.ones_like(rows)]
+  cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)
+  return cat(index), cat(side)
+
+
+def unpair_rows(pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """[N, 2, T] pair rows -> [2N, T] unpaired rows and `label` [2N] (True: desirable, the
+  chosen side), in `unpair_order`: the rows tokenising the unpaired records would give, since a
+  pair's sides are tokenised as prompt ids + completion ids each. Other per-pair arrays (the rm
+  stage's `margin`) are not carried."""
+  index, side = unpair_order(len(pairs["tokens"]))
+  out = {k: pairs[k][index, side] for k in _ROWS}
+  out["label"] = side == 0
+  return out
+
+
 # --- batching -------------------------------------------------------------------------------------
 
 class Repeat:

@@ -45,6 +45,16 @@ SFT data (`--sft_data`; the layout decided over all records the same way, `iter_
 A conversation's trailing assistant turns are the completion and everything before them the
 prompt; a conversation that does not end with an assistant turn is an error naming the record.
 
+Unpaired feedback (the kto stage, `iter_unpaired_records`; TRL's unpaired preference format):
+
+    standard        {"prompt": str, "completion": str, "label": bool}
+    conversational  {"prompt": [msg], "completion": [assistant msg], "label": bool}
+
+`label` is true for a desirable completion, false for an undesirable one. Preference pairs
+become unpaired examples as TRL's `unpair_preference_dataset` makes them (`unpair`): each pair
+gives its chosen completion (true) and its rejected one (false) with the same prompt. A pair
+format's detection names a file of unpaired records as such (only the kto stage reads them).
+
 A message's content is a string or an OpenAI content-part list ([{"type": "text", "text": ...}]:
 the text parts are joined; any other part is an error). The prompt of a conversation must not
 end with an assistant turn (the completion would be a second one).
@@ -65,7 +75,7 @@ import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
 from dpo.data import (DataError, PreferenceRecord, SFTRecord, check_text, get_field,
-                      iter_objects, parse_sources, text_field)
+                      iter_objects, parse_sources, text_field, unpair_order)
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "sharegpt", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
@@ -89,6 +99,19 @@ class ChatSFTRecord(NamedTuple):
 
 Record = Union[PreferenceRecord, ChatRecord]
 SFTExample = Union[SFTRecord, ChatSFTRecord]
+
+
+class UnpairedRecord(NamedTuple):
+  """One unpaired example: a prompt, a completion (strings, or tuples of Messages for a
+  conversation) and whether the completion is desirable."""
+  prompt: str | tuple[Message, ...]
+  completion: str | tuple[Message, ...]
+  label: bool
+
+  def example(self) -> SFTExample:
+    """The prompt and completion as an SFT example (what `chat.render_sft` renders)."""
+    kind = SFTRecord if isinstance(self.prompt, str) else ChatSFTRecord
+    return kind(self.prompt, self.completion)
 
 
 def record_json(rec: Record) -> dict:
@@ -352,6 +375,8 @@ def record_format(obj: dict) -> str | None:
   """The format one record's keys say it is in (None: none of them)."""
   if "input" in obj and "preferred_output" in obj:
     return "openai"
+  if unpaired_record_format(obj) is not None:
+    return "unpaired"  # no pair format: `detect_format` says which stage reads it
   if "chosen" in obj and "rejected" in obj:
     if "conversations" in obj:
       return "sharegpt"
@@ -407,7 +432,12 @@ def detect_format(path: str, spec: FormatSpec = FormatSpec(), skips: "Skips | No
     return spec.data_format
   if spec.chosen_field or spec.rejected_field:
     return "columns"
-  return _decide(path, record_format, _undetectable, skips)
+  fmt = _decide(path, record_format, _undetectable, skips)
+  if fmt == "unpaired":
+    raise DataError(f"{path}: holds unpaired records {{prompt, completion, label}}, which only "
+                    f"the kto stage reads (--stage=sft,kto); this stage needs preference pairs "
+                    f"(chosen and rejected)")
+  return fmt
 
 
 class Skips:
@@ -551,14 +581,102 @@ def _sft_undetectable(where: str, obj: dict) -> DataError:
                    f"assistant turn, or ShareGPT {{conversations}}")
 
 
+class Layouts(NamedTuple):
+  """A kind of record that is not a pair, and its layouts: what the log calls it, what one
+  record's keys say (`classify`), the error for a record they say nothing of, the parsers."""
+  what: str
+  classify: object
+  undetectable: object
+  parsers: dict
+
+
+def _iter_layout(path: str, kind: Layouts, stats: collections.Counter | None,
+                 skips: "Skips | None") -> Iterator[tuple[str, object]]:
+  """Lazily yields (location, record) of `path` in the layout of `kind` decided over all its
+  records (a record of another layout is an error naming it, or a counted skip)."""
+  stats = collections.Counter() if stats is None else stats
+  fmt = _decide(path, kind.classify, kind.undetectable, skips, fix="fix the file or pass")
+  logging.info("%s: %s format %s", path, kind.what, fmt)
+  yield from _iter_parsed(path, fmt, kind.parsers[fmt], kind.classify, skips, stats)
+
+
 def iter_sft_records(path: str, stats: collections.Counter | None = None,
                      skips: Skips | None = None) -> Iterator[tuple[str, SFTExample]]:
   """Lazily yields (location, SFT record) of `path`, its layout decided over all records (a
   record of another layout is an error naming it, or a counted skip)."""
-  stats = collections.Counter() if stats is None else stats
-  fmt = _decide(path, sft_record_format, _sft_undetectable, skips, fix="fix the file or pass")
-  logging.info("%s: SFT data format %s", path, fmt)
-  yield from _iter_parsed(path, fmt, _SFT_PARSERS[fmt], sft_record_format, skips, stats)
+  return _iter_layout(path, Layouts("SFT data", sft_record_format, _sft_undetectable,
+                                    _SFT_PARSERS), stats, skips)
+
+
+# --- unpaired feedback (KTO) ------------------------------------------------------------------
+
+def _label(obj: dict, where: str) -> bool:
+  value = get_field(obj, "label", where)
+  if not isinstance(value, bool):
+    raise DataError(f"{where}: field 'label' must be true (desirable) or false (undesirable), "
+                    f"got {type(value).__name__} {value!r:.40}")
+  return value
+
+
+def _unpaired_standard(obj, where) -> UnpairedRecord:
+  return UnpairedRecord(_text(obj, "prompt", where), _text(obj, "completion", where),
+                        _label(obj, where))
+
+
+def _unpaired_conversational(obj, where) -> UnpairedRecord:
+  return UnpairedRecord(_prompt(get_field(obj, "prompt", where), "prompt", where),
+                        _response(get_field(obj, "completion", where), "completion", where),
+                        _label(obj, where))
+
+
+_UNPAIRED_PARSERS = {"standard": _unpaired_standard, "conversational": _unpaired_conversational}
+
+
+def unpaired_record_format(obj: dict) -> str | None:
+  """The unpaired layout one record's keys say it is in (None: none of them): an SFT
+  prompt-completion layout with a `label`."""
+  fmt = sft_record_format(obj) if "label" in obj else None
+  return fmt if fmt in _UNPAIRED_PARSERS else None
+
+
+def _unpaired_undetectable(where: str, obj: dict) -> DataError:
+  return DataError(f"{where}: cannot read fields {sorted(obj)} as unpaired feedback; expected "
+                   f"{{prompt, completion, label}} (prompt and completion strings or messages, "
+                   f"label true or false)")
+
+
+def iter_unpaired_records(path: str, stats: collections.Counter | None = None,
+                          skips: Skips | None = None) -> Iterator[tuple[str, UnpairedRecord]]:
+  """Lazily yields (location, unpaired record) of `path`, as `iter_sft_records` yields SFT
+  records."""
+  return _iter_layout(path, Layouts("unpaired data", unpaired_record_format,
+                                    _unpaired_undetectable, _UNPAIRED_PARSERS), stats, skips)
+
+
+def is_unpaired(value: str) -> bool:
+  """Whether a data flag's sources hold unpaired records, by each source's first record (every
+  record is checked when it is parsed); sources of both kinds are a DataError naming one of
+  each."""
+  kinds = {}
+  for source in parse_sources(value):
+    first = next(iter_objects(source.path), None)
+    if first is not None:
+      kinds[source.path] = unpaired_record_format(first[1]) is not None
+  if len(set(kinds.values())) > 1:
+    paired = next(p for p, k in kinds.items() if not k)
+    unpaired = next(p for p, k in kinds.items() if k)
+    raise DataError(f"{value}: mixes unpaired records ({unpaired}) with preference pairs "
+                    f"({paired}); give one kind (the kto stage converts pairs itself)")
+  return any(kinds.values())
+
+
+def unpair(records: Sequence[Record]) -> list[UnpairedRecord]:
+  """Preference pairs as unpaired examples, as TRL's `unpair_preference_dataset` makes them
+  (`data.unpair_order`): each pair's chosen completion (desirable) and rejected one
+  (undesirable), with its prompt."""
+  index, side = unpair_order(len(records))
+  return [UnpairedRecord(records[i].prompt, records[i].rejected if s else records[i].chosen,
+                         not s) for i, s in zip(index, side)]
 
 
 # --- quality filters --------------------------------------------------------------------------

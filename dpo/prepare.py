@@ -340,3 +340,61 @@ def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dic
   arrays = tokenize_sft(examples, tok, *how.lens, what=f"{path} SFT examples",
                         **_template_marks(t, chats))
   return arrays, report
+
+
+class PreparedUnpaired(NamedTuple):
+  train: dict[str, np.ndarray]          # [N, T] rows and `label` [N] (True: desirable)
+  held: dict[str, np.ndarray] | None    # the same of the held-out examples, or None
+  held_records: list | None             # the held-out examples as read
+  report: dict
+
+
+def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> PreparedUnpaired:
+  """Unpaired feedback ({prompt, completion, label}, a source or a mixture, as for
+  `prepare_pairs`; `formats.iter_unpaired_records`), each example rendered by the template as
+  `prepare_sft` renders one (so SFT, DPO and KTO see one text format), split by prompt hash as
+  `prepare_pairs` splits pairs, and tokenised to [N, T] rows with `label` beside them (not
+  cached: read once per run, as SFT data)."""
+  if not 0.0 <= eval_split < 1.0:
+    raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
+  t = chat.resolve_template(how.template, how.tok)
+  stats = collections.Counter()
+  skips = formats.Skips(path) if how.skip_bad else None
+  located, sources = data.read_sources(
+      path, lambda p: formats.iter_unpaired_records(p, stats, skips), how.seed, how.flag)
+  parts = ([], []), ([], []), ([], [])  # (texts, labels, records) of (train, held-out)
+  chats = False
+  for where, rec in located:
+    chats = chats or not isinstance(rec.prompt, str)
+    try:
+      text = chat.render_sft(rec.example(), t, where)
+    except DataError as e:
+      if skips is None:
+        raise
+      skips.add(e)
+      continue
+    out = in_held_out(text.prompt, eval_split)
+    for part, value in zip(parts, (text, rec.label, rec)):
+      part[out].append(value)
+  if skips is not None:
+    skips.log()
+  (train, held), (train_l, held_l), (_, held_r) = parts
+  if not train:
+    raise DataError(f"{path}: no unpaired training examples" + (
+        " left after skipping bad records and the held-out split" if located else ""))
+  report = {"path": path, "role": "unpaired", **dict(stats),
+            "skipped_bad_records": skips.count if skips is not None else 0,
+            "train_examples": len(train), "held_out_examples": len(held),
+            "desirable": int(sum(train_l)), "template": t.name if chats else None}
+  if len(sources) > 1:
+    report["sources"] = sources
+  logging.info("%s: %d unpaired training examples (%d desirable), %d held-out (eval_split=%g)%s",
+               path, len(train), sum(train_l), len(held), eval_split,
+               f", chat template {t.name}" if chats else "")
+  marks = _template_marks(t, chats)
+  rows = lambda texts, labels, what: {
+      **tokenize_sft(texts, how.tok, *how.lens, what=f"{path} {what}", **marks),
+      "label": np.asarray(labels, bool)}
+  return PreparedUnpaired(rows(train, train_l, "unpaired examples"),
+                          rows(held, held_l, "held-out unpaired examples") if held else None,
+                          held_r or None, report)
