@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from dpo import data as data_lib
 from dpo.losses import LossConfig
 from dpo.policy_gradient import GRPOConfig
+from dpo.unpaired import KTOConfig
 from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARGETS, NONNEG, POS,
                            UNIT, LoraConfig, ModelConfig, at_least, check, one_of, option, rules,
                            shown)
@@ -330,6 +331,7 @@ ONLINE_STAGES = ("online_dpo", "grpo")
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
              "loss": LossConfig, "reward": RewardConfig, "online": OnlineConfig,
              "grpo": GRPOConfig,
+             "kto": KTOConfig,
              "reference": ReferenceConfig,
              "guard": GuardConfig,
              "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
@@ -350,6 +352,7 @@ class Config:
   reward: RewardConfig = RewardConfig()
   online: OnlineConfig = OnlineConfig()
   grpo: GRPOConfig = GRPOConfig()
+  kto: KTOConfig = KTOConfig()
   reference: ReferenceConfig = ReferenceConfig()
   guard: GuardConfig = GuardConfig()
   eval: EvalConfig = EvalConfig()
@@ -373,7 +376,7 @@ class Config:
     check(not (self.eval.judge and self.eval.reward_fn),
           f"--judge={self.eval.judge!r}: give either --judge or --reward_fn, not both")
     stages = self.run.stages
-    trains = [s for s in stages if s in ("dpo", *ONLINE_STAGES)]
+    trains = [s for s in stages if s in ("dpo", "kto", *ONLINE_STAGES)]
     check(self.eval.judge != "rm" or ("rm" in stages and trains
                                       and stages.index("rm") < stages.index(trains[0])),
           f"--judge=rm: must go with an rm stage before the dpo stage (--stage={self.run.stage})")
@@ -404,6 +407,16 @@ class Config:
           f"--num_iterations={g.num_iterations}: must divide --grpo_steps="
           f"{self.online.grpo_steps} and --checkpoint_every={self.checkpoint.checkpoint_every} "
           f"(checkpoints fall between generation batches)")
+    kto_set = [f"--{f.name}={shown(getattr(self.kto, f.name))}"
+               for f in dataclasses.fields(KTOConfig) if getattr(self.kto, f.name) != f.default]
+    check("kto" in stages or not kto_set,
+          f"{(kto_set or [''])[0]}: must go with a kto stage (--stage={self.run.stage} has none)")
+    check("kto" not in stages or not self.reference.precompute_ref,
+          f"--precompute_ref=True: the kto stage computes the reference in its step; not with "
+          f"--stage={self.run.stage}")
+    check("kto" not in stages or not self.model.packing,
+          f"--packing=True: the kto stage reads one example a row; not with "
+          f"--stage={self.run.stage}")
     check(not self.reward.export_rm_hf or "rm" in self.run.stages,
           f"--export_rm_hf={self.reward.export_rm_hf!r}: must go with an rm stage (--stage="
           f"{self.run.stage} has none)")

@@ -56,8 +56,8 @@ class LogMetrics(Hook):
                    "lr %.2e  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"], m["accuracy"],
                    m["margin"], m["mean_reward"], m["grad_norm"], m["learning_rate"], tps, eta)
     else:
-      logging.info("sft %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", step,
-                   run.steps, m["loss"], m["grad_norm"], m["learning_rate"], tps, eta)
+      logging.info("%s %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", run.name,
+                   step, run.steps, m["loss"], m["grad_norm"], m["learning_rate"], tps, eta)
     run.writer.write({"stage": run.name, "step": step, **m, "tokens_per_sec": tps})
 
 

@@ -42,8 +42,10 @@ class Data:
   With --train_data the pairs go through dpo.prepare (any supported format, quality filters,
   chat template, held-out split, cached tokenisation); SFT then uses --sft_data (any SFT
   layout, rendered with the same template) or, failing that, the chosen rows of the training
-  pairs. A data set smaller than one global batch is a DataError naming the file and the flag.
-  `inspect` writes what the model is trained on.
+  pairs. Unpaired --train_data ({prompt, completion, label}) is read as it is into `unpaired`
+  (`pairs` is then None) for a recipe whose stages read it (Algorithm.unpaired: kto, and sft on
+  its desirable completions). A data set smaller than one global batch is a DataError naming
+  the file and the flag. `inspect` writes what the model is trained on.
   """
 
   def __init__(self, cfg, tok=None, check_sizes: bool = True):
@@ -59,21 +61,27 @@ class Data:
     self.held_records = None  # the held-out pairs as read, one per held-out row
     self.train_records = None  # the training pairs as read (kept for an online stage's judge)
     online = bool(cfg.online_stages)
-    self.pairs, self.held = (self._task_pairs(cfg) if self.embedded else
-                             self._file_pairs(cfg, online))
+    self.unpaired = self.unpaired_held = None  # unpaired --train_data: rows and `label`
+    pair_flags = d.data_format != "auto" or d.chosen_field or d.rejected_field
+    if not self.embedded and not pair_flags and formats.is_unpaired(d.train_data):
+      self.pairs, self.held = None, self._file_unpaired(cfg)
+    else:
+      self.pairs, self.held = (self._task_pairs(cfg) if self.embedded else
+                               self._file_pairs(cfg, online))
     self.rm_pairs = self._split_for_rm(cfg)
     self.sft = self._sft(cfg)
-    if "margin" in self.pairs:
+    if self.pairs is not None and "margin" in self.pairs:
       logging.log(logging.INFO if "rm" in cfg.run.stages else logging.WARNING,
                   "%s: per-pair margins, read by the rm stage only%s", d.train_data,
                   "" if "rm" in cfg.run.stages else " (not in this --stage; unused)")
     if check_sizes:
       self._check_sizes(cfg)
     self._sampling_prompts(cfg)
-    logging.info("data: %d SFT examples (T=%d), %d train pairs (T=%d), %d held-out pairs",
-                 len(self.sft["tokens"]), self.sft["tokens"].shape[-1],
-                 len(self.pairs["tokens"]), self.pairs["tokens"].shape[-1],
-                 0 if self.held is None else len(self.held["tokens"]))
+    train = self.pairs if self.pairs is not None else self.unpaired
+    logging.info("data: %d SFT examples (T=%d), %d train %s (T=%d), %d held-out pairs",
+                 len(self.sft["tokens"]), self.sft["tokens"].shape[-1], len(train["tokens"]),
+                 "pairs" if self.pairs is not None else "unpaired examples",
+                 train["tokens"].shape[-1], 0 if self.held is None else len(self.held["tokens"]))
 
   def _task_pairs(self, cfg) -> tuple[dict, dict | None]:
     """(training pairs, held-out pairs) of the embedded task (held-out: --eval_data if given)."""
@@ -114,6 +122,39 @@ class Data:
     self.held_records = eval_prep.train_records
     return train_prep.train, eval_prep.train
 
+  def _file_unpaired(self, cfg) -> dict | None:
+    """Unpaired --train_data ({prompt, completion, label}, dpo.prepare.prepare_unpaired) into
+    self.unpaired, for the stages that read it (sft: its desirable completions; kto); returns
+    the held-out pairs of --eval_data, or None. Its --eval_split examples (self.unpaired_held)
+    give the evaluation's sampling prompts."""
+    d = cfg.data
+    pairless = [a.name for a in algorithms.recipe(cfg.run.stages) if not a.unpaired]
+    if pairless:
+      raise data_lib.DataError(
+          f"--train_data={d.train_data}: holds unpaired records {{prompt, completion, label}}; "
+          f"the {', '.join(pairless)} stage needs preference pairs (only "
+          f"{', '.join(a.name for a in algorithms.ALGORITHMS.values() if a.unpaired)} read "
+          f"unpaired ones)")
+    if d.eval_data and d.eval_split:
+      raise ValueError("give either --eval_data or --eval_split, not both")
+    how = prepare.Preparation(self.tok, template=self.template,
+                              max_prompt_length=d.max_prompt_length,
+                              max_target_length=d.max_target_length, skip_bad=d.skip_bad_records,
+                              seed=cfg.run.seed, flag="train_data")
+    prep = prepare.prepare_unpaired(d.train_data, how, d.eval_split)
+    self.reports.append(prep.report)
+    self.unpaired, self.unpaired_held = prep.train, prep.held
+    self.held_records = prep.held_records  # their prompts are the sampling prompts' chats
+    if not d.eval_data:
+      return None
+    cache_dir = ("" if d.data_cache_dir == "none" else
+                 d.data_cache_dir or os.path.join(cfg.run.output_dir, "data_cache"))
+    eval_prep = prepare.prepare_pairs(d.eval_data, how._replace(flag="eval_data"),
+                                      cache_dir=cache_dir, train_records=True)
+    self.reports.append(eval_prep.report)
+    self.held_records = eval_prep.train_records
+    return eval_prep.train
+
   def _split_for_rm(self, cfg) -> dict | None:
     """--rm_split: the rm stage's pairs (that fraction of the training prompts, by a hash of
     each prompt's token ids), which leave self.pairs; None without the flag."""
@@ -146,6 +187,10 @@ class Data:
     if self.embedded:
       return data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, cfg.run.seed), self.tok,
                                    *lens, what="sft data")
+    if self.unpaired is not None:
+      keep = self.unpaired["label"]
+      logging.info("sft: the %d desirable completions of %s", int(keep.sum()), d.train_data)
+      return {k: v[keep] for k, v in self.unpaired.items() if k != "label"}
     return {k: v[:, 0] for k, v in self.pairs.items() if k != "margin"}  # margin: [N]
 
   def _check_sizes(self, cfg) -> None:
@@ -156,6 +201,7 @@ class Data:
     rm_pairs = self.pairs if self.rm_pairs is None else self.rm_pairs
     for arrays, used, what in ((self.pairs, "dpo" in stages,
                                 d.train_data or "the embedded task's pairs"),
+                               (self.unpaired, self.unpaired is not None, d.train_data),
                                (rm_pairs, "rm" in stages, f"{d.train_data or 'the embedded task'}"
                                 f"'s pairs for the rm stage"),
                                (self.sft, "sft" in stages,
@@ -187,7 +233,10 @@ class Data:
       self.eval_prompts = task.eval_prompts(n)
       self.eval_chats = list(self.eval_prompts)
     else:
-      rows = held_prompts(self.held, n)
+      held = self.held
+      if held is None and self.unpaired_held is not None:  # unpaired: one side a row
+        held = {k: self.unpaired_held[k][:, None] for k in ("tokens", "loss_mask")}
+      rows = held_prompts(held, n)
       self.eval_prompt_ids = [ids for _, ids in rows]
       self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
       self.eval_chats = [self.held_records[i].prompt for i, _ in rows]
@@ -199,15 +248,20 @@ class Data:
     (dpo/judges.py)."""
     return evaluate.EvalSet(self.tok, self.eval_prompts, self.eval_prompt_ids, self.held,
                             judge, self.well_formed_fn, self.stop_ids, self.eval_chats,
-                            self.held_records)
+                            self.held_records if self.held is not None else None)
 
   def preview(self, n: int) -> list[dict]:
-    """The first `n` training pairs as the model sees them: the text decoded from the token
-    ids, the ids, and the positions whose tokens are scored (loss_mask = 1)."""
-    out, t = [], self.pairs
+    """The first `n` training pairs (or unpaired examples, with their label) as the model sees
+    them: the text decoded from the token ids, the ids, and the positions whose tokens are
+    scored (loss_mask = 1)."""
+    out, t, sides = [], self.pairs, ((0, "chosen"), (1, "rejected"))
+    if t is None:  # unpaired rows: one side a row, the completion, and its label
+      t, sides = {k: v[:, None] for k, v in self.unpaired.items()}, ((0, "completion"),)
     for i in range(min(n, len(t["tokens"]))):
       rec = {"index": i}
-      for side, name in ((0, "chosen"), (1, "rejected")):
+      if "label" in t:
+        rec["label"] = bool(t["label"][i, 0])
+      for side, name in sides:
         tokens, mask = t["tokens"][i, side], t["loss_mask"][i, side]
         length = int(t["segment_ids"][i, side].sum())
         scored = [int(k) for k in np.flatnonzero(mask)]
@@ -233,12 +287,15 @@ class Data:
         for r in records:
           f.write(json.dumps(r, ensure_ascii=False) + "\n")
       for r in records[:show]:
-        print(f"--- pair {r['index']}: {len(r['prompt_ids'])} prompt tokens, "
-              f"{len(r['chosen_scored_positions'])} / {len(r['rejected_scored_positions'])} "
-              f"scored chosen / rejected tokens")
-        for k in ("prompt_text", "chosen_text", "rejected_text"):
-          print(f"{k}: {r[k]!r}")
-      print(f"wrote {len(records)} pairs to {path}; --inspect_data: not training", flush=True)
+        names = [k.removesuffix("_scored_positions") for k in r if k.endswith("_scored_positions")]
+        print(f"--- {'pair' if 'label' not in r else 'example'} {r['index']}: "
+              f"{len(r['prompt_ids'])} prompt tokens, "
+              f"{' / '.join(str(len(r[f'{k}_scored_positions'])) for k in names)} scored "
+              f"{' / '.join(names)} tokens" + (f", label {r['label']}" if "label" in r else ""))
+        for k in ("prompt", *names):
+          print(f"{k}_text: {r[f'{k}_text']!r}")
+      print(f"wrote {len(records)} {'pairs' if self.pairs is not None else 'examples'} to "
+            f"{path}; --inspect_data: not training", flush=True)
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}
 
 

@@ -59,6 +59,7 @@ class StepConfig:
   kl: bool = False          # DPO: also compute the token KL(pi || ref) metric
   reward: Any = None        # RM: RewardConfig (dpo/algorithms/rm.py)
   grpo: Any = None          # GRPO: policy_gradient.GRPOConfig (dpo/algorithms/grpo.py)
+  kto: Any = None           # KTO: unpaired.Objective (dpo/algorithms/kto.py)
 
   @classmethod
   def sft(cls, cfg) -> "StepConfig":

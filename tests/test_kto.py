@@ -1,6 +1,8 @@
-"""KTO (dpo/unpaired.py) and unpaired data against TRL 1.16's own code.
+"""KTO (dpo/unpaired.py, dpo/algorithms/kto.py) and unpaired data against TRL 1.16's own code.
 
-The data: the unpaired format, and TRL's `unpair_preference_dataset`. The loss: TRL's
+The data: TRL's `unpair_preference_dataset`, and `KTOTrainer._prepare_dataset` with a byte
+tokenizer that tokenises as ours does (BOS, UTF-8 bytes, EOS), whose mismatched completions
+(`KL_completion_ids`) our mismatched rows must equal. The loss: TRL's
 `KTOTrainer._compute_loss`, built with `object.__new__` and the attributes it reads, a stub
 model standing for the network (it returns the given per-token log-probs, its fused LM head's
 output, for the matched and the mismatched rows), on the same log-probs as ours.
@@ -16,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import configs
 from dpo import data as data_lib
 from dpo import formats, unpaired
+from dpo.algorithms import kto
 from dpo.tokenizer import ByteTokenizer
 
 T = 24
@@ -225,3 +229,151 @@ def test_the_reference_point_is_clamped_at_zero_and_holds_no_gradient():
   assert trl_kto_loss(x)[1]["kl"] == 0.0 == ours(x)[1]["kl"]
   grad = jax.grad(lambda p: unpaired.reference_point(p, jnp.zeros(3)))(jnp.ones(3))
   assert not np.any(np.asarray(grad))
+
+
+# --- the stage: mismatched rows, settings, runs -----------------------------------------------
+
+class _ByteTokenizer:
+  """TRL's tokenizer interface over our byte tokenizer's ids: BOS, the UTF-8 bytes, and the NUL
+  character (TRL's EOS token text, appended to each completion) as our EOS id."""
+  eos_token = "\x00"
+
+  def __call__(self, text):
+    tok = ByteTokenizer()
+    return {"input_ids": [tok.bos_id] + [b if b else tok.eos_id for b in text.encode()]}
+
+
+@pytest.mark.parametrize("batch", [4, 5])
+def test_mismatched_rows_are_trls_kl_completions(batch):
+  """TRL's `_prepare_dataset` (unpairing, tokenising, rotating each per-device batch's
+  completions) and its collator's KL rows, against our converted rows' mismatched rows, batch
+  by batch of TRL's sequential sampler (the last batch partial, when 5 does not divide 18)."""
+  datasets = pytest.importorskip("datasets")
+  _, trl_kto = _trl()
+  records = _pairs(9, seed=2)
+  t = object.__new__(trl_kto.KTOTrainer)
+  t.__dict__.update(_tokenizer=_ByteTokenizer(), calculate_KL=True, desirable_weight=1.0,
+                    undesirable_weight=1.0)
+  args = types.SimpleNamespace(dataset_num_proc=None, max_length=None,
+                               per_device_train_batch_size=batch)
+  ds = datasets.Dataset.from_dict({k: [getattr(r, k) for r in records]
+                                   for k in ("prompt", "chosen", "rejected")})
+  prepared = t._prepare_dataset(ds, _ByteTokenizer(), args, "train")
+  tok = ByteTokenizer()
+  rows = data_lib.unpair_rows(data_lib.tokenize_pairs(records, tok, 64, 64))
+  width = kto.mismatched_width(rows)
+  collate = trl_kto.DataCollatorForUnpairedPreference(pad_token_id=tok.pad_id)
+  for start in range(0, len(prepared), batch):
+    theirs = collate([prepared[i] for i in range(start, min(start + batch, len(prepared)))])
+    ours_rows = kto.mismatched_rows({k: v[start:start + batch] for k, v in rows.items()}, 1,
+                                    width, tok.pad_id)
+    kl_ids, kl_mask = theirs["KL_input_ids"].numpy(), theirs["KL_completion_mask"].numpy()
+    L = kl_ids.shape[1]
+    np.testing.assert_array_equal(ours_rows["tokens"][:, :L], kl_ids)
+    np.testing.assert_array_equal(ours_rows["loss_mask"][:, :L], kl_mask)
+    assert not ours_rows["segment_ids"][:, L:].any()
+    np.testing.assert_array_equal(rows["label"][start:start + batch], theirs["label"].numpy())
+
+
+def test_mismatched_rows_rotate_within_each_microbatch():
+  """With K microbatches (rows m, m + K, ...), each example is joined to the completion of the
+  one before it in its own microbatch."""
+  records = _pairs(6, seed=3)
+  rows = data_lib.unpair_rows(data_lib.tokenize_pairs(records, ByteTokenizer(), 32, 32))
+  rows = {k: v[:8] for k, v in rows.items()}
+  out = kto.mismatched_rows(rows, 2, kto.mismatched_width(rows), 256)
+  prompt, completion = kto._lengths(rows)
+  for i in range(8):
+    j = (i - 2) % 8
+    assert j % 2 == i % 2
+    got = out["tokens"][i][out["loss_mask"][i] > 0]
+    np.testing.assert_array_equal(got, rows["tokens"][j, prompt[j]:prompt[j] + completion[j]])
+
+
+def test_settings_the_kto_stage_cannot_honour_are_one_line_errors():
+  base = configs.DEFAULT.replace(stage="sft,kto")
+  with pytest.raises(ValueError, match=r"^--desirable_weight=2.0: must go with a kto stage"):
+    configs.DEFAULT.replace(desirable_weight=2.0)
+  with pytest.raises(ValueError, match=r"^--packing=True: the kto stage"):
+    base.replace(packing=True)
+  with pytest.raises(ValueError, match=r"^--precompute_ref=True: the kto stage"):
+    base.replace(precompute_ref=True)
+  with pytest.raises(ValueError, match=r"^--kto_loss_type='x': must be kto or apo_zero"):
+    base.replace(kto_loss_type="x")
+  assert base.replace(undesirable_weight=0.5).kto.undesirable_weight == 0.5
+
+
+def _tiny(out, **kw):
+  """A tiny sft,kto run: 2 microbatches of 4 examples a step (the mismatched rows rotate within
+  each), LoRA, the KL guard on."""
+  return configs.DEFAULT.replace(**{
+      **dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+             task_train_pairs=32, task_sft_examples=16, task_eval_pairs=8, task_eval_prompts=2,
+             eval_max_new_tokens=4, global_batch_size=8, gradient_accumulation_steps=2,
+             sft_steps=2, steps=4, learning_rate=1e-3, log_every=1, eval_every=0,
+             checkpoint_every=2, stage="sft,kto", desirable_weight=1.2, output_dir=str(out)),
+      **kw})
+
+
+def _run(cfg, **kw):
+  from dpo import loop
+  from models import sharding
+  return loop.run(cfg, mesh=sharding.make_mesh("data:2", jax.devices()[:2]), **kw)
+
+
+def _records(out):
+  return [{k: v for k, v in json.loads(l).items()
+           if k not in ("tokens_per_sec", "eval/eval_time_s")} for l in open(out / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_sft_kto_on_the_embedded_task_trains_and_resumes_bitwise(tmp_path):
+  """--stage=sft,kto on the embedded task's pairs (converted, 64 unpaired examples): the KTO
+  records carry TRL's metric names, the policy moves off the reference (z0 > 0), and a crash
+  after step 3 (last checkpoint: step 2) resumes to the uninterrupted run's records and
+  weights."""
+  from dpo import checkpoint
+  from faults import Crash, SimulatedCrash
+  from models import sharding
+  whole, cut = tmp_path / "whole", tmp_path / "cut"
+  summary = _run(_tiny(whole))
+  with pytest.raises(SimulatedCrash):
+    _run(_tiny(cut), extra_hooks={"kto": [Crash(3)]})
+  _run(_tiny(cut))
+  assert _records(cut) == _records(whole)
+  steps = [r for r in _records(whole) if r["stage"] == "kto"]
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  from test_workspace import _rows, _section
+  documented, conditional = _rows(_section("What a run directory holds"), "record")["kto"]
+  assert not conditional and all(set(r) | {"tokens_per_sec"} == set(documented) | {"stage", "step"}
+                                 for r in steps)
+  assert all(r["count/chosen"] + r["count/rejected"] == 8 for r in steps)
+  assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0  # the policy starts at the reference
+  assert summary["kto_time_s"] > 0 and summary["eval_prompts"] == 2
+  cfg = _tiny(whole)
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  load = lambda d: checkpoint.load_params(str(d / "checkpoints" / "policy"), cfg.model, mesh)
+  for a, b in zip(jax.tree.leaves(load(cut)), jax.tree.leaves(load(whole))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert checkpoint.read_meta(str(whole / "checkpoints" / "policy"))["stage"] == "kto"
+
+
+@pytest.mark.slow
+def test_sft_kto_on_an_unpaired_file(tmp_path):
+  """--train_data of unpaired records: SFT on its desirable completions, KTO on every example
+  as read (no conversion), the evaluation sampling the held-out examples' prompts; a pair
+  stage is refused naming the file."""
+  rng = np.random.default_rng(0)
+  words = lambda: " ".join(rng.choice(["good", "bad", "fine", "plot"], rng.integers(1, 6)))
+  path = _write(tmp_path / "u.jsonl", [{"prompt": f"q{i} " + words(), "completion": words(),
+                                        "label": bool(i % 3)} for i in range(60)])
+  summary = _run(_tiny(tmp_path / "run", train_data=path, eval_split=0.2,
+                           lora_rank=0))
+  data = summary["data"][0]
+  assert data["role"] == "unpaired" and data["train_examples"] + data["held_out_examples"] == 60
+  steps = [r for r in _records(tmp_path / "run") if r["stage"] == "kto"]
+  assert len(steps) == 4 and all(np.isfinite(r["loss"]) for r in steps)
+  assert summary["eval_prompts"] == 2 and summary["reward_accuracy"] is None
+  with pytest.raises(data_lib.DataError, match=r"holds unpaired records .* the dpo stage needs "
+                                               r"preference pairs"):
+    _run(_tiny(tmp_path / "dpo", train_data=path, stage="sft,dpo", desirable_weight=1.0))

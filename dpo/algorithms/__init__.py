@@ -35,6 +35,8 @@ class Algorithm:
   data_files: tuple[str, ...]    # DataConfig fields of files it reads (identity hashes them)
   data_seed: int                 # its loader shuffles with --seed + this
   steps_flag: str                # the flag that sets its length (StepConfig.total_steps)
+  unpaired: bool = False         # it trains on unpaired --train_data ({prompt, completion,
+                                 # label}; loop.Data refuses such data for a recipe with others)
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -62,3 +64,4 @@ from dpo.algorithms import dpo  # noqa: E402,F401
 from dpo.algorithms import rm  # noqa: E402,F401
 from dpo.algorithms import online_dpo  # noqa: E402,F401
 from dpo.algorithms import grpo  # noqa: E402,F401
+from dpo.algorithms import kto  # noqa: E402,F401

@@ -64,9 +64,9 @@ def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm
   spec = algorithm.step_config(c)
   opt, _ = spec.optimizer()
   if c.guard.log_kl and not spec.kl:
-    logging.warning("--log_kl: no reference forward runs in the step (precompute_ref or a "
-                    "reference-free loss), so the step logs no token KL; the evaluation's "
-                    "on-policy KL is still reported")
+    logging.warning("--log_kl: the %s step computes no token KL (its reference is precomputed "
+                    "or not read, or the stage logs its own KL estimate); the evaluation's "
+                    "on-policy KL is still reported", algorithm.name)
   if c.lora.enabled:
     logging.info("LoRA: rank %d on %s, %.3fM trainable parameters", c.lora.lora_rank,
                  ",".join(c.lora.lora_targets), transformer.num_params(transformer.abstract(
@@ -171,13 +171,14 @@ def _hooks(c, data, evaluate_state, estimate: str | None) -> list:
   """The DPO stage's hooks: the KL guard (when on, watching `estimate`), logging, checkpoints,
   evaluation and the TR-DPO reference update (when on)."""
   log = hooks.LogMetrics(c.run.log_every)
-  mask = data.pairs["loss_mask"]  # the estimates' per-token unit: mean completion length
+  # the estimates' per-token unit: mean completion length (of the pairs, or unpaired rows)
+  mask = (data.pairs if data.pairs is not None else data.unpaired)["loss_mask"]
   guarded = c.guard.enabled and estimate is not None
   if c.guard.enabled and not guarded:
     logging.warning("KL guard off: this stage logs no KL to watch (GRPO logs it with "
                     "--grpo_beta > 0)")
   guard = hooks.KLGuard(c.guard, estimate or "kl", c.loss.beta, float(mask.sum() / max(
-      mask.shape[0] * mask.shape[1], 1)))
+      mask[..., 0].size, 1)))
   return [*([guard] if guarded else []), log,
           hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
           hooks.Evaluate(c.eval.eval_every, evaluate_state, log),

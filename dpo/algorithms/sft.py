@@ -46,4 +46,4 @@ SFT = algorithms.register(algorithms.Algorithm(
     step_config=train.StepConfig.sft, run=run,
     hyperparameters=lambda cfg: {k: getattr(cfg.optim, k) for k in _OPTIM},
     data_files=("sft_data", "train_data", "tokenizer"), data_seed=1,
-    steps_flag="--sft_steps"))
+    steps_flag="--sft_steps", unpaired=True))  # unpaired data: its desirable completions
