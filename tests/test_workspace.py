@@ -186,7 +186,8 @@ def test_the_dpo_step_metrics_are_the_documented_ones():
 @pytest.mark.slow
 def test_the_tables_cover_a_reward_model_run(tmp_path):
   """A small --stage=rm run (every weight trains): every file it writes is in WORKSPACE.md's
-  table, and its rm records' keys are the rm row's."""
+  table, and its rm records' keys are the rm row's (with held-out pairs, the end-of-stage
+  record's eval_ keys too)."""
   import configs
   from dpo import loop
   out = str(tmp_path / "run")
@@ -200,4 +201,6 @@ def test_the_tables_cover_a_reward_model_run(tmp_path):
   with open(os.path.join(out, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   always, conditional = _rows(_section("What a run directory holds"), "record")["rm"]
-  assert _metric_keys(records, "rm") == set(always) and not conditional
+  assert _metric_keys(records, "rm") == set(always) | set(conditional)
+  assert set(conditional) == {f"eval_{k}" for k in ("loss", "accuracy", "margin", "min_reward",
+                                                     "mean_reward", "max_reward", "pairs")}
