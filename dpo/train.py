@@ -215,6 +215,21 @@ def accumulate(grad_fn: Callable, params, batch, k: int):
   return (loss, metrics), grads
 
 
+def accumulated_grads(loss_fn: Callable, spec: StepConfig, state: TrainState, frozen, batch):
+  """((loss, metrics), grads) of `loss_fn(spec, frozen, trainable, microbatch, dropout_key)`
+  with respect to the trainable part, averaged over the K microbatches of `batch` (`accumulate`);
+  the LoRA dropout key is the step's (K = 1) or fold_in(it, i) for microbatch i, None without
+  LoRA. The DPO, reward-model and KTO steps take their gradients so."""
+  lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
+
+  def grad_fn(trainable, micro, i):
+    key = step_key(state) if k == 1 else jax.random.fold_in(step_key(state), i)
+    return jax.value_and_grad(loss_fn, argnums=2, has_aux=True)(
+        spec, frozen, trainable, micro, key if lora_on else None)
+
+  return accumulate(grad_fn, state.params, batch, k)
+
+
 def _check_pair_rows(rows: Rows) -> None:
   chex.assert_rank(list(rows), 3)
   chex.assert_equal_shape(list(rows))
@@ -237,14 +252,7 @@ def dpo_step(spec: StepConfig, state: TrainState, frozen: Frozen,
   (`accumulate`).
   """
   _check_pair_rows(batch.pairs)
-  lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
-
-  def grad_fn(trainable, micro, i):
-    key = step_key(state) if k == 1 else jax.random.fold_in(step_key(state), i)
-    return jax.value_and_grad(microbatch_loss, argnums=2, has_aux=True)(
-        spec, frozen, trainable, micro, key if lora_on else None)
-
-  (loss, metrics), grads = accumulate(grad_fn, state.params, batch, k)
+  (loss, metrics), grads = accumulated_grads(microbatch_loss, spec, state, frozen, batch)
   if batch.packed is not None:  # packed rows (dpo/packing.py): the share of slots holding a token
     metrics["fill_rate"] = (batch.shared.segment_ids != 0).mean()
   return apply_update(state, *spec.optimizer(), loss, grads, metrics)

@@ -134,14 +134,8 @@ def kto_step(spec: train.StepConfig, state: train.TrainState, frozen: train.Froz
   """One KTO update; with gradient_accumulation_steps = K the loss, gradient and metrics are
   the means over K microbatches (z0 one per microbatch, as TRL's per forward), the counts the
   whole batch's."""
-  lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
-
-  def grad_fn(trainable, micro, i):
-    key = train.step_key(state) if k == 1 else jax.random.fold_in(train.step_key(state), i)
-    return jax.value_and_grad(microbatch_loss, argnums=2, has_aux=True)(
-        spec, frozen, trainable, micro, key if lora_on else None)
-
-  (loss, metrics), grads = train.accumulate(grad_fn, state.params, batch, k)
+  k = spec.optim.gradient_accumulation_steps
+  (loss, metrics), grads = train.accumulated_grads(microbatch_loss, spec, state, frozen, batch)
   metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
   metrics["count/chosen"], metrics["count/rejected"] = (
       metrics["count/chosen"] * k, metrics["count/rejected"] * k)

@@ -118,14 +118,7 @@ def rm_step(spec: train.StepConfig, state: train.TrainState, frozen,
   """One reward-model update on a batch of pairs; with gradient_accumulation_steps = K the
   loss, gradient and metrics are the means over K microbatches (min/max rewards too, as TRL
   averages them over its logging window)."""
-  lora_on, k = spec.lora.enabled, spec.optim.gradient_accumulation_steps
-
-  def grad_fn(trainable, micro, i):
-    key = train.step_key(state) if k == 1 else jax.random.fold_in(train.step_key(state), i)
-    return jax.value_and_grad(microbatch_loss, argnums=2, has_aux=True)(
-        spec, frozen, trainable, micro, key if lora_on else None)
-
-  (loss, metrics), grads = train.accumulate(grad_fn, state.params, batch, k)
+  (loss, metrics), grads = train.accumulated_grads(microbatch_loss, spec, state, frozen, batch)
   return train.apply_update(state, *spec.optimizer(), loss, grads, metrics)
 
 
