@@ -407,10 +407,16 @@ class Config:
           f"--num_iterations={g.num_iterations}: must divide --grpo_steps="
           f"{self.online.grpo_steps} and --checkpoint_every={self.checkpoint.checkpoint_every} "
           f"(checkpoints fall between generation batches)")
-    kto_set = [f"--{f.name}={shown(getattr(self.kto, f.name))}"
-               for f in dataclasses.fields(KTOConfig) if getattr(self.kto, f.name) != f.default]
-    check("kto" in stages or not kto_set,
-          f"{(kto_set or [''])[0]}: must go with a kto stage (--stage={self.run.stage} has none)")
+    for name, section, readers in (("kto", self.kto, ("kto",)), ("grpo", self.grpo, ("grpo",)),
+                                   ("online", self.online, ONLINE_STAGES)):
+      changed = [f"--{f.name}={shown(getattr(section, f.name))}"
+                 for f in dataclasses.fields(section) if getattr(section, f.name) != f.default]
+      check(any(s in stages for s in readers) or not changed,
+            f"{(changed or [''])[0]}: must go with a{'n' if name == 'online' else ''} {name} "
+            f"stage (--stage={self.run.stage} has none)")
+    check(not self.grpo.reward_weights,
+          f"--reward_weights={shown(self.grpo.reward_weights)}: a run has one judge (--judge or "
+          f"--reward_fn); weights of several reward functions are not read yet")
     check("kto" not in stages or not self.reference.precompute_ref,
           f"--precompute_ref=True: the kto stage computes the reference in its step; not with "
           f"--stage={self.run.stage}")

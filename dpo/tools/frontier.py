@@ -75,12 +75,13 @@ def online_config(cfg, method: str, output_dir: str):
   prompts: online DPO with the sigmoid loss at --online_beta, GRPO with the k3 KL weighted by
   it; completions as long as the evaluation's."""
   new = cfg.eval.eval_max_new_tokens or cfg.data.max_target_length
-  common = dict(stage=method, output_dir=output_dir, online_steps=cfg.optim.steps,
-                grpo_steps=cfg.optim.steps, online_max_new_tokens=new, max_completion_length=new,
-                loss_type=("sigmoid",), beta=float(FLAGS.online_beta))
   if method == "grpo":
-    common.update(grpo_beta=float(FLAGS.online_beta), num_iterations=1)
-  return cfg.replace(**common)
+    return cfg.replace(stage=method, output_dir=output_dir, grpo_steps=cfg.optim.steps,
+                       max_completion_length=new, grpo_beta=float(FLAGS.online_beta),
+                       num_iterations=1)
+  return cfg.replace(stage=method, output_dir=output_dir, online_steps=cfg.optim.steps,
+                     online_max_new_tokens=new, loss_type=("sigmoid",),
+                     beta=float(FLAGS.online_beta))
 
 
 def best_of_n(cfg, mesh, params, ns: list[int], n_max: int) -> list[dict]:
