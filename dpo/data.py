@@ -590,6 +590,19 @@ def unpair_rows(pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 # --- batching -------------------------------------------------------------------------------------
 
+def distinct_prompts(pairs: dict | None, n: int | None = None) -> list[tuple[int, list[int]]]:
+  """The distinct prompts (token ids before the first scored token) of pair arrays, in order,
+  at most n, each with the index of its first pair."""
+  out: dict[tuple[int, ...], int] = {}
+  rows = zip(pairs["tokens"][:, 0], pairs["loss_mask"][:, 0]) if pairs else ()
+  for i, (tokens, mask) in enumerate(rows):
+    if len(out) == n:
+      break
+    scored = np.flatnonzero(mask)
+    out.setdefault(tuple(int(t) for t in tokens[:scored[0] if len(scored) else 0]), i)
+  return [(i, list(p)) for p, i in out.items() if p]
+
+
 class Repeat:
   """A loader whose every batch is given `k` times in a row (GRPO's num_iterations updates on
   one generation batch). Its state is the inner loader's after the batch being repeated, and a

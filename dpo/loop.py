@@ -236,7 +236,7 @@ class Data:
       held = self.held
       if held is None and self.unpaired_held is not None:  # unpaired: one side a row
         held = {k: self.unpaired_held[k][:, None] for k in ("tokens", "loss_mask")}
-      rows = held_prompts(held, n)
+      rows = data_lib.distinct_prompts(held, n)
       self.eval_prompt_ids = [ids for _, ids in rows]
       self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
       self.eval_chats = [self.held_records[i].prompt for i, _ in rows]
@@ -297,19 +297,6 @@ class Data:
       print(f"wrote {len(records)} {'pairs' if self.pairs is not None else 'examples'} to "
             f"{path}; --inspect_data: not training", flush=True)
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}
-
-
-def held_prompts(held: dict | None, n: int) -> list[tuple[int, list[int]]]:
-  """The distinct prompts (token ids before the first scored token) of the held-out pairs, in
-  order, at most n, each with the index of its first pair."""
-  out: dict[tuple[int, ...], int] = {}
-  rows = zip(held["tokens"][:, 0], held["loss_mask"][:, 0]) if held else ()
-  for i, (tokens, mask) in enumerate(rows):
-    if len(out) == n:
-      break
-    scored = np.flatnonzero(mask)
-    out.setdefault(tuple(int(t) for t in tokens[:scored[0] if len(scored) else 0]), i)
-  return [(i, list(p)) for p, i in out.items() if p]
 
 
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:

@@ -119,11 +119,7 @@ class Generated(online_dpo.Sampled):
     old and reference log-probs."""
     G, c = self.cfg.grpo.num_generations, self.cfg
     B = len(batch["tokens"])
-    stops = {self.scfg.eos_id, *self.scfg.stop_ids}
-    ended = np.array([bool(x) and x[-1] in stops for x in comps])
-    texts = [self.tok.decode(x[:-1] if e else x) for x, e in zip(comps, ended)]
-    chats = [self.chats[i] for i in batch["prompt_index"]] * G
-    rewards = self.judge.score([judges.records_of(p, [t])[0] for p, t in zip(chats, texts)])
+    rewards, ended = self.scored(batch, comps)
     rewards_BG = rewards.reshape(G, B).T  # row b: prompt b's G completions
     adv_BG = np.asarray(pg.group_advantages(jnp.asarray(rewards_BG, jnp.float32),
                                             c.grpo.scale_rewards))

@@ -36,12 +36,8 @@ from models import sampler, transformer
 def prompt_table(pairs: dict, pad_id: int) -> tuple[dict, list[int]]:
   """(arrays of the training pairs' distinct prompts, left-padded to one length: "tokens" and
   "segment_ids" [N, P] and "prompt_index" [N], the index of each prompt's first pair)."""
-  seen: dict[tuple[int, ...], int] = {}
-  for i, (tokens, mask) in enumerate(zip(pairs["tokens"][:, 0], pairs["loss_mask"][:, 0])):
-    scored = np.flatnonzero(mask)
-    seen.setdefault(tuple(int(t) for t in tokens[:scored[0] if len(scored) else 0]), i)
-  prompts = [list(p) for p in seen if p]
-  index = [i for p, i in seen.items() if p]
+  rows = data_lib.distinct_prompts(pairs)
+  prompts, index = [p for _, p in rows], [i for i, _ in rows]
   tokens, segments = sampler.left_pad(prompts, pad_id, multiple=8)
   return {"tokens": tokens, "segment_ids": segments,
           "prompt_index": np.asarray(index, np.int32)}, index
@@ -118,13 +114,19 @@ class Sampled:
     samples = sampler.generate(self.cfg.model, self.scfg, params, prompts, key, adapter)
     return sampler.completions(jax.device_get(samples))
 
-  def judged(self, batch, comps):
-    """(first sample chosen [B], rewards after the EOS penalty [2B], ended [2B])."""
+  def scored(self, batch, comps) -> tuple[np.ndarray, np.ndarray]:
+    """(the judge's rewards, ended) of `sample`'s completions for `batch`: each decoded without
+    its stop token and scored with its prompt as the data gave it."""
     stops = {self.scfg.eos_id, *self.scfg.stop_ids}
     ended = np.array([bool(c) and c[-1] in stops for c in comps])
     texts = [self.tok.decode(c[:-1] if e else c) for c, e in zip(comps, ended)]
-    chats = [self.chats[i] for i in batch["prompt_index"]] * 2
-    rewards = self.judge.score([judges.records_of(p, [t])[0] for p, t in zip(chats, texts)])
+    n = len(comps) // len(batch["prompt_index"])
+    chats = [self.chats[i] for i in batch["prompt_index"]] * n
+    return self.judge.score([judges.records_of(p, [t])[0] for p, t in zip(chats, texts)]), ended
+
+  def judged(self, batch, comps):
+    """(first sample chosen [B], rewards after the EOS penalty [2B], ended [2B])."""
+    rewards, ended = self.scored(batch, comps)
     chosen, rewards = choose(rewards, ended, self.cfg.online.missing_eos_penalty)
     return chosen, rewards, ended
 
