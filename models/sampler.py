@@ -145,11 +145,12 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, k
                                                               segment_ids_BT),
                               adapter, transformer.Decode(cache, index))
 
+  params, adapter = _unstacked(cfg, params, adapter)
   prompt_len_B = segment_ids_BP.sum(-1).astype(jnp.int32)
   positions_BP = jnp.maximum(jnp.cumsum(segment_ids_BP, axis=-1) - 1, 0).astype(jnp.int32)
   cache = transformer.init_cache(cfg, B, P + N)
-  cache = cache._replace(k=sharding.constrain(cache.k, _CACHE_AXES),
-                         v=sharding.constrain(cache.v, _CACHE_AXES))
+  constrain = lambda arrays: tuple(sharding.constrain(a, _CACHE_AXES) for a in arrays)
+  cache = cache._replace(k=constrain(cache.k), v=constrain(cache.v))
   h_BPD, cache = run(tokens_BP, positions_BP, segment_ids_BP, cache, 0)
   logits_BV = transformer.unembed(cfg, params, h_BPD[:, -1:])[:, 0]
 
@@ -176,11 +177,22 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, k
   return Samples(out_BN, lengths, done_B)
 
 
+def _unstacked(cfg: ModelConfig, params, adapter: transformer.Adapter | None):
+  """The weights (and LoRA factors) with their layers sliced apart once, before the decode loop
+  (`transformer.unstack_layers`): the loop then reads each layer's arrays as they are instead
+  of copying them out of the stacked arrays at every step."""
+  params = {**params, "layers": transformer.unstack_layers(params["layers"], cfg.n_layers)}
+  if adapter is not None and adapter.lora:
+    layers = transformer.unstack_layers(adapter.lora["layers"], cfg.n_layers)
+    adapter = dataclasses.replace(adapter, lora={**adapter.lora, "layers": layers})
+  return params, adapter
+
+
 def _is_stop(tokens, scfg: SamplingConfig):
   return jnp.isin(tokens, jnp.asarray((scfg.eos_id, *scfg.stop_ids), jnp.int32))
 
 
-_CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+_CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")  # one layer's keys or values
 
 
 def completions(samples: Samples) -> list[list[int]]:

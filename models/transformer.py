@@ -327,7 +327,8 @@ def _attend(cfg: ModelConfig, q_BTKGk, k_BSKk, v_BSKk, mask_BTS) -> jax.Array:
 class _LayerInputs(NamedTuple):
   """What one layer reads besides the residual stream: RoPE positions, its attention mask and
   RoPE inverse frequencies (sliding-window layers get a banded mask and possibly their own RoPE
-  base), and the cache hook (`_cache_writer`) when decoding."""
+  base), and the cache hook (`_cache_writer`) when decoding, whose updated (keys, values) of all
+  cache slots the layer attends over and returns."""
   positions_BT: jax.Array
   mask_BTS: jax.Array
   freq_k: jax.Array
@@ -363,13 +364,14 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
   q_BTHk = c(rope(q_BTHk, inputs.positions_BT, inputs.freq_k), _ACT_Q)
   k_BTKk = c(rope(k_BTKk, inputs.positions_BT, inputs.freq_k), _ACT_KV)
   v_BTKk = c(v_BTKk, _ACT_KV)
-  cache = None
-  if inputs.cache_writer is not None:
-    k_BTKk, v_BTKk, cache = inputs.cache_writer(k_BTKk, v_BTKk)
   G = cfg.n_heads // cfg.n_kv_heads
   q_BTKGk = q_BTHk.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
-  attn_BTKGk = _blocked_attention(cfg, q_BTKGk, k_BTKk, v_BTKk,
-                                  inputs.mask_BTS, inputs.cache_writer is None)
+  cache = None
+  if inputs.cache_writer is None:
+    attn_BTKGk = _blocked_attention(cfg, q_BTKGk, k_BTKk, v_BTKk, inputs.mask_BTS)
+  else:
+    cache = inputs.cache_writer(k_BTKk, v_BTKk)
+    attn_BTKGk = _attend_cache(cfg, q_BTKGk, *cache, inputs.mask_BTS)
   out_BTD = proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
   x_BTD = x_BTD + (norm("post_attn_norm", out_BTD) if cfg.post_norms else out_BTD)
 
@@ -380,12 +382,23 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
   return x_BTD, cache
 
 
-def _blocked_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, mask_BTS, same_slots: bool):
-  """`_attend` over query blocks of cfg.attention_block slots. When query and key slots are the
-  same 0..T-1 (`same_slots`: no cache), a block of queries ending at slot e can only see keys
-  before e (causal by slot), so the blocks above the diagonal are skipped."""
+def _attend_cache(cfg: ModelConfig, q_BTKGk, k_BKSk, v_BKSk, mask_BTS) -> jax.Array:
+  """`_attend` over a KV cache laid out [B, K, S, head_dim]: both contractions are batched over
+  (B, K) with the cache's slots already contiguous, so the cache is read as it lies, never
+  transposed into a copy."""
+  scores = jnp.einsum("btkgd,bksd->bkgts", q_BTKGk, k_BKSk).astype(jnp.float32)
+  scores = soft_cap(scores / math.sqrt(cfg.query_scale or cfg.head_dim), cfg.attn_softcap)
+  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSk.dtype)
+  return jnp.einsum("bkgts,bksd->btkgd", probs, v_BKSk)
+
+
+def _blocked_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, mask_BTS):
+  """`_attend` over query blocks of cfg.attention_block slots. Query and key slots are the same
+  0..T-1 (no cache), so a block of queries ending at slot e can only see keys before e (causal
+  by slot), and the blocks above the diagonal are skipped."""
   T = q_BTKGk.shape[1]
-  block = cfg.attention_block if same_slots and cfg.attention_block < T else 0
+  block = cfg.attention_block if cfg.attention_block < T else 0
   if not block:
     return _attend(cfg, q_BTKGk, k_BTKk, v_BTKk, mask_BTS)
   return jnp.concatenate([
@@ -418,26 +431,38 @@ class KVCache(NamedTuple):
 
   Slots are written in order by successive `forward` / `hidden` calls with `Decode(cache,
   index)` (`index` = the first slot of the call's tokens); a slot with segment 0 (padding or not
-  yet written) is never attended to.
+  yet written) is never attended to. Each layer's keys and values are their own array, laid out
+  [B, K, S, head_dim]: a decode loop carrying the cache writes each step's slot into them in
+  place (no stacked [L, ...] array to slice and restack every step), and attention reads them
+  without a transposed copy (`_attend_cache`).
   """
-  k: jax.Array            # [L, B, S, K, head_dim] in the compute dtype
-  v: jax.Array            # [L, B, S, K, head_dim]
-  segment_ids: jax.Array  # [B, S] int32
+  k: tuple[jax.Array, ...]  # L x [B, K, S, head_dim] in the compute dtype
+  v: tuple[jax.Array, ...]  # L x [B, K, S, head_dim]
+  segment_ids: jax.Array    # [B, S] int32
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-  shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+  shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)
   dtype = jnp.dtype(cfg.compute_dtype)
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                 jnp.zeros((batch, slots), jnp.int32))
+  zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+  return KVCache(zeros(), zeros(), jnp.zeros((batch, slots), jnp.int32))
 
 
-def _cache_writer(k_BSKk, v_BSKk, index):
+def unstack_layers(layers, n_layers: int) -> tuple:
+  """A stacked `{"name": [L, ...]}` layer pytree (parameters or LoRA factors, quantized or not)
+  as a tuple of L per-layer pytrees. A decode loop run over the tuple reads each layer's weights
+  as the loop-invariant arrays they are; over the stacked pytree it would copy every layer's
+  slice out of the stack at every step. Slice once, before the loop."""
+  return tuple(jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n_layers))
+
+
+def _cache_writer(k_BKSk, v_BKSk, index):
   """The `_layer` cache hook: writes this call's keys/values at `index`, returns all S slots."""
   def write(k_BTKk, v_BTKk):
-    k_all = jax.lax.dynamic_update_slice_in_dim(k_BSKk, k_BTKk.astype(k_BSKk.dtype), index, 1)
-    v_all = jax.lax.dynamic_update_slice_in_dim(v_BSKk, v_BTKk.astype(v_BSKk.dtype), index, 1)
-    return k_all, v_all, (k_all, v_all)
+    def put(cache, new_BTKk):
+      new_BKTk = jnp.swapaxes(new_BTKk, 1, 2).astype(cache.dtype)
+      return jax.lax.dynamic_update_slice_in_dim(cache, new_BKTk, index, 2)
+    return put(k_BKSk, k_BTKk), put(v_BKSk, v_BTKk)
   return write
 
 
@@ -463,15 +488,10 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
   updated cache). Positions (for RoPE) are independent of slots. Branch ids are not supported
   with a cache.
   """
-  dtype = jnp.dtype(cfg.compute_dtype)
-  # Gather the table's embed dimension first (rows stay split by "vocab"); a lookup into a
-  # table whose embed dimension is split makes XLA replicate the whole table instead.
-  table_VD = sharding.constrain(params["embed"].astype(dtype), ("vocab", "act_embed"))
-  x_BTD = table_VD[inputs.tokens_BT]
-  if cfg.embed_scale:
-    x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
-  x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
-  q, kv = _slots(inputs, decode)
+  x_BTD = _embed(cfg, params, inputs.tokens_BT)
+  if decode is not None:
+    return _decode_layers(cfg, params, x_BTD, inputs, adapter, decode)
+  q, kv = _slots(inputs, None)
   # Per-layer variation (sliding window, local RoPE base) rides along the scan as a flag.
   local_L = np.asarray(cfg.layer_is_local())
   mask_BTS = attention_mask(q, kv)
@@ -479,28 +499,75 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
   freq_global, freq_local = (jnp.asarray(rope_frequencies(cfg, local)) for local in (False, True))
 
   def body(x, xs):
-    p, lp, i, local, c = xs
+    p, lp, i, local = xs
     key = None if adapter is None or adapter.dropout_key is None else jax.random.fold_in(
         adapter.dropout_key, i)
     mask, freq = mask_BTS, freq_global
     if local_L.any():
       mask = jnp.where(local, local_mask_BTS, mask_BTS)
       freq = jnp.where(local, freq_local, freq_global)
-    hook = None if c is None else _cache_writer(*c, decode.index)
-    layer_inputs = _LayerInputs(inputs.positions_BT, mask, freq, hook)
-    x, c = _layer(cfg, x, p, None if adapter is None else adapter.at_layer(lp, key), layer_inputs)
-    return sharding.constrain(x, _ACT_RESID), c
+    layer_inputs = _LayerInputs(inputs.positions_BT, mask, freq)
+    x, _ = _layer(cfg, x, p, None if adapter is None else adapter.at_layer(lp, key), layer_inputs)
+    return sharding.constrain(x, _ACT_RESID), None
 
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
   lora_layers = {} if adapter is None or adapter.lora is None else adapter.lora["layers"]
-  xs = (params["layers"], lora_layers, jnp.arange(cfg.n_layers), jnp.asarray(local_L),
-        None if decode is None else (decode.cache.k, decode.cache.v))
-  x_BTD, new_kv = jax.lax.scan(body, x_BTD, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))
+  xs = (params["layers"], lora_layers, jnp.arange(cfg.n_layers), jnp.asarray(local_L))
+  x_BTD, _ = jax.lax.scan(body, x_BTD, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))
+  return rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
+
+
+def _embed(cfg: ModelConfig, params, tokens_BT: jax.Array) -> jax.Array:
+  """The residual stream's input [B, T, D]: the tokens' embedding rows (scaled for Gemma)."""
+  dtype = jnp.dtype(cfg.compute_dtype)
+  # Gather the table's embed dimension first (rows stay split by "vocab"); a lookup into a
+  # table whose embed dimension is split makes XLA replicate the whole table instead.
+  table_VD = sharding.constrain(params["embed"].astype(dtype), ("vocab", "act_embed"))
+  x_BTD = table_VD[tokens_BT]
+  if cfg.embed_scale:
+    x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+  return sharding.constrain(x_BTD, _ACT_RESID)
+
+
+def _decode_layers(cfg: ModelConfig, params, x_BTD, inputs: Inputs, adapter: Adapter | None,
+                   decode: Decode):
+  """`hidden`'s layers over a KV cache: (final hidden states [B, T, D], the updated cache).
+
+  A Python loop over the layers, not the training path's scan: each layer reads its own cache
+  arrays (updated in place when a decode loop carries them) and its own weights, without a
+  per-step slice of the stacked ones when `params["layers"]` (and the adapter's
+  `lora["layers"]`) are `unstack_layers` tuples, as models/sampler.py passes them. Stacked
+  pytrees work too (sliced here). Sliding-window layers are known per layer, so each gets its
+  own mask statically. Same math as the scan, layer by layer.
+  """
+  q, kv = _slots(inputs, decode)
+  local_L = cfg.layer_is_local()
+  mask = {local: attention_mask(q, kv, cfg.sliding_window if local else 0)
+          for local in set(local_L)}
+  freq = {local: jnp.asarray(rope_frequencies(cfg, local)) for local in set(local_L)}
+  layers = _per_layer(params["layers"], cfg.n_layers)
+  lora = None if adapter is None or adapter.lora is None else adapter.lora["layers"]
+  lora = None if lora is None else _per_layer(lora, cfg.n_layers)
+  ks, vs = [], []
+  for i, local in enumerate(local_L):
+    layer_adapter = None
+    if adapter is not None:
+      key = None if adapter.dropout_key is None else jax.random.fold_in(adapter.dropout_key, i)
+      layer_adapter = adapter.at_layer({} if lora is None else lora[i], key)
+    hook = _cache_writer(decode.cache.k[i], decode.cache.v[i], decode.index)
+    x_BTD, (k, v) = _layer(cfg, x_BTD, layers[i], layer_adapter,
+                           _LayerInputs(inputs.positions_BT, mask[local], freq[local], hook))
+    x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
+    ks.append(k)
+    vs.append(v)
   h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
-  if decode is None:
-    return h_BTD
-  return h_BTD, KVCache(new_kv[0], new_kv[1], kv.segment)
+  return h_BTD, KVCache(tuple(ks), tuple(vs), kv.segment)
+
+
+def _per_layer(layers, n_layers: int) -> tuple:
+  """Per-layer pytrees: an `unstack_layers` tuple as it is, a stacked pytree sliced."""
+  return layers if isinstance(layers, tuple) else unstack_layers(layers, n_layers)
 
 
 def _slots(inputs: Inputs, decode: Decode | None) -> tuple[Slots, Slots]:
