@@ -383,14 +383,18 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
 
 
 def _attend_cache(cfg: ModelConfig, q_BTKGk, k_BKSk, v_BKSk, mask_BTS) -> jax.Array:
-  """`_attend` over a KV cache laid out [B, K, S, head_dim]: both contractions are batched over
-  (B, K) with the cache's slots already contiguous, so the cache is read as it lies, never
-  transposed into a copy."""
-  scores = jnp.einsum("btkgd,bksd->bkgts", q_BTKGk, k_BKSk).astype(jnp.float32)
+  """`_attend` over a KV cache laid out [B, K, S, head_dim]. The G x T queries of a kv head form
+  one matrix (Q rows), so both contractions are plain matmuls batched over (B, K) that read the
+  cache as it lies; with one query slot (a decode step) regrouping the queries moves no data."""
+  B, T, K, G, Hd = q_BTKGk.shape
+  q_BKQk = jnp.moveaxis(q_BTKGk, 1, 3).reshape(B, K, G * T, Hd)
+  scores = jnp.einsum("bkqd,bksd->bkqs", q_BKQk, k_BKSk).astype(jnp.float32)
   scores = soft_cap(scores / math.sqrt(cfg.query_scale or cfg.head_dim), cfg.attn_softcap)
-  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  mask_BQS = jnp.broadcast_to(mask_BTS[:, None], (B, G, *mask_BTS.shape[1:])).reshape(B, G * T, -1)
+  scores = jnp.where(mask_BQS[:, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSk.dtype)
-  return jnp.einsum("bkgts,bksd->btkgd", probs, v_BKSk)
+  out_BKQk = jnp.einsum("bkqs,bksd->bkqd", probs, v_BKSk)
+  return jnp.moveaxis(out_BKQk.reshape(B, K, G, T, Hd), 3, 1)
 
 
 def _blocked_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, mask_BTS):

@@ -1,6 +1,8 @@
 """Sampler: KV-cache decoding against full recomputation, filters against numpy, EOS, batching."""
 
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +138,23 @@ def test_sharded_batch_matches_single_device(params, mesh):
                                                               jax.device_put(segments, one)),
                             jax.random.key(9))
   np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
+
+
+def test_decode_loop_copies_no_weights_or_cache(params):
+  """The compiled sampler slices no layer's weights and copies no layer's KV cache per step:
+  no dynamic-slice anywhere (a layer scan over the stacked weights or cache would slice them at
+  every step), and no copy whose shape is a weight's or a layer's cache."""
+  tokens, segments = sampler.left_pad(PROMPTS, PAD, multiple=8)
+  prompts = sampler.Prompts(jnp.asarray(tokens), jnp.asarray(segments))
+  hlo = sampler.generate.lower(CFG, _scfg(), params, prompts,
+                               jax.random.key(0)).compile().as_text()
+  assert "dynamic-slice(" not in hlo
+  B, P = tokens.shape
+  shapes = {s.shape[1:] for s in transformer.param_specs(CFG)["layers"].values()}
+  shapes |= {s.shape for s in transformer.param_specs(CFG)["layers"].values()}
+  shapes.add((B, CFG.n_kv_heads, P + N, CFG.head_dim))
+  copied = {tuple(map(int, m.split(","))) for m in re.findall(r"= f32\[([\d,]+)\]\S* copy\(", hlo)}
+  assert not copied & shapes, copied & shapes
 
 
 def _numpy_filter(logits, temperature, top_k, top_p):
