@@ -134,7 +134,10 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, k
   """Samples up to `max_new_tokens` after each left-padded prompt; stops a row at EOS.
 
   `adapter` is the policy's LoRA delta (None: the base alone). The loop ends early once every
-  row has finished. `key` is a typed or raw PRNG key.
+  row has finished. `key` is a typed or raw PRNG key. The layers run as a Python loop over
+  per-layer weights and per-layer caches (`transformer.hidden` with `Decode`); `params["layers"]`
+  may be stacked, as training holds them (sliced apart once per call), or already a
+  `transformer.unstack_layers` tuple.
   """
   tokens_BP, segment_ids_BP = prompts
   B, P = tokens_BP.shape
@@ -180,9 +183,12 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, k
 def _unstacked(cfg: ModelConfig, params, adapter: transformer.Adapter | None):
   """The weights (and LoRA factors) with their layers sliced apart once, before the decode loop
   (`transformer.unstack_layers`): the loop then reads each layer's arrays as they are instead
-  of copying them out of the stacked arrays at every step."""
-  params = {**params, "layers": transformer.unstack_layers(params["layers"], cfg.n_layers)}
-  if adapter is not None and adapter.lora:
+  of copying them out of the stacked arrays at every step. The slicing is one copy of the
+  weights per call (transient); a caller sampling one frozen base many times can pass
+  `params["layers"]` already unstacked (a tuple), which is used as it is."""
+  if not isinstance(params["layers"], tuple):
+    params = {**params, "layers": transformer.unstack_layers(params["layers"], cfg.n_layers)}
+  if adapter is not None and adapter.lora and not isinstance(adapter.lora["layers"], tuple):
     layers = transformer.unstack_layers(adapter.lora["layers"], cfg.n_layers)
     adapter = dataclasses.replace(adapter, lora={**adapter.lora, "layers": layers})
   return params, adapter

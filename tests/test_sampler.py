@@ -80,7 +80,10 @@ def test_lora_policy_matches_merged_weights(params, mesh):
   lcfg = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_targets=("q", "v", "up"))
   lora = lora_lib.init(CFG, lcfg, jax.random.key(1), mesh)
   lora = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(2), x.shape), lora)
-  out = _generate(params, PROMPTS, _scfg(), lora=lora, lora_scale=lcfg.scale)
+  # The policy's weights and factors passed already sliced per layer (as a caller sampling a
+  # frozen base many times may); the merged weights stacked, as training holds them.
+  unstack = lambda tree: {**tree, "layers": transformer.unstack_layers(tree["layers"], 2)}
+  out = _generate(unstack(params), PROMPTS, _scfg(), lora=unstack(lora), lora_scale=lcfg.scale)
   merged = _generate(lora_lib.merge(params, lora, lcfg), PROMPTS, _scfg())
   base = _generate(params, PROMPTS, _scfg())
   np.testing.assert_array_equal(out.tokens, merged.tokens)
