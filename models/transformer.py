@@ -5,7 +5,9 @@ parameter pytree (`init`), its abstract shapes (`abstract`), its shardings (`sha
 the LoRA pytree (models/lora.py) are all derived from that one description.
 
 Layers are stacked on a leading "layers" axis and run with `jax.lax.scan`, so compile time does
-not grow with depth and per-layer rematerialization is one `jax.checkpoint`.
+not grow with depth and per-layer rematerialization is one `jax.checkpoint`. Decoding with a KV
+cache runs them as a Python loop instead (`_decode_layers`), so a decode loop neither slices the
+stacked weights nor copies the cache at every step.
 
 Shape suffixes: B batch, T query time, S key time, D d_model, H heads, G query heads per kv
 head, K kv heads (in names) / head_dim (in einsums), F mlp hidden, V vocab, R LoRA rank.
