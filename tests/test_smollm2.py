@@ -20,7 +20,7 @@ pytest.importorskip("gguf")
 
 from dpo import chat, prepare, tokenizer  # noqa: E402
 from dpo.tools import smollm2  # noqa: E402
-from models import hf, transformer  # noqa: E402
+from models import hf, sharding, transformer  # noqa: E402
 from numerics import rel_err  # noqa: E402
 
 CONVERSATIONS = [
@@ -59,7 +59,7 @@ def test_logits_match_transformers(smollm2_dir):
   with torch.no_grad():
     want = model.eval()(input_ids=torch.tensor(tokens, dtype=torch.long),
                         attention_mask=torch.tensor(seg, dtype=torch.long)).logits.numpy()
-  cfg, params = hf.load(smollm2_dir)
+  cfg, params = hf.load(smollm2_dir, sharding.make_mesh("data:2,fsdp:2,tensor:2"))
   assert (cfg.arch, cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == (
       "llama", 30, 576, 9, 3, 49152)
   assert cfg.tie_embeddings and "lm_head" not in params  # the LM head is the embedding
