@@ -113,6 +113,11 @@ class OptimConfig:
                                   "processes.")
   learning_rate: float = option(1e-5, "Peak DPO learning rate (AdamW).")
   sft_learning_rate: float = option(1e-5, "Peak SFT learning rate (AdamW).")
+  sft_packing: int = option(0, "SFT rows of this many slots, each holding whole examples one "
+                            "after another (best-fit decreasing; positions restart at each and "
+                            "none attends to another; the loss the token mean of the unpacked "
+                            "rows), as TRL's SFTConfig(packing=True, max_length=N); "
+                            "--global_batch_size counts these rows. 0: one example a row.")
   warmup_ratio: float = option(0.1, "Fraction of steps spent in linear warmup before cosine decay.")
   weight_decay: float = option(0.0, "AdamW decoupled weight decay.")
   adam_b1: float = option(0.9, "AdamW beta1.")
@@ -126,7 +131,7 @@ class OptimConfig:
                                             "are then per microbatch, as in TRL.")
 
   def __post_init__(self):
-    rules(self, steps=at_least(1), sft_steps=NONNEG, global_batch_size=POS,
+    rules(self, steps=at_least(1), sft_steps=NONNEG, global_batch_size=POS, sft_packing=NONNEG,
           learning_rate=FINITE_POS, sft_learning_rate=FINITE_POS,
           warmup_ratio=(lambda v: 0 <= v <= 1, "in [0, 1]"), weight_decay=FINITE_NONNEG,
           adam_b1=UNIT, adam_b2=UNIT,
