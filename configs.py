@@ -371,6 +371,9 @@ class Config:
     check("sft" not in self.run.stages or self.optim.sft_steps >= 1,
           f"--sft_steps={self.optim.sft_steps}: must be >= 1 with --stage={self.run.stage} "
           f"(--stage=dpo skips SFT)")
+    check(not self.optim.sft_packing or "sft" in self.run.stages,
+          f"--sft_packing={self.optim.sft_packing}: packs the sft stage's rows; --stage="
+          f"{self.run.stage} has none")
     check("rm" not in self.run.stages or self.reward.rm_steps >= 1,
           f"--rm_steps={self.reward.rm_steps}: must be >= 1 with --stage={self.run.stage}")
     check("rm" not in self.run.stages or not self.model.packing,

@@ -78,6 +78,12 @@ def _leaking(packed):
   return {**packed, "segment_ids": (packed["segment_ids"] != 0).astype(np.int32)}
 
 
+def test_without_an_sft_stage_is_refused():
+  with pytest.raises(ValueError, match=r"--sft_packing=200: packs the sft stage's rows; "
+                     r"--stage=dpo has none"):
+    configs.DEFAULT.replace(sft_packing=200, stage="dpo")
+
+
 def test_rows_hold_each_example_once():
   ex = _examples()
   packed, summary = packing.pack_sequences(ex, SLOTS)
