@@ -113,6 +113,11 @@ class OptimConfig:
                                   "processes.")
   learning_rate: float = option(1e-5, "Peak DPO learning rate (AdamW).")
   sft_learning_rate: float = option(1e-5, "Peak SFT learning rate (AdamW).")
+  sft_packing: int = option(0, "SFT rows of this many slots, each holding whole examples one "
+                            "after another (best-fit decreasing; positions restart at each and "
+                            "none attends to another; the loss the token mean of the unpacked "
+                            "rows), as TRL's SFTConfig(packing=True, max_length=N); "
+                            "--global_batch_size counts these rows. 0: one example a row.")
   warmup_ratio: float = option(0.1, "Fraction of steps spent in linear warmup before cosine decay.")
   weight_decay: float = option(0.0, "AdamW decoupled weight decay.")
   adam_b1: float = option(0.9, "AdamW beta1.")
@@ -126,7 +131,7 @@ class OptimConfig:
                                             "are then per microbatch, as in TRL.")
 
   def __post_init__(self):
-    rules(self, steps=at_least(1), sft_steps=NONNEG, global_batch_size=POS,
+    rules(self, steps=at_least(1), sft_steps=NONNEG, global_batch_size=POS, sft_packing=NONNEG,
           learning_rate=FINITE_POS, sft_learning_rate=FINITE_POS,
           warmup_ratio=(lambda v: 0 <= v <= 1, "in [0, 1]"), weight_decay=FINITE_NONNEG,
           adam_b1=UNIT, adam_b2=UNIT,
@@ -366,6 +371,9 @@ class Config:
     check("sft" not in self.run.stages or self.optim.sft_steps >= 1,
           f"--sft_steps={self.optim.sft_steps}: must be >= 1 with --stage={self.run.stage} "
           f"(--stage=dpo skips SFT)")
+    check(not self.optim.sft_packing or "sft" in self.run.stages,
+          f"--sft_packing={self.optim.sft_packing}: packs the sft stage's rows; --stage="
+          f"{self.run.stage} has none")
     check("rm" not in self.run.stages or self.reward.rm_steps >= 1,
           f"--rm_steps={self.reward.rm_steps}: must be >= 1 with --stage={self.run.stage}")
     check("rm" not in self.run.stages or not self.model.packing,
@@ -483,11 +491,12 @@ class Config:
 # --- Presets -----------------------------------------------------------------------------------
 # Each says in one line why it departs from the recipe; docs/presets.md has the runs behind it.
 
-# default: the embedded task's byte model, trained from scratch on two CPU cores in minutes.
+# default: the embedded task's byte model, trained from scratch on two CPU cores in minutes; one
+# evaluation, at the end (the verdict's), not one more mid-way.
 DEFAULT = Config().replace(
     max_prompt_length=40, max_target_length=56, steps=200, sft_steps=2400, learning_rate=3e-4,
     rpo_alpha=4.0, sft_learning_rate=3e-3, global_batch_size=16, lora_targets=LORA_TARGETS,
-    log_every=20, eval_every=100, log_kl=True, task_eval_prompts=512, output_dir="runs/default")
+    log_every=20, eval_every=0, log_kl=True, task_eval_prompts=512, output_dir="runs/default")
 
 # bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are.
 BENCH_SMALL = Config(

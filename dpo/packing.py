@@ -37,6 +37,7 @@ pairs), into R rows, R the smallest of a few buckets that fits: at most four sha
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
@@ -263,3 +264,63 @@ class Packer:
     local = len(batch) // self.blocks
     out["pair_index"] = index[block * local:(block + 1) * local]
     return out
+
+
+# --- SFT packing (--sft_packing) -------------------------------------------------------------------
+
+SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
+
+
+def best_fit_decreasing(lengths, slots: int) -> list[list[int]]:
+  """Bins of item indices: items by decreasing length (ties in index order), each into the bin
+  with the least room that still holds it (a new bin when none does), as TRL's "bfd" packing;
+  within a bin, items in the order they were placed."""
+  bins: list[list[int]] = []
+  rooms: list[tuple[int, int]] = []                     # sorted (free slots, bin)
+  for i in sorted(range(len(lengths)), key=lambda i: -int(lengths[i])):
+    n = int(lengths[i])
+    at = bisect.bisect_left(rooms, (n, -1))
+    if at == len(rooms):
+      bins.append([i])
+      free, b = slots - n, len(bins) - 1
+    else:
+      free, b = rooms.pop(at)
+      bins[b].append(i)
+      free -= n
+    bisect.insort(rooms, (free, b))
+  return bins
+
+
+def pack_sequences(arrays: dict[str, np.ndarray], slots: int,
+                   what: str = "SFT examples") -> tuple[dict[str, np.ndarray], str]:
+  """(rows of `slots` slots each holding whole examples of the [N, T] `arrays` one after
+  another, best-fit decreasing; a one-line summary with the fill rate). Each example keeps its
+  tokens, positions (so they restart at its start) and loss mask; its segment id is its slot in
+  the row + 1, so no example attends to another (`transformer.attention_mask`). An example's first
+  token must be unscored: in a packed row the slot before it is another example's."""
+  tok, pos, seg, mask = (np.asarray(arrays[k]) for k in SEQUENCE_KEYS)
+  n, t = tok.shape
+  length = (seg != 0).sum(-1)
+  if not (seg == (np.arange(t) < length[:, None])).all():
+    raise ValueError(f"--sft_packing: a row of the {what} is not one segment followed by padding")
+  if (mask[:, 0] != 0).any():
+    raise ValueError(f"--sft_packing: {what} row {int(np.argmax(mask[:, 0] != 0))} scores its "
+                     f"first token, which a packed row would predict from another example")
+  if length.max() > slots:
+    raise ValueError(f"--sft_packing={slots}: shorter than the longest of the {what} "
+                     f"({int(length.max())} tokens)")
+  bins = best_fit_decreasing(length, slots)
+  out = {k: np.zeros((len(bins), slots), arrays[k].dtype) for k in SEQUENCE_KEYS}
+  for r, items in enumerate(bins):
+    o = 0
+    for j, i in enumerate(items):
+      m = int(length[i])
+      for k in ("tokens", "positions", "loss_mask"):
+        out[k][r, o:o + m] = arrays[k][i, :m]
+      out["segment_ids"][r, o:o + m] = j + 1
+      o += m
+  fill = length.sum() / (len(bins) * slots)
+  summary = (f"sft packing: {n} {what} in {len(bins)} rows of {slots} slots (at most "
+             f"{max(map(len, bins))} a row), fill rate {fill:.0%} of the slots "
+             f"({length.sum() / (n * t):.0%} at one a row of {t})")
+  return out, summary

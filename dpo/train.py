@@ -295,7 +295,9 @@ def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch: PairBatc
 def sft_step(spec: StepConfig, state: TrainState, frozen, batch: Rows) -> tuple[TrainState, dict]:
   """One SFT update (all weights). `frozen` is unused; the signature matches `dpo_step`.
   Microbatches (gradient accumulation) carry summed NLLs and token counts, so the loss and
-  gradient are the whole batch's token mean for any K."""
+  gradient are the whole batch's token mean for any K. Packed rows (--sft_packing) hold several
+  examples apart by segment id: the summed NLL and the token count are the same sums as over the
+  unpacked rows, so is the loss ("fill_rate": the share of slots that hold a token)."""
   del frozen
   chex.assert_rank(list(batch), 2)  # [B, T]
 
@@ -303,7 +305,11 @@ def sft_step(spec: StepConfig, state: TrainState, frozen, batch: Rows) -> tuple[
     del i
     def summed(p):
       lp, n = logprobs.sequence_logps(spec.model, p, micro)
-      return -lp.sum(), {"tokens": n.sum()}
+      aux = {"tokens": n.sum()}
+      if spec.optim.sft_packing:
+        aux["fill_rate"] = ((micro.segment_ids != 0).sum().astype(jnp.float32),
+                            jnp.float32(micro.segment_ids.size))
+      return -lp.sum(), aux
     return jax.value_and_grad(summed, has_aux=True)(params)
 
   k = spec.optim.gradient_accumulation_steps
@@ -311,8 +317,7 @@ def sft_step(spec: StepConfig, state: TrainState, frozen, batch: Rows) -> tuple[
   tokens = metrics["tokens"] * k
   scale = k / jnp.maximum(tokens, 1.0)  # summed NLL -> mean per token of the whole batch
   return apply_update(state, *spec.optimizer(), nll * scale,
-                      jax.tree.map(lambda g: g * scale, grads),
-                {"tokens": tokens})
+                      jax.tree.map(lambda g: g * scale, grads), {**metrics, "tokens": tokens})
 
 
 # --- jit -----------------------------------------------------------------------------------------

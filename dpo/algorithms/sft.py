@@ -1,5 +1,7 @@
 """Supervised fine-tuning: every weight trains on the NLL of the completions (the article's
-first stage; the DPO stage starts from and is anchored to its model)."""
+first stage; the DPO stage starts from and is anchored to its model). With --sft_packing=N the
+stage trains on rows of N slots that each hold several whole examples (dpo/packing.py
+`pack_sequences`), packed once, before the loader shuffles the rows."""
 
 from __future__ import annotations
 
@@ -8,12 +10,25 @@ import os
 
 import jax
 
-from dpo import algorithms, batches, checkpoint, hooks, identity, train
+from dpo import algorithms, batches, checkpoint, data, hooks, identity, packing, train
 from dpo.program import Start
 
 # What the SFT stage's result depends on besides the model, seed and data (dpo/identity.py).
 _OPTIM = ("sft_learning_rate", "global_batch_size", "warmup_ratio", "weight_decay", "adam_b1",
-          "adam_b2", "max_grad_norm")
+          "adam_b2", "max_grad_norm", "sft_packing")
+
+
+def rows(cfg, examples: dict) -> dict:
+  """The rows the stage trains on: `examples` ([N, T], data.sft), packed with --sft_packing."""
+  if not cfg.optim.sft_packing:
+    return examples
+  packed, summary = packing.pack_sequences(examples, cfg.optim.sft_packing)
+  logging.info("%s", summary)
+  batch = cfg.optim.global_batch_size
+  if len(packed["tokens"]) < batch:
+    raise data.DataError(f"--sft_packing={cfg.optim.sft_packing}: {len(packed['tokens'])} packed "
+                         f"SFT rows, fewer than one batch of --global_batch_size={batch}")
+  return packed
 
 
 def run(p, model: algorithms.Model) -> algorithms.Model:
@@ -22,7 +37,8 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   c = p.cfg
   sft_out = os.path.join(c.run.output_dir, "checkpoints", "sft_model")
   initial = identity.model_digest(model.path)
-  want = {"fingerprint": p.fingerprint(SFT, p.data.sft, initial)}
+  arrays = rows(c, p.data.sft)
+  want = {"fingerprint": p.fingerprint(SFT, arrays, initial)}
   if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps",
                        downstream=os.path.join(os.path.dirname(sft_out), "dpo")):
     logging.info("sft: %s exists; stage done", sft_out)
@@ -34,7 +50,7 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   stage_hooks = [hooks.LogMetrics(c.run.log_every),
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
   start = Start(fresh, None, initial, {"init_from": c.checkpoint.init_from, "lora": False})
-  state = p.stage(SFT, start, p.data.sft, stage_hooks).run()
+  state = p.stage(SFT, start, arrays, stage_hooks).run()
   checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step),
                          metrics_records=p.writer.count, **want)
   logging.info("sft: model -> %s", sft_out)
