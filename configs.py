@@ -588,6 +588,10 @@ PRESETS: dict[str, Config] = {
 }
 PRESETS = {name: c.replace(config=name) for name, c in PRESETS.items()}  # each knows its name
 
+# Presets whose inputs a tool builds: launch.py calls "module:function"(cfg) before it checks the
+# inputs, and the function builds what the run reads and is not there yet (idempotent).
+PREPARE = {"smollm2-hh": "dpo.tools.smollm2:prepare"}
+
 
 def get_config(name: str) -> Config:
   if name not in PRESETS:

