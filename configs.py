@@ -452,6 +452,9 @@ class Config:
           f"--iterative_ref_update=True with --ref_init_from={self.reference.ref_init_from!r}: "
           f"must go with full fine-tuning, --lora_rank=0 (with LoRA the updated reference is the "
           f"policy's own base plus its adapter)")
+    check(not (it.iterative_ref_update and self.loss.reference_free),
+          f"--iterative_ref_update=True: must go with a loss that reads the reference, not the "
+          f"reference-free --loss_type={chosen}")
     check(not self.grpo.reward_weights,
           f"--reward_weights={shown(self.grpo.reward_weights)}: a run has one judge (--judge or "
           f"--reward_fn); weights of several reward functions are not read yet")

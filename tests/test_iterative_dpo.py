@@ -52,6 +52,10 @@ def test_settings_the_iterative_stage_cannot_honour_are_one_line_errors():
     base.replace(iterative_ref_update=True, ref_update="hard")
   with pytest.raises(ValueError, match="--iterative_ref_update=True with --ref_init_from="):
     base.replace(iterative_ref_update=True, ref_init_from="ref")
+  with pytest.raises(ValueError, match="--iterative_ref_update=True: must go with a loss that "
+                                       "reads the reference, not the reference-free "
+                                       "--loss_type=simpo"):
+    base.replace(iterative_ref_update=True, loss_type=("simpo",), rpo_alpha=0.0)
   with pytest.raises(ValueError, match="--precompute_ref=True: the online stage iterative_dpo"):
     base.replace(precompute_ref=True)
   with pytest.raises(ValueError, match="an online stage needs a judge"):

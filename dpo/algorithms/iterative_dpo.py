@@ -90,8 +90,8 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
 
 
 def padded(arrays: dict, lengths: dict, pad_id: int) -> dict:
-  """Each array's last axis padded to its key's length in `lengths` (the first key they name),
-  "tokens" with the pad id and the rest with zeros (padding slots: segment 0, weight 0)."""
+  """Each array's last axis padded to the length of the first prefix in `lengths` that its name
+  starts with, "tokens" with the pad id and the rest with zeros (segment 0, weight 0: padding)."""
   out = {}
   for k, a in arrays.items():
     n = max(next(v for prefix, v in lengths.items() if k.startswith(prefix)), a.shape[-1])
@@ -220,7 +220,7 @@ class Rounds(Hook):
             "time/sample_s": round(t["sample"], 3), "time/judge_s": round(t["judge"], 3)}
 
 
-def rounds(p, judge, base):
+def sampled_rounds(p, judge, base):
   """dpo.preference_stage's `online`: the prompt table and the `Rounds` that samples from it."""
   c = p.cfg
   table, sampled = online_dpo.sampled(p, judge, base)
@@ -248,7 +248,7 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
     logging.info("iterative_dpo: the policy becomes the reference after each round of %d "
                  "steps", it.iterative_steps_per_round)
     p = dataclasses.replace(p, cfg=cfg)
-  return dpo.preference_stage(p, model, ITERATIVE_DPO, rounds)
+  return dpo.preference_stage(p, model, ITERATIVE_DPO, sampled_rounds)
 
 
 def step_config(cfg) -> train.StepConfig:
