@@ -163,10 +163,15 @@ class Rounds(Hook):
           f"be sampled again mid-round: restore the file, or use a fresh --output_dir")
     else:
       logging.info("iterative_dpo: round %d: reusing %s", r, path)
-    arrays = self._arrays(path, r)
+    arrays, B = self._arrays(path, r), self.cfg.optim.global_batch_size
+    n = len(arrays["tokens"])
+    if n < B:  # the reader dropped pairs whose samples were equal or empty
+      logging.warning("iterative_dpo: round %d: %d pairs left after the reader's filters, fewer "
+                      "than one batch of --global_batch_size=%d; repeating them to fill it", r,
+                      n, B)
+      arrays = {k: v[np.resize(np.arange(n), B)] for k, v in arrays.items()}
     seed = (self.cfg.run.seed + ITERATIVE_DPO.data_seed) * 1000 + r
-    self.current = (r, data_lib.Loader(arrays, self.cfg.optim.global_batch_size, seed,
-                                       what=f"{path} (its pairs after the reader's filters)"))
+    self.current = (r, data_lib.Loader(arrays, B, seed))
 
   def _arrays(self, path: str, r: int) -> dict:
     """The round file as the --train_data reader tokenises it (with the shared-prefix rows when
