@@ -31,8 +31,8 @@ from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARG
 
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
            "RewardConfig", "IterativeConfig", "ReferenceConfig", "GuardConfig", "EvalConfig",
-           "CheckpointConfig", "MeshConfig", "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS",
-           "LORA_TARGETS"]
+           "CheckpointConfig", "MeshConfig", "RunConfig", "SECTIONS", "PRESETS", "get_config",
+           "ARCHS", "LORA_TARGETS"]
 
 
 def _distinct_names(stage: str) -> bool:
