@@ -197,7 +197,7 @@ class Rounds(Hook):
     record (sha256, pair count, TRL's figures, the time spent sampling and judging)."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.run.seed), 7), r)
     B, rows = self.cfg.optim.global_batch_size, self.pool(r)
-    firsts, seconds, out, t = [], [], [], {"sample": 0.0, "judge": 0.0}
+    labels, out, t = [], [], {"sample": 0.0, "judge": 0.0}
     for c, start in enumerate(range(0, len(rows), B)):
       take = rows[start:start + B]
       full = np.concatenate([take, np.repeat(take[:1], B - len(take))])  # one sampling shape
@@ -212,8 +212,8 @@ class Rounds(Hook):
       keep = lambda a: [*a[:n], *a[B:B + n]]
       out += records([self.sampled.chats[i] for i in batch["prompt_index"][:n]], chosen[:n],
                      keep(texts), np.array(keep(rewards)))
-      firsts.append((chosen[:n], rewards[:n], rewards[B:B + n], ended[:n], ended[B:B + n]))
-    cat = lambda j: np.concatenate([f[j] for f in firsts])
+      labels.append((chosen[:n], rewards[:n], rewards[B:B + n], ended[:n], ended[B:B + n]))
+    cat = lambda j: np.concatenate([f[j] for f in labels])  # figures' [firsts, seconds] layout
     figs = online_dpo.figures(cat(0), np.concatenate([cat(1), cat(2)]),
                               np.concatenate([cat(3), cat(4)]))
     sha = write_jsonl(path, out)
