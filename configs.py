@@ -193,10 +193,11 @@ class IterativeConfig:
   iterative_steps_per_round: int = option(50, "DPO optimizer steps of each iterative round "
                                           "(the stage's length is rounds x this).")
   iterative_prompts: int = option(0, "Training prompts sampled (two completions each) per "
-                                  "iterative round, the next slice of the prompt table in a "
-                                  "seeded shuffle; 0 = --iterative_steps_per_round x "
-                                  "--global_batch_size (each pair trained on once), at most the "
-                                  "whole table.")
+                                  "iterative round: the next slice of the distinct training "
+                                  "prompts, epoch after epoch in a seeded shuffle (a prompt "
+                                  "recurs once the table is used up); 0 = "
+                                  "--iterative_steps_per_round x --global_batch_size (each pair "
+                                  "trained on once).")
   iterative_ref_update: bool = option(False, "Iterative DPO: the policy at the end of each round "
                                       "becomes the next round's reference (TR-DPO's hard "
                                       "update every --iterative_steps_per_round steps); False = "

@@ -12,9 +12,10 @@ its modifiers, the DPO stage's reference, hooks, export and evaluation (`dpo.pre
 With `--iterative_ref_update` the policy at the end of a round becomes the next round's
 reference (TR-DPO's hard update every round, dpo/reference.py).
 
-A round's pool is the next `--iterative_prompts` rows (0: steps_per_round x global_batch_size,
-at most the table) of the distinct training prompts in a seeded shuffle (`data.Loader`), so
-successive rounds see fresh prompts until the table is used up. Sampling is online DPO's
+A round's pool is the next `--iterative_prompts` rows (0: steps_per_round x global_batch_size)
+of the stream of the distinct training prompts, epoch after epoch in a seeded shuffle
+(`data.Loader`'s order), so successive rounds see fresh prompts until the table is used up, and a
+prompt recurs (with fresh samples) after that. Sampling is online DPO's
 (`online_dpo.Sampled`: the KV-cache sampler jitted on the training mesh, no weight copy), in
 batches of --global_batch_size prompts; round r's key is fold_in(key, r). One optimizer and
 learning-rate schedule run across the rounds (the stage is rounds x steps_per_round steps).
@@ -51,14 +52,11 @@ def round_path(output_dir: str, r: int) -> str:
   return os.path.join(output_dir, "iterative", f"round_{r}.jsonl")
 
 
-def pool_size(cfg, prompts: int) -> int:
-  """Prompts sampled per round: --iterative_prompts, or one epoch of the round's steps."""
+def pool_size(cfg) -> int:
+  """Prompts sampled per round: --iterative_prompts, or one pair for each of the round's
+  steps' batch rows."""
   it = cfg.iterative
-  want = it.iterative_prompts or it.iterative_steps_per_round * cfg.optim.global_batch_size
-  if it.iterative_prompts > prompts:
-    raise ValueError(f"--iterative_prompts={it.iterative_prompts}: the training data has "
-                     f"{prompts} distinct prompts")
-  return min(want, prompts)
+  return it.iterative_prompts or it.iterative_steps_per_round * cfg.optim.global_batch_size
 
 
 def records(chats: list, chosen_B: np.ndarray, texts_2B: list[str],
@@ -185,12 +183,15 @@ class Rounds(Hook):
     return padded(pairs, self.lengths, self.sampled.tok.pad_id)
 
   def pool(self, r: int) -> np.ndarray:
-    """Rows of the prompt table that round r samples."""
-    n = len(self.table["tokens"])
-    size = pool_size(self.cfg, n)
-    loader = data_lib.Loader(self.table, size, self.cfg.run.seed + ITERATIVE_DPO.data_seed)
-    per_epoch = n // size
-    return loader.batch_rows(r // per_epoch)[r % per_epoch]
+    """Rows of the prompt table that round r samples: its slice of the stream of the table's
+    epochs, each in the seeded order of `data.Loader` (a prompt recurs once the table is used
+    up, with fresh samples)."""
+    n, size = len(self.table["tokens"]), pool_size(self.cfg)
+    order = data_lib.Loader(self.table, 1, self.cfg.run.seed + ITERATIVE_DPO.data_seed)
+    first, last = r * size, (r + 1) * size
+    stream = np.concatenate([order.batch_rows(e).reshape(-1)
+                             for e in range(first // n, (last - 1) // n + 1)])
+    return stream[first - first // n * n:][:size]
 
   def _sample(self, run, r: int, path: str) -> dict:
     """Samples round r from the policy `run.state`, labels it, writes its file; returns its
@@ -229,7 +230,6 @@ def sampled_rounds(p, judge, base):
   """dpo.preference_stage's `online`: the prompt table and the `Rounds` that samples from it."""
   c = p.cfg
   table, sampled = online_dpo.sampled(p, judge, base)
-  pool_size(c, len(table["tokens"]))  # a pool larger than the table: refused before any step
   d = c.data
   how = prepare.Preparation(p.data.tok, template=p.data.template,
                             max_prompt_length=d.max_prompt_length,
