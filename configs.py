@@ -30,9 +30,9 @@ from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARG
                            shown)
 
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
-           "RewardConfig", "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig",
-           "MeshConfig", "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS",
-           "LORA_TARGETS"]
+           "RewardConfig", "IterativeConfig", "ReferenceConfig", "GuardConfig", "EvalConfig",
+           "CheckpointConfig", "MeshConfig", "RunConfig", "SECTIONS", "PRESETS", "get_config",
+           "ARCHS", "LORA_TARGETS"]
 
 
 def _distinct_names(stage: str) -> bool:
@@ -189,6 +189,31 @@ class OnlineConfig:
 
 
 @dataclass(frozen=True)
+class IterativeConfig:
+  """Iterative DPO (dpo/algorithms/iterative_dpo.py): rounds of sampling a preference file from
+  the policy, labelled by the judge, and offline DPO steps on it. Sampling reads the online
+  section's --online_temperature, --online_max_new_tokens and --missing_eos_penalty."""
+  iterative_rounds: int = option(4, "Iterative DPO rounds (stage iterative_dpo): each samples "
+                                 "a preference file from the policy and trains on it.")
+  iterative_steps_per_round: int = option(50, "DPO optimizer steps of each iterative round "
+                                          "(the stage's length is rounds x this).")
+  iterative_prompts: int = option(0, "Training prompts sampled (two completions each) per "
+                                  "iterative round: the next slice of the distinct training "
+                                  "prompts, epoch after epoch in a seeded shuffle (a prompt "
+                                  "recurs once the table is used up); 0 = "
+                                  "--iterative_steps_per_round x --global_batch_size (each pair "
+                                  "trained on once).")
+  iterative_ref_update: bool = option(False, "Iterative DPO: the policy at the end of each round "
+                                      "becomes the next round's reference (TR-DPO's hard "
+                                      "update every --iterative_steps_per_round steps); False = "
+                                      "the reference stays the model the stage started from.")
+
+  def __post_init__(self):
+    rules(self, iterative_rounds=at_least(1), iterative_steps_per_round=at_least(1),
+          iterative_prompts=NONNEG)
+
+
+@dataclass(frozen=True)
 class ReferenceConfig:
   """How the DPO reference is held: fixed (default), precomputed, or updated (TR-DPO)."""
   ref_update: str = option("none", "TR-DPO reference updates (Gorbatovski et al. 2024): none, soft "
@@ -331,10 +356,11 @@ class RunConfig:
 
 
 # Stages that sample from the policy as they train (they read the online section and a judge).
-ONLINE_STAGES = ("online_dpo", "grpo")
+ONLINE_STAGES = ("online_dpo", "grpo", "iterative_dpo")
 
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
              "loss": LossConfig, "reward": RewardConfig, "online": OnlineConfig,
+             "iterative": IterativeConfig,
              "grpo": GRPOConfig,
              "kto": KTOConfig,
              "reference": ReferenceConfig,
@@ -356,6 +382,7 @@ class Config:
   loss: LossConfig = LossConfig()
   reward: RewardConfig = RewardConfig()
   online: OnlineConfig = OnlineConfig()
+  iterative: IterativeConfig = IterativeConfig()
   grpo: GRPOConfig = GRPOConfig()
   kto: KTOConfig = KTOConfig()
   reference: ReferenceConfig = ReferenceConfig()
@@ -416,12 +443,27 @@ class Config:
           f"{self.online.grpo_steps} and --checkpoint_every={self.checkpoint.checkpoint_every} "
           f"(checkpoints fall between generation batches)")
     for name, section, readers in (("kto", self.kto, ("kto",)), ("grpo", self.grpo, ("grpo",)),
-                                   ("online", self.online, ONLINE_STAGES)):
+                                   ("online", self.online, ONLINE_STAGES),
+                                   ("iterative", self.iterative, ("iterative_dpo",))):
       changed = [f"--{f.name}={shown(getattr(section, f.name))}"
                  for f in dataclasses.fields(section) if getattr(section, f.name) != f.default]
       check(any(s in stages for s in readers) or not changed,
-            f"{(changed or [''])[0]}: must go with a{'n' if name == 'online' else ''} {name} "
+            f"{(changed or [''])[0]}: must go with a{'n' if name[0] in 'aeiou' else ''} {name} "
             f"stage (--stage={self.run.stage} has none)")
+    it = self.iterative
+    check(not it.iterative_prompts or it.iterative_prompts >= self.optim.global_batch_size,
+          f"--iterative_prompts={it.iterative_prompts}: must be 0 or at least "
+          f"--global_batch_size={self.optim.global_batch_size} (a round's pairs fill its batches)")
+    check(not it.iterative_ref_update or self.reference.ref_update == "none",
+          f"--iterative_ref_update=True: the policy already becomes the reference each round; "
+          f"not with --ref_update={self.reference.ref_update!r}")
+    check(not (it.iterative_ref_update and self.reference.ref_init_from and self.lora.enabled),
+          f"--iterative_ref_update=True with --ref_init_from={self.reference.ref_init_from!r}: "
+          f"must go with full fine-tuning, --lora_rank=0 (with LoRA the updated reference is the "
+          f"policy's own base plus its adapter)")
+    check(not (it.iterative_ref_update and self.loss.reference_free),
+          f"--iterative_ref_update=True: must go with a loss that reads the reference, not the "
+          f"reference-free --loss_type={chosen}")
     check(not self.grpo.reward_weights,
           f"--reward_weights={shown(self.grpo.reward_weights)}: a run has one judge (--judge or "
           f"--reward_fn); weights of several reward functions are not read yet")

@@ -126,8 +126,8 @@ def test_flag_nothing_reads_is_refused(tmp_path):
 def test_sections_and_help_derive_from_the_dataclasses():
   cfg = configs.DEFAULT
   assert configs.SECTIONS == ("model", "lora", "data", "optim", "loss", "reward", "online",
-                              "grpo", "kto", "reference", "guard", "eval", "checkpoint", "mesh",
-                              "run")
+                              "iterative", "grpo", "kto", "reference", "guard", "eval",
+                              "checkpoint", "mesh", "run")
   sections = {name: section for name, *_, section in cli.flag_fields()}
   assert (sections["beta"], sections["label_smoothing"], sections["learning_rate"],
           sections["kl_max"], sections["eval_every"], sections["output_dir"],

@@ -47,8 +47,9 @@ def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm
                      online=None, kl_estimate: str | None = "") -> algorithms.Model:
   """A preference stage of `algorithm` from `model`: the DPO stage on the training pairs, or
   with `online(p, judge, base) -> (prompt arrays, Program.stage's online)` a stage that samples
-  its pairs as it trains (dpo/algorithms/online_dpo.py); the same reference, loss, hooks,
-  export and evaluation either way. `kl_estimate` is what the KL guard watches ("" = the DPO
+  its pairs as it trains (dpo/algorithms/online_dpo.py; the online object's `hooks`, if it has
+  any, go first in the stage's hooks); the same reference, loss, hooks, export and evaluation
+  either way. `kl_estimate` is what the KL guard watches ("" = the DPO
   step's, `Config.kl_estimate`; None = nothing the stage logs, the guard off)."""
   c, mesh, summary = p.cfg, p.mesh, p.summary
   reference_path = _reference_path(c, model)
@@ -95,8 +96,8 @@ def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm
   start = Start(fresh, frozen, identity.model_digest(reference_path),
                 {"reference": reference_path, "lora": c.lora.enabled})
   estimate = c.kl_estimate if kl_estimate == "" else kl_estimate
-  state = p.stage(algorithm, start, pairs, _hooks(c, p.data, evaluate_state, estimate), packed,
-                  sampled).run()
+  hooks = [*getattr(sampled, "hooks", ()), *_hooks(c, p.data, evaluate_state, estimate)]
+  state = p.stage(algorithm, start, pairs, hooks, packed, sampled).run()
   summary[f"{algorithm.name}_time_s"] = round(time.perf_counter() - t_dpo, 1)
   policy = weights(state)
   handed_on = _save_policy(c, policy, int(state.step), reference_path, algorithm.name)

@@ -61,6 +61,16 @@ def choose(rewards_2B: np.ndarray, ended_2B: np.ndarray, missing_eos_penalty: fl
   return first >= second, r
 
 
+def figures(chosen_B: np.ndarray, rewards_2B: np.ndarray, ended_2B: np.ndarray) -> dict:
+  """TRL OnlineDPOTrainer's figures of labelled samples (`choose`'s layout): the samples' mean
+  reward, the chosen-rejected gap and the share that ended."""
+  first, second = np.split(np.asarray(rewards_2B), 2)
+  picked, other = np.where(chosen_B, first, second), np.where(chosen_B, second, first)
+  return {"objective/scores": float(np.mean(rewards_2B)),
+          "objective/scores_margin": float((picked - other).mean()),
+          "val/contain_eos_token": float(np.mean(ended_2B))}
+
+
 @dataclasses.dataclass
 class Sampled:
   """Program.stage's `online` for online DPO: samples, judges and updates, one step a call."""
@@ -91,11 +101,7 @@ class Sampled:
                        self.tok.pad_id)
       state, metrics = update(state, frozen, batches.PairBatch(batches.Rows.of(rows)))
       jax.block_until_ready(state)
-      picked = np.where(chosen, rewards[:B], rewards[B:])
-      other = np.where(chosen, rewards[B:], rewards[:B])
-      metrics = {**metrics, "objective/scores": float(rewards.mean()),
-                 "objective/scores_margin": float((picked - other).mean()),
-                 "val/contain_eos_token": float(ended.mean()),
+      metrics = {**metrics, **figures(chosen, rewards, ended),
                  "time/sample_s": round(t1 - t0, 3), "time/judge_s": round(t2 - t1, 3),
                  "time/train_s": round(time.perf_counter() - t2, 3)}
       return state, metrics
@@ -114,12 +120,16 @@ class Sampled:
     samples = sampler.generate(self.cfg.model, self.scfg, params, prompts, key, adapter)
     return sampler.completions(jax.device_get(samples))
 
+  def decoded(self, comps) -> tuple[list[str], np.ndarray]:
+    """(each of `sample`'s completions as text, without its stop token; whether it ended)."""
+    stops = {self.scfg.eos_id, *self.scfg.stop_ids}
+    ended = np.array([bool(c) and c[-1] in stops for c in comps])
+    return [self.tok.decode(c[:-1] if e else c) for c, e in zip(comps, ended)], ended
+
   def scored(self, batch, comps) -> tuple[np.ndarray, np.ndarray]:
     """(the judge's rewards, ended) of `sample`'s completions for `batch`: each decoded without
     its stop token and scored with its prompt as the data gave it."""
-    stops = {self.scfg.eos_id, *self.scfg.stop_ids}
-    ended = np.array([bool(c) and c[-1] in stops for c in comps])
-    texts = [self.tok.decode(c[:-1] if e else c) for c, e in zip(comps, ended)]
+    texts, ended = self.decoded(comps)
     n = len(comps) // len(batch["prompt_index"])
     chats = [self.chats[i] for i in batch["prompt_index"]] * n
     return self.judge.score([judges.records_of(p, [t])[0] for p, t in zip(chats, texts)]), ended
