@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import configs
 import faults
-from dpo import checkpoint, loop, train
+from dpo import checkpoint, loop, runner, train
 from faults import Crash, SimulatedCrash
 from models import lora as lora_lib
 from models import sharding, transformer
@@ -684,3 +684,27 @@ def test_full_disk_is_one_message_and_the_rerun_resumes(tmp_path, reference_run,
   assert records(out) == records(reference_run)
   for k, v in _loop_outputs(out).items():
     assert_tree_bitwise(v, _loop_outputs(reference_run)[k])
+
+
+@pytest.mark.slow
+def test_a_kill_after_a_checkpoint_keeps_that_steps_evaluation(tmp_path, monkeypatch):
+  """A step's evaluation runs before its checkpoint: a run killed once DPO's step-2 checkpoint is
+  written resumes from it with step 2's evaluation on record, as the uninterrupted run has it."""
+  kw = dict(eval_every=2, task_eval_pairs=8, task_eval_prompts=8, eval_max_new_tokens=4)
+  loop.run(tiny_cfg(tmp_path / "ref", **kw))
+  save = runner.Stage.save
+
+  def save_then_die(self):
+    save(self)
+    if self.name == "dpo" and self.step == 2:
+      raise SimulatedCrash("fault: killed after the dpo step-2 checkpoint")
+
+  with monkeypatch.context() as m:
+    m.setattr(runner.Stage, "save", save_then_die)
+    with pytest.raises(SimulatedCrash):
+      loop.run(tiny_cfg(tmp_path / "cut", **kw))
+  loop.run(tiny_cfg(tmp_path / "cut", **kw))
+  timeless = lambda out: [{k: v for k, v in r.items() if k != "eval/eval_time_s"}
+                          for r in records(out)]
+  assert timeless(tmp_path / "cut") == timeless(tmp_path / "ref")
+  assert [r["step"] for r in records(tmp_path / "ref") if r["stage"] == "eval"] == [2, 4, 6]

@@ -181,8 +181,9 @@ def _hooks(c, data, evaluate_state, estimate: str | None) -> list:
   guard = hooks.KLGuard(c.guard, estimate or "kl", c.loss.beta, float(mask.sum() / max(
       mask[..., 0].size, 1)))
   return [*([guard] if guarded else []), log,
-          hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
+          # evaluation first: a checkpoint then implies its step's evaluation is on record
           hooks.Evaluate(c.eval.eval_every, evaluate_state, log),
+          hooks.SaveCheckpoints(c.checkpoint.checkpoint_every),
           *([hooks.UpdateReference(c.reference)] if c.reference.ref_update != "none" else [])]
 
 
