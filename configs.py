@@ -288,9 +288,10 @@ class EvalConfig:
                       "transformers *ForSequenceClassification folder with its tokenizer), or rm "
                       "(this run's rm stage's model); empty = --reward_fn (dpo/judges.py).")
   reward_fn: str = option("", "A judge that is a Python function module:function of (prompt, "
-                          "response) returning a number (rule-based or verifiable rewards); empty "
-                          "= the embedded task's true reward (dpo.task:reward) on that task, no "
-                          "judge on other data.")
+                          "response) returning a number (rule-based or verifiable rewards), or "
+                          "several comma-separated (a:f,b:g), one judge whose reward is their "
+                          "sum weighted by --reward_weights; empty = the embedded task's true "
+                          "reward (dpo.task:reward) on that task, no judge on other data.")
 
   def __post_init__(self):
     rules(self, eval_every=NONNEG, eval_batch_size=POS, eval_max_new_tokens=NONNEG,
@@ -464,9 +465,7 @@ class Config:
     check(not (it.iterative_ref_update and self.loss.reference_free),
           f"--iterative_ref_update=True: must go with a loss that reads the reference, not the "
           f"reference-free --loss_type={chosen}")
-    check(not self.grpo.reward_weights,
-          f"--reward_weights={shown(self.grpo.reward_weights)}: a run has one judge (--judge or "
-          f"--reward_fn); weights of several reward functions are not read yet")
+    self._check_reward_weights()
     check("kto" not in stages or not self.reference.precompute_ref,
           f"--precompute_ref=True: the kto stage computes the reference in its step; not with "
           f"--stage={self.run.stage}")
@@ -494,6 +493,16 @@ class Config:
           f"--kl_max={self.guard.kl_max!r}: must go with the reference in the step, not "
           f"--precompute_ref or a reference-free loss: it bounds the exact token KL of the KL "
           f"guard (the --kl_spike_factor test runs there, on an estimate)")
+
+  def _check_reward_weights(self) -> None:
+    """--reward_weights: one weight per --reward_fn function (TRL's reward_weights)."""
+    weights, functions = self.grpo.reward_weights, len(self.eval.reward_fn.split(","))
+    check(not weights or bool(self.eval.reward_fn),
+          f"--reward_weights={shown(weights)}: weighs the functions of --reward_fn=a:f,b:g; "
+          f"give them")
+    check(not weights or len(weights) == functions,
+          f"--reward_weights={shown(weights)}: give one weight per --reward_fn function "
+          f"({functions}: {self.eval.reward_fn}), not {len(weights)}")
 
   @property
   def online_stages(self) -> tuple[str, ...]:

@@ -6,6 +6,9 @@ A judge maps (prompt, response) records to one number each, higher meaning bette
     conversational data the conversation as a list of {"role", "content"} dicts (as TRL passes
     conversational prompts to its reward functions); the response is the text. The embedded
     task's true reward is one (`dpo.task:reward`), the default on that task.
+  * `RewardFunctions` (--reward_fn=a:f,b:g with --reward_weights): several functions as one
+    judge, the weighted sum of their rewards (TRL GRPOTrainer's reward_funcs/reward_weights);
+    GRPO also logs each function's rewards.
   * `RewardModelJudge` (--judge=): a reward model (dpo/algorithms/rm.py's scalar head on the
     transformer): `hf:DIR`, a transformers `*ForSequenceClassification` folder with one label
     and its tokenizer; a reward-model checkpoint (checkpoints/rm_model of an rm stage), which
@@ -77,20 +80,69 @@ class FunctionJudge:
     judge.name, judge.flag, judge.fn = name or getattr(fn, "__name__", "function"), "judge", fn
     return judge
 
-  def score(self, records: Sequence[Record]) -> np.ndarray:
-    """[N] float64: the function of each record's prompt and chosen response."""
+  def score(self, records: Sequence[Record], allow_none: bool = False) -> np.ndarray:
+    """[N] float64: the function of each record's prompt and chosen response; with
+    `allow_none`, a None is NaN (TRL's "this function does not apply to this completion")."""
     out = np.empty(len(records), np.float64)
     for i, rec in enumerate(records):
       prompt = (rec.prompt if isinstance(rec.prompt, str) else
                 [{"role": m.role, "content": m.content} for m in rec.prompt])
       value = self.fn(prompt, formats.response_text(rec.chosen))
+      if value is None and allow_none:
+        out[i] = np.nan
+        continue
       if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or (
           not math.isfinite(float(value))):
         raise JudgeError(f"{self.flag}={self.name}: returned {value!r} "
                          f"({type(value).__name__}) for record {i} (prompt "
-                         f"{str(prompt)[:60]!r}); a reward function returns a finite number")
+                         f"{str(prompt)[:60]!r}); a reward function returns a finite number"
+                         f"{' or None' if allow_none else ''}")
       out[i] = float(value)
     return out
+
+
+class RewardFunctions:
+  """--reward_fn=a:f,b:g (several functions) with --reward_weights (TRL GRPOTrainer's
+  reward_funcs and reward_weights): one judge whose reward is the weighted sum of the functions'
+  rewards. A function may return None for a completion it does not apply to (NaN, counted as 0 in
+  the sum, as TRL's nansum); a completion every function left None is unscorable (NaN: GRPO gives
+  it advantage 0; the win rate and online DPO, which need a number, refuse it)."""
+
+  def __init__(self, specs: Sequence[str], weights: Sequence[float] = (),
+               flag: str = "--reward_fn"):
+    self.flag, self.name = flag, ",".join(specs)
+    self.functions = [FunctionJudge(s, flag) for s in specs]
+    if weights and len(weights) != len(specs):
+      raise JudgeError(f"--reward_weights={','.join(map(str, weights))}: give one weight per "
+                       f"{flag} function ({len(specs)}: {self.name}), not {len(weights)}")
+    self.weights = tuple(float(w) for w in weights) or (1.0,) * len(specs)
+    short = [s.partition(":")[2] for s in specs]  # TRL logs a function by its name
+    self.names = short if len(set(short)) == len(short) else list(specs)
+
+  def each(self, records: Sequence[Record]) -> np.ndarray:
+    """[N, F] float64: each function's reward of each record (NaN where it returned None)."""
+    return np.stack([f.score(records, allow_none=True) for f in self.functions], axis=-1)
+
+  def combined(self, rewards_NF: np.ndarray) -> np.ndarray:
+    """[N] the weighted sum (policy_gradient.weighted_rewards: TRL's nansum; NaN unscorable)."""
+    from dpo import policy_gradient as pg
+    return np.asarray(pg.weighted_rewards(np.asarray(rewards_NF, np.float32), self.weights),
+                      np.float64)
+
+  def score(self, records: Sequence[Record]) -> np.ndarray:
+    """[N] float64: the weighted sum; a record no function scored is a JudgeError."""
+    total = self.combined(self.each(records))
+    bad = np.flatnonzero(np.isnan(total))
+    if bad.size:
+      raise JudgeError(f"{self.flag}={self.name}: every function returned None for record "
+                       f"{bad[0]} ({bad.size} of {len(total)}); this judge must give each a "
+                       f"number")
+    return total
+
+
+def specs(cfg) -> list[str]:
+  """The functions --reward_fn names, comma-separated ([] = none)."""
+  return [s.strip() for s in cfg.eval.reward_fn.split(",")] if cfg.eval.reward_fn else []
 
 
 @dataclasses.dataclass
@@ -156,7 +208,7 @@ def _score_fn(model, mesh):
   return _SCORE_FNS[key]
 
 
-Judge = FunctionJudge | RewardModelJudge
+Judge = FunctionJudge | RewardFunctions | RewardModelJudge
 
 
 def _check_hf_folder(path: str) -> None:
@@ -237,7 +289,9 @@ def check(cfg) -> None:
   checkpoint or a folder with a sequence classifier and its tokenizer (`rm` is checked when the
   rm stage has run)."""
   e = cfg.eval
-  if e.reward_fn:
+  if len(specs(cfg)) > 1:
+    RewardFunctions(specs(cfg), cfg.grpo.reward_weights)
+  elif e.reward_fn:
     FunctionJudge(e.reward_fn)
   if e.judge.startswith("hf:"):
     _check_hf_folder(e.judge[3:])
@@ -263,6 +317,8 @@ def load(cfg, mesh, run_tok, run_template) -> Judge | None:
   if e.judge:
     check(cfg)
     return _checkpoint_judge(cfg, mesh, e.judge, run_tok, run_template)
+  if len(specs(cfg)) > 1:
+    return RewardFunctions(specs(cfg), cfg.grpo.reward_weights)
   if e.reward_fn:
     return FunctionJudge(e.reward_fn)
   if not cfg.data.train_data:
@@ -273,6 +329,8 @@ def load(cfg, mesh, run_tok, run_template) -> Judge | None:
 def describe(judge: Judge | None) -> str:
   if judge is None:
     return "none"
+  if isinstance(judge, RewardFunctions):
+    return f"reward functions {judge.name} weighted {','.join(map(str, judge.weights))}"
   return f"{'reward model' if isinstance(judge, RewardModelJudge) else 'reward function'} " \
          f"{judge.name}"
 

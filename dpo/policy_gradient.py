@@ -78,8 +78,9 @@ class GRPOConfig:
   use_bias_correction_kl: bool = option(True, "GRPO: multiply the per-token KL by the importance "
                                         "ratio (TRL's use_bias_correction_kl, DeepSeek-V3.2); "
                                         "read only with grpo_beta > 0.")
-  reward_weights: tuple[float, ...] = option((), "GRPO: weights of the reward functions, summed "
-                                             "(TRL's reward_weights); empty = all 1.0.")
+  reward_weights: tuple[float, ...] = option((), "GRPO: weights of the --reward_fn functions, "
+                                             "one each, their weighted sum the reward (TRL's "
+                                             "reward_weights); empty = all 1.0.")
   num_generations: int = option(8, "GRPO: completions sampled per prompt, G (TRL's "
                                 "num_generations).")
   num_iterations: int = option(1, "GRPO: updates per generated batch, mu (TRL's "

@@ -90,10 +90,10 @@ def test_settings_grpo_cannot_honour_are_one_line_errors(tmp_path):
   with pytest.raises(ValueError, match="checkpoints fall between generation batches"):
     _cfg(tmp_path, checkpoint_every=3)
   # Flags that nothing would read: GRPO's without a grpo stage, the online section's without an
-  # online stage, reward weights with one judge.
+  # online stage, reward weights not one per reward function.
   with pytest.raises(ValueError, match=r"^--num_generations=4: must go with a grpo stage"):
     configs.DEFAULT.replace(num_generations=4)
   with pytest.raises(ValueError, match=r"^--online_temperature=0.5: must go with an online stage"):
     configs.DEFAULT.replace(online_temperature=0.5)
-  with pytest.raises(ValueError, match=r"^--reward_weights=1.0,2.0: a run has one judge"):
+  with pytest.raises(ValueError, match=r"^--reward_weights=1.0,2.0: give one weight per "):
     _cfg(tmp_path, reward_weights=(1.0, 2.0))

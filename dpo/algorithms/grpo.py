@@ -14,7 +14,8 @@ online DPO's (dpo/algorithms/online_dpo.py): jitted on the training mesh, no wei
 shapes. LoRA dropout is off in the GRPO step, so the importance ratio of the first update of a
 batch is exactly 1. Single process.
 
-Logged per step, TRL's names: reward, reward_std, frac_reward_zero_std, completions/mean_length,
+Logged per step, TRL's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean
+and /std (several --reward_fn functions, summed with --reward_weights), completions/mean_length,
 completions/clipped_ratio, kl, clip_ratio/*, and the time split (time/sample_s, time/judge_s,
 time/train_s).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -119,7 +121,7 @@ class Generated(online_dpo.Sampled):
     old and reference log-probs."""
     G, c = self.cfg.grpo.num_generations, self.cfg
     B = len(batch["tokens"])
-    rewards, ended = self.scored(batch, comps)
+    rewards, ended, info = self.rewarded(batch, comps)
     rewards_BG = rewards.reshape(G, B).T  # row b: prompt b's G completions
     adv_BG = np.asarray(pg.group_advantages(jnp.asarray(rewards_BG, jnp.float32),
                                             c.grpo.scale_rewards))
@@ -137,13 +139,39 @@ class Generated(online_dpo.Sampled):
       ref_params = frozen.params if frozen.ref_params is None else frozen.ref_params
       ref = np.asarray(jax.device_get(score(ref_params, device_rows)))
     lengths = np.array([len(x) for x in comps], np.float64)
-    std_BG = rewards_BG.std(axis=1, ddof=1)
-    info = {"reward": float(rewards.mean()), "reward_std": float(rewards.std(ddof=1)),
+    std_BG = _nanstd(rewards_BG, axis=1)
+    info = {**info, "reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
             "frac_reward_zero_std": float(np.mean(np.isclose(std_BG, 0.0))),
             "completions/mean_length": float(lengths.mean()),
             "completions/clipped_ratio": float(1.0 - ended.mean())}
     flat = lambda a_BG: a_BG.T.reshape(-1)  # back to the rows' layout
     return GRPOBatch(rows, flat(adv_BG).astype(np.float32), old, ref), info
+
+  def rewarded(self, batch, comps) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(the completions' rewards, ended, logged figures): with several reward functions the
+    weighted sum (NaN: unscorable) and each function's rewards/<name>/mean and /std (TRL's)."""
+    if not isinstance(self.judge, judges.RewardFunctions):
+      rewards, ended = self.scored(batch, comps)
+      return rewards, ended, {}
+    rewards_NF, ended = self.scored(batch, comps, self.judge.each)
+    info = {}
+    for name, r_N in zip(self.judge.names, rewards_NF.T):
+      info[f"rewards/{name}/mean"] = _nanmean(r_N)
+      info[f"rewards/{name}/std"] = _nanstd(r_N)
+    return self.judge.combined(rewards_NF), ended, info
+
+
+def _nanstd(x: np.ndarray, axis=None):
+  """TRL's nanstd: Bessel-corrected over the non-NaN values; NaN for fewer than two."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    out = np.nanstd(x, axis=axis, ddof=1)
+  return float(out) if axis is None else out
+
+
+def _nanmean(x: np.ndarray) -> float:
+  """torch.nanmean: the mean of the non-NaN values; NaN for none."""
+  return float(np.mean(x[~np.isnan(x)])) if (~np.isnan(x)).any() else float("nan")
 
 
 def generated(p, judge, base):

@@ -126,13 +126,15 @@ class Sampled:
     ended = np.array([bool(c) and c[-1] in stops for c in comps])
     return [self.tok.decode(c[:-1] if e else c) for c, e in zip(comps, ended)], ended
 
-  def scored(self, batch, comps) -> tuple[np.ndarray, np.ndarray]:
+  def scored(self, batch, comps, score=None) -> tuple[np.ndarray, np.ndarray]:
     """(the judge's rewards, ended) of `sample`'s completions for `batch`: each decoded without
-    its stop token and scored with its prompt as the data gave it."""
+    its stop token and scored with its prompt as the data gave it (by `score`, a function of
+    the records; None = the judge's score)."""
     texts, ended = self.decoded(comps)
     n = len(comps) // len(batch["prompt_index"])
     chats = [self.chats[i] for i in batch["prompt_index"]] * n
-    return self.judge.score([judges.records_of(p, [t])[0] for p, t in zip(chats, texts)]), ended
+    records = [judges.records_of(p, [t])[0] for p, t in zip(chats, texts)]
+    return (score or self.judge.score)(records), ended
 
   def judged(self, batch, comps):
     """(first sample chosen [B], rewards after the EOS penalty [2B], ended [2B])."""
