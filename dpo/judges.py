@@ -284,15 +284,20 @@ def source(cfg) -> str:
   return "reward_fn:dpo.task:reward" if not cfg.data.train_data else ""
 
 
+def _functions(cfg) -> FunctionJudge | RewardFunctions | None:
+  """--reward_fn's judge, imported: one function, several as RewardFunctions, None without."""
+  names = specs(cfg)
+  if len(names) > 1:
+    return RewardFunctions(names, cfg.grpo.reward_weights)
+  return FunctionJudge(cfg.eval.reward_fn) if names else None
+
+
 def check(cfg) -> None:
   """What can be checked before any work: --reward_fn imports, --judge names a reward-model
   checkpoint or a folder with a sequence classifier and its tokenizer (`rm` is checked when the
   rm stage has run)."""
   e = cfg.eval
-  if len(specs(cfg)) > 1:
-    RewardFunctions(specs(cfg), cfg.grpo.reward_weights)
-  elif e.reward_fn:
-    FunctionJudge(e.reward_fn)
+  _functions(cfg)
   if e.judge.startswith("hf:"):
     _check_hf_folder(e.judge[3:])
   elif e.judge and e.judge != "rm":
@@ -317,10 +322,8 @@ def load(cfg, mesh, run_tok, run_template) -> Judge | None:
   if e.judge:
     check(cfg)
     return _checkpoint_judge(cfg, mesh, e.judge, run_tok, run_template)
-  if len(specs(cfg)) > 1:
-    return RewardFunctions(specs(cfg), cfg.grpo.reward_weights)
   if e.reward_fn:
-    return FunctionJudge(e.reward_fn)
+    return _functions(cfg)
   if not cfg.data.train_data:
     return FunctionJudge("dpo.task:reward", "the embedded task's reward")
   return None
