@@ -111,6 +111,10 @@ class RewardFunctions:
   def __init__(self, specs: Sequence[str], weights: Sequence[float] = (),
                flag: str = "--reward_fn"):
     self.flag, self.name = flag, ",".join(specs)
+    twice = sorted({s for s in specs if list(specs).count(s) > 1})
+    if twice:  # the same function twice would log two columns under one name
+      raise JudgeError(f"{flag}={self.name}: {', '.join(twice)} named more than once; weight one "
+                       f"function with --reward_weights instead")
     self.functions = [FunctionJudge(s, flag) for s in specs]
     if weights and len(weights) != len(specs):
       raise JudgeError(f"--reward_weights={','.join(map(str, weights))}: give one weight per "

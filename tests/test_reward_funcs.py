@@ -95,6 +95,14 @@ def test_an_unimportable_function_among_several_is_refused_before_work():
     judges.check(cfg)
 
 
+def test_a_function_named_twice_is_refused_before_work():
+  cfg = configs.DEFAULT.replace(reward_fn="dpo.task:reward, dpo.task:reward")
+  with pytest.raises(judges.JudgeError, match=r"--reward_fn=dpo.task:reward,dpo.task:reward: "
+                     r"dpo.task:reward named more than once") as e:
+    judges.check(cfg)
+  assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_sft_grpo_run_logs_each_function(tmp_path):
   out = tmp_path / "run"
