@@ -297,7 +297,7 @@ def dense(x: jax.Array, w, n_in: int, lora: Delta | None = None,
 
   The one place weights are applied: a quantized `w` (models/quant.py) is dequantized here, on
   the fly, so the float weight exists only transiently inside the step. `explicit` gives the
-  `w` matmul `matmul`'s written-out backward (--matmul_backward); the LoRA factors keep JAX's.
+  `w` matmul and the LoRA factors' matmuls `matmul`'s written-out backward (--matmul_backward).
   """
   if quant.is_quantized(w):
     w = quant.dequantize(w)
@@ -312,8 +312,8 @@ def dense(x: jax.Array, w, n_in: int, lora: Delta | None = None,
         keep = jax.random.bernoulli(lora.key, 1.0 - lora.rate, (lora.source.rows, *x.shape[1:]))
         keep = keep[index_BT // T, index_BT % T]
       xd = jnp.where(keep, x / (1.0 - lora.rate), 0).astype(x.dtype)
-    h = jnp.tensordot(xd, lora.a.astype(x.dtype), axes=n_in)
-    y = y + lora.scale * jnp.tensordot(h, lora.b.astype(x.dtype), axes=1)
+    h = matmul(xd, lora.a.astype(x.dtype), n_in, explicit)
+    y = y + lora.scale * matmul(h, lora.b.astype(x.dtype), 1, explicit)
   return y
 
 

@@ -121,3 +121,39 @@ def test_factor_shardings_follow_base():
 def test_bad_targets_rejected():
   with pytest.raises(ValueError, match="lora_targets"):
     LoraConfig(lora_targets=("q", "qkv"))
+
+
+def test_explicit_backward_gives_the_factors_autodiff_gradients(mesh1):
+  """--matmul_backward=explicit writes out the LoRA factors' backward too (each factor's
+  gradient formed in its own layout, so XLA:CPU never transposes the activation gradients it
+  contracts); the factors' gradients, dropout on, are JAX's up to summation order."""
+  import numerics
+  params = transformer.init(CFG, jax.random.key(0), mesh1)
+  lora = _randomize_b(lora_lib.init(CFG, ALL, jax.random.key(1), mesh1), jax.random.key(2))
+  inputs = transformer.Inputs(*_inputs())
+  def grads(cfg):
+    adapter = lambda f: transformer.Adapter(f, ALL.scale, dropout_key=jax.random.key(3),
+                                            dropout_rate=ALL.lora_dropout)
+    return jax.grad(lambda f: transformer.forward(cfg, params, inputs, adapter(f)).mean())(lora)
+  explicit = ModelConfig(**{**CFG.__dict__, "matmul_backward": "explicit"})
+  tol = numerics.reorder_tol(_inputs()[0].size, numerics.backprop_depth(CFG.n_layers))
+  numerics.assert_close({"explicit": (grads(explicit), grads(CFG), tol)})
+  # The bound catches a factor gradient that misses the last token of its sum.
+  @jax.custom_vjp
+  def wrong(x, w):
+    return jnp.tensordot(x, w, axes=1)
+  def bwd(res, dy):
+    x, w = res
+    dx, dw = jax.vjp(lambda x, w: jnp.tensordot(x, w, axes=1), x, w)[1](dy)
+    lead = list(range(x.ndim - 1))
+    return dx, dw - jnp.tensordot(x[:, -1:], dy[:, -1:], axes=(lead, lead))  # [B, T, ...]
+  wrong.defvjp(lambda x, w: (wrong(x, w), (x, w)), bwd)
+  original = transformer._explicit_matmul
+  try:
+    is_b = lambda x, w, n_in: n_in == 1 and x.shape[-1] == w.shape[0] == ALL.lora_rank
+    transformer._explicit_matmul = lambda x, w, n_in: (wrong(x, w) if is_b(x, w, n_in)
+                                                       else original(x, w, n_in))
+    numerics.assert_mistake_caught({"explicit": (grads(explicit), grads(CFG), tol)},
+                                   "a LoRA B gradient missing the last token")
+  finally:
+    transformer._explicit_matmul = original
