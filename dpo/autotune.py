@@ -3,7 +3,7 @@
 These three model fields (`scan_unroll`, `matmul_backward`, `attention_block`) change how XLA
 lays out and schedules the same sums, never the sums, and which setting is fastest depends on
 the CPU: on the Intel Xeon of docs/benchmarks.md the unrolled layers with the explicit backward
-halve the full fine-tune's rate on shared rows, on the AMD EPYC they are the fastest. So a stage
+were the slowest full fine-tune on shared rows (issue 30), on the AMD EPYC the fastest. So a stage
 with `--autotune=on` times a few candidates on its own jitted step, shapes and first batch
 (`choose`), and trains with the fastest.
 
@@ -12,7 +12,9 @@ The choice changes float rounding, so a run must keep it: it is recorded per sta
 fingerprint, which holds the model fields, is the one its checkpoints were written with), and
 cached across runs in `$DPO_JAX_CACHE/autotune.json` (default `~/.cache/dpo-jax`), keyed by the
 CPU model, the device count, the step, the config fields that shape it, the batch shapes and the
-candidate set. One log line per candidate gives its median step time.
+candidate set. One log line per candidate gives its median step time. The winner can depend on
+the machine's load as well as its CPU (docs/benchmarks.md), so the entry records the load
+average it was measured under; delete the cache file to measure again.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def tuned(cfg, step_name: str, batch_shapes: dict, slots: int,
 def measured(cfg, step_name: str, batch_shapes: dict, slots: int,
              time_steps: Callable[[list[dict]], list[float]], record_dir: str | None = None,
              blocks: bool = True) -> dict:
-  """{"key", "choice", "seconds", "cpu"}: the fastest setting of FIELDS for the step
+  """{"key", "choice", "seconds", "cpu", "load"}: the fastest setting of FIELDS for the step
   `step_name` on batches of `batch_shapes` ({name: shape}) and rows of `slots` slots: the one
   recorded in `record_dir`'s autotune.json for this step (a resumed run), else the cached one,
   else measured with `time_steps(settings) -> seconds of each`; the choice is written to both.
@@ -158,7 +160,10 @@ def measured(cfg, step_name: str, batch_shapes: dict, slots: int,
     entry, source = cache[k], cache_path()
   else:
     choice, times = choose(cfg.model, slots, time_steps, step_name, blocks)
-    entry, source = {"key": k, "choice": choice, "seconds": times, "cpu": cpu_model()}, None
+    # A neighbour's jobs can change which setting wins: the entry says under what load.
+    entry = {"key": k, "choice": choice, "seconds": times, "cpu": cpu_model(),
+             "load": round(os.getloadavg()[0], 2)}
+    source = None
     cache[k] = entry
     _write(cache_path(), cache)
   if record_path and record.get(step_name) != entry:

@@ -81,6 +81,7 @@ def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
     (entry,) = json.load(f).values()
   assert entry["choice"] == {"scan_unroll": 1, "matmul_backward": "autodiff", "attention_block": 0}
   assert len(entry["seconds"]) == 5 and entry["cpu"] == autotune.cpu_model()
+  assert entry["load"] >= 0
   with open(tmp_path / "run" / "autotune.json") as f:
     assert json.load(f) == {"dpo": entry}
   # Another run on the same machine and shapes reads the cache: nothing is timed.
