@@ -342,11 +342,17 @@ class RunConfig:
                               "project (the wandb extra); empty = no W&B.")
   wandb_mode: str = option("online", "W&B mode: online, or offline (files under "
                            "<output_dir>/wandb, synced later with `wandb sync`).")
+  autotune: str = option("off", "on: each training stage (not the online ones) first times a few "
+                         "settings of --scan_unroll, --matmul_backward and --attention_block on "
+                         "its own step and trains with the fastest, recorded in "
+                         "<output_dir>/autotune.json and cached by CPU model and shapes "
+                         "(dpo/autotune.py); off: the config's settings.")
 
   def __post_init__(self):
     rules(self, stage=(_distinct_names, "all or algorithm names, each at most once, separated "
                                         "by commas"),
-          log_every=at_least(1), wandb_mode=one_of(("online", "offline")))
+          log_every=at_least(1), wandb_mode=one_of(("online", "offline")),
+          autotune=one_of(("off", "on")))
     check(self.wandb_mode == "online" or self.wandb_project,
           f"--wandb_mode={self.wandb_mode!r}: must go with --wandb_project (read only there)")
 
@@ -556,7 +562,7 @@ BENCH_SMALL = Config(
                       tie_embeddings=False, scan_unroll=8, matmul_backward="explicit"),
     lora=LoraConfig(lora_rank=16, lora_alpha=32.0, lora_dropout=0.0, lora_targets=("q", "v")),
 ).replace(max_prompt_length=192, max_target_length=64, global_batch_size=4, max_grad_norm=0.0,
-          learning_rate=1e-5, output_dir="runs/bench-small")
+          learning_rate=1e-5, output_dir="runs/bench-small", autotune="on")
 
 # Real model shapes, from each model's published config.json; weights come from --init_from=hf:DIR.
 LLAMA_3_2_1B = ModelConfig(

@@ -7,13 +7,17 @@ import logging
 import os
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from dpo import checkpoint, identity, packing, train
+import jax
+
+from dpo import autotune, checkpoint, identity, packing, train
 from dpo import data as data_lib
 from dpo.runner import Hook, MetricsWriter, Stage
 from models import sharding
 
 # Packing chooses its row-count buckets on at most this many of the first epoch's batches.
 _FIT_BATCHES = 1000
+# --autotune times each candidate's step this many times (after its compiling call).
+_AUTOTUNE_ROUNDS = 3
 
 
 class Start(NamedTuple):
@@ -47,16 +51,7 @@ class Program:
     the rows it trains on (an online stage samples them first), from `update(state, frozen,
     typed batch)`, the jitted step on the mesh."""
     c, o, name = self.cfg, self.cfg.optim, algorithm.name
-    spec = algorithm.step_config(c)
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
-
-    def update(state, frozen, typed):  # jit_step is cached: one compile per stage
-      step = train.jit_step(algorithm.step, spec, self.mesh, state, frozen)
-      return step(state, frozen, train.device_batch(self.mesh, typed, o.global_batch_size))
-
-    dispatch = (online(spec, update) if online is not None else
-                lambda state, frozen, batch: update(state, frozen, algorithm.batch(batch)))
-
     rows = getattr(online, "prompts_per_step", o.global_batch_size)  # GRPO: prompts, not rows
     loader = data_lib.Loader(arrays, rows, c.run.seed + algorithm.data_seed, (pid, nproc))
     if to_pack is not None:
@@ -65,17 +60,56 @@ class Program:
                               sharding.batch_shards(self.mesh) * k)
       logging.info("%s", packer.fit(loader.batch_rows(0)[:_FIT_BATCHES]))
       loader.pack = packer.pack
+    if online is None:
+      c = self._autotune(algorithm, start, loader)
+    elif c.run.autotune == "on":
+      logging.info("autotune %s: not tuned (its batches are sampled as it trains); the config's "
+                   "settings", name)
+    spec = algorithm.step_config(c)
+
+    def update(state, frozen, typed):  # jit_step is cached: one compile per stage
+      step = train.jit_step(algorithm.step, spec, self.mesh, state, frozen)
+      return step(state, frozen, train.device_batch(self.mesh, typed, o.global_batch_size))
+
+    dispatch = (online(spec, update) if online is not None else
+                lambda state, frozen, batch: update(state, frozen, algorithm.batch(batch)))
+
     if getattr(online, "repeat", 1) > 1:
       loader = data_lib.Repeat(loader, online.repeat)
     ckpts = checkpoint.Manager(os.path.join(c.run.output_dir, "checkpoints", name),
                                c.checkpoint.keep_checkpoints,
-                               {"fingerprint": self.fingerprint(algorithm, arrays, start.initial)},
+                               {"fingerprint": self.fingerprint(algorithm, arrays, start.initial,
+                                                                c)},
                                start.info)
     return Stage(name, spec.total_steps, dispatch, start.fresh, start.frozen, loader, ckpts,
                  self.writer,
                  [*hooks, *self.extra_hooks.get(name, ())], algorithm.steps_flag)
 
-  def fingerprint(self, algorithm, arrays, initial: str) -> dict:
-    """The fingerprint of `algorithm`'s stage over `arrays` from the model `initial`."""
-    return identity.fingerprint(self.cfg, algorithm.hyperparameters(self.cfg),
-                                algorithm.data_files, arrays, initial)
+  def fingerprint(self, algorithm, arrays, initial: str, cfg=None) -> dict:
+    """The fingerprint of `algorithm`'s stage over `arrays` from the model `initial`, run with
+    `cfg` (default the program's; a stage's own after --autotune)."""
+    cfg = cfg or self.cfg
+    return identity.fingerprint(cfg, algorithm.hyperparameters(cfg), algorithm.data_files,
+                                arrays, initial)
+
+  def _autotune(self, algorithm, start: Start, loader):
+    """The program's config with the stage's --autotune choice (dpo/autotune.py), timed on the
+    stage's first batch from a fresh state; the config itself with --autotune=off."""
+    c = self.cfg
+    if c.run.autotune == "off":
+      return c
+    position = loader.state()
+    host = algorithm.batch(next(loader))
+    loader.restore(position)
+    batch = train.device_batch(self.mesh, host, c.optim.global_batch_size)
+    state = start.fresh()
+
+    def step_of(setting: dict):
+      spec = algorithm.step_config(c.replace(**setting))
+      return train.jit_step(algorithm.step, spec, self.mesh, state, start.frozen)
+
+    time_steps = autotune.interleaved(step_of, state, start.frozen, batch, _AUTOTUNE_ROUNDS)
+    shapes = {jax.tree_util.keystr(k): tuple(v.shape)
+              for k, v in jax.tree_util.tree_leaves_with_path(host)}
+    slots = max(v.shape[-1] for v in jax.tree.leaves(host))
+    return autotune.tuned(c, algorithm.name, shapes, slots, time_steps, c.run.output_dir)

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import configs
-from dpo import train
+from dpo import autotune, train
 from dpo.tools import compile_check
 from models import sharding, transformer
 
@@ -115,7 +115,7 @@ def tool_output(tmp_path_factory):
   out = tmp_path_factory.mktemp("tools")
   procs = {}
   for name, (devices, args) in _tool_commands(str(out)).items():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DPO_JAX_CACHE": str(out / "cache"),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     with open(out / f"{name}.stdout", "w") as so, open(out / f"{name}.stderr", "w") as se:
       procs[name] = subprocess.Popen([sys.executable, "-m", f"dpo.tools.{name}", *args],
@@ -138,7 +138,8 @@ def tool_output(tmp_path_factory):
 @pytest.mark.slow
 def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_step(tool_output):
   lines = tool_output("bench")
-  assert lines[0].startswith("devices: 1 x cpu; float32 128^3 matmul peak")
+  assert lines[0].startswith(f"CPU: {autotune.cpu_model()}; devices: 1 x cpu; float32 128^3 "
+                             "matmul peak")
   assert "plain JAX step: not run" in lines[0]  # a tiny model is not the plain step's workload
   assert lines[1] == "workload bench-small, 4 pairs per step"
   assert lines[2].split() == ["variant", "layout", "slots", "fill", "step", "s", "pairs/s",
@@ -154,6 +155,15 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
     assert float(r[-3]) == pytest.approx(math.log(2), abs=1e-6)
     assert r[-2] == "-" and r[-1].endswith("x")
   assert float(rows[0][-1][:-1]) == 1.0
+  # bench-small tunes each variant's step (--autotune=on) on a fresh cache: one rolled layer, so
+  # each backward measured once, the layout's query block kept; the setting it ran with.
+  rest = lines[9:]
+  for v in ("lora", "full"):
+    for layout, block in (("unshared", 0), ("shared", 0), ("blocks", 8)):
+      (i,) = [i for i, l in enumerate(rest) if l.startswith(f"{v} {layout}: --scan_unroll=1 ")]
+      assert rest[i].endswith(f" --attention_block={block}")
+      assert [l.split()[2] for l in rest[i + 1:i + 3]] == [
+          "--matmul_backward=explicit", "--matmul_backward=autodiff"]
   # Shared rows run fewer slots and FLOPs than the unshared pair rows: 4 rows of 8 + 8 + 8
   # slots instead of 8 rows of 16; query blocks of 8 skip the keys above the diagonal.
   assert [int(r[2]) for r in rows] == [128, 96, 96, 128, 96, 96]

@@ -53,7 +53,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import batches, cli, packing, prepare, train
+from dpo import autotune, batches, cli, packing, prepare, train
 from dpo import tokenizer as tokenizer_lib
 from models import quant, sharding, transformer
 
@@ -149,7 +149,6 @@ def time_config(cfg) -> dict:
   trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.fold_in(key, 1), mesh)
   frozen = train.initial_frozen(base)
   state = train.init_state(trainable, opt, cfg.run.seed, mesh)
-  step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
   make = hh_batch if FLAGS.workload == "hh-rlhf" else synthetic_batch
   arrays = make(cfg, pairs, np.random.default_rng(0))
   T = arrays["tokens"].shape[-1]
@@ -168,6 +167,16 @@ def time_config(cfg) -> dict:
     arrays = {**arrays, **shared}
     (rows, slots), head_rows = shared["shared_tokens"].shape, shared["score_from"].size
   batch = train.device_batch(mesh, batches.PairBatch.of(arrays))
+  tuning = {}
+  if cfg.run.autotune == "on":  # as a run's DPO stage would (dpo/program.py), cache included
+    step_of = lambda setting: train.jit_step(
+        train.dpo_step, train.StepConfig.dpo(cfg.replace(**setting)), mesh, state, frozen)
+    time_steps = autotune.interleaved(step_of, state, frozen, batch, FLAGS.timed_steps)
+    shapes = {k: tuple(v.shape) for k, v in arrays.items()}
+    tuning = autotune.measured(cfg, "dpo", shapes, slots, time_steps, blocks=False)  # layout's
+    cfg = cfg.replace(**tuning["choice"])
+    spec = train.StepConfig.dpo(cfg)
+  step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
   mem = step.lower(state, frozen, batch).compile().memory_analysis()
   rounds = []
   first_loss = None
@@ -191,6 +200,8 @@ def time_config(cfg) -> dict:
           "slots": rows * slots, "fill": filled / (rows * slots),
           "executed_flops": executed_flops(cfg, rows, slots, head_rows),
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None), "first_loss": first_loss,
+          "setting": autotune.describe({f: getattr(cfg.model, f) for f in autotune.FIELDS}),
+          "autotune": tuning.get("seconds"),
           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -315,11 +326,19 @@ def main(argv):
   plain_script = os.path.join(FLAGS.plain_dir, "plain_jax_dpo.py")
   plain = os.path.exists(plain_script) and _plain_applies(cfg)
   peak = matmul_peak(FLAGS.matmul_size)
-  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; float32 "
+  print(f"CPU: {autotune.cpu_model()}; devices: {jax.device_count()} x "
+        f"{jax.devices()[0].platform}; float32 "
         f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s; plain JAX step: "
         f"{plain_script if plain else 'not run (absent, or not the bench-small workload)'}")
   results = _run_processes(cfg, variants, plain_script if plain else None)
   _print_table(cfg, variants, results, plain, peak)
+  for (v, layout), rs in results.items():
+    if layout == "plain JAX":
+      continue
+    print(f"{v} {layout}: {', '.join(sorted({x['setting'] for x in rs}))}")
+    for r in rs:  # --autotune=on: what each candidate measured (nothing when the cache had it)
+      for setting, seconds in (r["autotune"] or {}).items():
+        print(f"  autotune {setting} {seconds:.3f} s per step")
 
 
 if __name__ == "__main__":

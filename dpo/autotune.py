@@ -1,0 +1,197 @@
+"""`--autotune=on`: the layer scan's unroll, the matmul backward and the query block, measured.
+
+These three model fields (`scan_unroll`, `matmul_backward`, `attention_block`) change how XLA
+lays out and schedules the same sums, never the sums, and which setting is fastest depends on
+the CPU: on the Intel Xeon of docs/benchmarks.md the unrolled layers with the explicit backward
+were the slowest full fine-tune on shared rows (issue 30), on the AMD EPYC the fastest. So a stage
+with `--autotune=on` times a few candidates on its own jitted step, shapes and first batch
+(`choose`), and trains with the fastest.
+
+The choice changes float rounding, so a run must keep it: it is recorded per stage in
+`<output_dir>/autotune.json` (a resume reads it back before anything is timed, so the stage's
+fingerprint, which holds the model fields, is the one its checkpoints were written with), and
+cached across runs in `$DPO_JAX_CACHE/autotune.json` (default `~/.cache/dpo-jax`), keyed by the
+CPU model, the device count, the step, the config fields that shape it, the batch shapes and the
+candidate set. One log line per candidate gives its median step time. The winner can depend on
+the machine's load as well as its CPU (docs/benchmarks.md), so the entry records the load
+average it was measured under; delete the cache file to measure again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+# The model fields the autotune sets; every other field is part of the key.
+FIELDS = ("scan_unroll", "matmul_backward", "attention_block")
+QUERY_BLOCK = 64  # the query block tried on rows of at least twice as many slots
+FILE = "autotune.json"
+
+
+def cpu_model() -> str:
+  """The CPU's model name (`lscpu`'s), else the platform's processor string."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def cache_path() -> str:
+  root = os.environ.get("DPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "dpo-jax")
+  return os.path.join(root, FILE)
+
+
+def candidates(model) -> list[dict]:
+  """The settings tried, the config's own first: the layer scan rolled or fully unrolled, each
+  with JAX's and the written-out matmul backward, at the config's query block; then (`choose`)
+  the winner with the other query block where the rows are long enough to skip any. Unrolled
+  layers are left out with --remat (it needs the rolled scan)."""
+  own = {f: getattr(model, f) for f in FIELDS}
+  unrolls = [1] if model.remat or model.n_layers == 1 else [1, model.n_layers]
+  grid = [{"scan_unroll": u, "matmul_backward": b, "attention_block": own["attention_block"]}
+          for u in unrolls for b in ("autodiff", "explicit")]
+  own["scan_unroll"] = min(own["scan_unroll"], model.n_layers)
+  return [own] + [c for c in grid if c != own]
+
+
+def other_block(model, slots: int) -> int | None:
+  """The query block to try against the config's: 64 where rows hold at least 128 slots and the
+  config attends whole rows, whole rows where it uses blocks; None where blocks skip nothing."""
+  if model.attention_block:
+    return 0
+  return QUERY_BLOCK if slots >= 2 * QUERY_BLOCK else None
+
+
+def key(cfg, step_name: str, batch_shapes: Any, options: list[dict], blocks: bool) -> str:
+  """What the measurement depends on: the CPU, the devices, the step, the config fields that
+  shape it (all but the tuned ones), the batch shapes and the candidates."""
+  model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in FIELDS}
+  parts = {"cpu": cpu_model(), "devices": [jax.device_count(), jax.devices()[0].platform],
+           "jax": jax.__version__, "step": step_name, "model": model,
+           "lora": dataclasses.asdict(cfg.lora), "mesh": cfg.mesh.mesh,
+           "batch": sorted(batch_shapes.items()), "candidates": options, "blocks": blocks}
+  text = json.dumps(parts, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def _write(path: str, table: dict) -> None:
+  """Atomically, so a reader never sees half a file."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(table, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def choose(model, slots: int, time_steps: Callable[[list[dict]], list[float]], label: str,
+           blocks: bool = True) -> tuple[dict, dict]:
+  """The fastest candidate by `time_steps(settings) -> seconds per step of each`, and every
+  measurement ({setting as text: seconds}); `blocks`: the query block is tried too, on the
+  winner. One log line per candidate."""
+  times: dict[str, float] = {}
+
+  def fastest(settings: list[dict]) -> dict:
+    todo = [s for s in settings if describe(s) not in times]
+    for setting, seconds in zip(todo, time_steps(todo) if todo else []):
+      times[describe(setting)] = seconds
+      logging.info("autotune %s: %s %.4f s per step", label, describe(setting), seconds)
+    return min(settings, key=lambda s: times[describe(s)])
+
+  best = fastest(candidates(model))
+  block = other_block(model, slots) if blocks else None
+  if block is not None:
+    best = fastest([best, {**best, "attention_block": block}])
+  return best, times
+
+
+def describe(setting: dict) -> str:
+  return " ".join(f"--{k}={setting[k]}" for k in FIELDS)
+
+
+def tuned(cfg, step_name: str, batch_shapes: dict, slots: int,
+          time_steps: Callable[[list[dict]], list[float]], record_dir: str | None = None,
+          blocks: bool = True):
+  """`cfg` with the fastest setting of FIELDS (`measured`'s choice); `cfg` itself with
+  --autotune=off."""
+  if cfg.run.autotune == "off":
+    return cfg
+  return cfg.replace(**measured(cfg, step_name, batch_shapes, slots, time_steps, record_dir,
+                                blocks)["choice"])
+
+
+def measured(cfg, step_name: str, batch_shapes: dict, slots: int,
+             time_steps: Callable[[list[dict]], list[float]], record_dir: str | None = None,
+             blocks: bool = True) -> dict:
+  """{"key", "choice", "seconds", "cpu", "load"}: the fastest setting of FIELDS for the step
+  `step_name` on batches of `batch_shapes` ({name: shape}) and rows of `slots` slots: the one
+  recorded in `record_dir`'s autotune.json for this step (a resumed run), else the cached one,
+  else measured with `time_steps(settings) -> seconds of each`; the choice is written to both.
+  `blocks=False` keeps the config's query block."""
+  options = candidates(cfg.model)
+  k = key(cfg, step_name, batch_shapes, options, blocks)
+  record_path = os.path.join(record_dir, FILE) if record_dir else None
+  record = _read(record_path) if record_path else {}
+  cache = _read(cache_path())
+  if record.get(step_name, {}).get("key") == k:
+    entry, source = record[step_name], record_path
+  elif k in cache:
+    entry, source = cache[k], cache_path()
+  else:
+    choice, times = choose(cfg.model, slots, time_steps, step_name, blocks)
+    # A neighbour's jobs can change which setting wins: the entry says under what load.
+    entry = {"key": k, "choice": choice, "seconds": times, "cpu": cpu_model(),
+             "load": round(os.getloadavg()[0], 2)}
+    source = None
+    cache[k] = entry
+    _write(cache_path(), cache)
+  if record_path and record.get(step_name) != entry:
+    _write(record_path, {**record, step_name: entry})
+  logging.info("autotune %s: %s%s", step_name, describe(entry["choice"]),
+               f" (from {source})" if source else " (fastest measured)")
+  return entry
+
+
+def interleaved(step_of: Callable[[dict], Callable], state, frozen, batch, rounds: int
+                ) -> Callable[[list[dict]], list[float]]:
+  """`choose`'s `time_steps` for jitted steps: `step_of(setting)` is the step of a setting; all
+  take one copy of `state` in turn (the steps donate it; they train it, which leaves each
+  step's cost as it is), each first called once to compile, then once per round, round-robin,
+  so a neighbour's load falls on every candidate alike. Each setting's median."""
+  def time_steps(settings: list[dict]) -> list[float]:
+    nonlocal state
+    steps = [step_of(s) for s in settings]
+    for step in steps:
+      state, m = step(state, frozen, batch)
+      jax.block_until_ready(m)
+    times = [[] for _ in steps]
+    for _ in range(rounds):
+      for step, ts in zip(steps, times):
+        t = time.perf_counter()
+        state, m = step(state, frozen, batch)
+        jax.block_until_ready(m)
+        ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
+  state = jax.tree.map(lambda x: x.copy(), state)
+  return time_steps

@@ -1,0 +1,176 @@
+"""--autotune: the fastest candidate of fake timings, the cache, the per-run record, off, the log
+lines, and a resumed run that keeps its recorded choice (bitwise)."""
+import functools
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import configs
+from dpo import autotune, checkpoint, loop
+from faults import Crash, SimulatedCrash
+from models import sharding
+from test_checkpoint import assert_tree_bitwise, records, tiny_cfg
+
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+SHAPES = {"tokens": (4, 2, 256)}
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("DPO_JAX_CACHE", str(tmp_path / "cache"))
+  return tmp_path / "cache"
+
+
+def fake(seconds: dict):
+  """A `time_steps` from {setting text: seconds} (default 1.0), recording what it timed."""
+  def time_steps(settings):
+    time_steps.calls.extend(autotune.describe(s) for s in settings)
+    return [seconds.get(autotune.describe(s), 1.0) for s in settings]
+  time_steps.calls = []
+  return time_steps
+
+
+def bench(**kw):
+  return configs.get_config("bench-small").replace(**{"autotune": "on", **kw})
+
+
+def test_candidates_start_with_the_config_and_respect_remat():
+  cfg = bench()
+  options = autotune.candidates(cfg.model)
+  assert options[0] == {"scan_unroll": 8, "matmul_backward": "explicit", "attention_block": 0}
+  assert {(c["scan_unroll"], c["matmul_backward"]) for c in options} == {
+      (1, "autodiff"), (1, "explicit"), (8, "autodiff"), (8, "explicit")}
+  assert len(options) == 4
+  rolled = autotune.candidates(bench(remat=True, scan_unroll=1).model)
+  assert {c["scan_unroll"] for c in rolled} == {1} and len(rolled) == 2
+
+
+def test_picks_the_fastest_then_tries_the_query_block_and_logs_each(caplog):
+  cfg = bench()
+  quick = {"scan_unroll": 1, "matmul_backward": "explicit", "attention_block": 0}
+  seconds = {autotune.describe(quick): 0.5, autotune.describe({**quick, "attention_block": 64}): 0.4}
+  time_step = fake(seconds)
+  with caplog.at_level(logging.INFO):
+    best, times = autotune.choose(cfg.model, 320, time_step, "dpo")
+  assert best == {**quick, "attention_block": 64}
+  assert len(time_step.calls) == len(set(time_step.calls)) == 5  # 4 + the winner's block
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("autotune dpo: --")]
+  assert len(lines) == 5 and all(line.endswith(" s per step") for line in lines)
+  assert times == {name: seconds.get(name, 1.0) for name in time_step.calls}
+  # Rows too short for a block to skip anything: only the four.
+  assert autotune.choose(cfg.model, 100, fake({}), "dpo")[1].keys() == set(
+      autotune.describe(c) for c in autotune.candidates(cfg.model))
+
+
+def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
+  cfg = bench()
+  slow_default = fake({autotune.describe({"scan_unroll": 8, "matmul_backward": "explicit",
+                                          "attention_block": 0}): 3.0,
+                       autotune.describe({"scan_unroll": 1, "matmul_backward": "autodiff",
+                                          "attention_block": 0}): 0.9})
+  tuned = autotune.tuned(cfg, "dpo", SHAPES, 320, slow_default, str(tmp_path / "run"))
+  assert (tuned.model.scan_unroll, tuned.model.matmul_backward) == (1, "autodiff")
+  assert tuned.model.attention_block == 0 and tuned.lora == cfg.lora
+  with open(cache_dir / "autotune.json") as f:
+    (entry,) = json.load(f).values()
+  assert entry["choice"] == {"scan_unroll": 1, "matmul_backward": "autodiff", "attention_block": 0}
+  assert len(entry["seconds"]) == 5 and entry["cpu"] == autotune.cpu_model()
+  assert entry["load"] >= 0
+  with open(tmp_path / "run" / "autotune.json") as f:
+    assert json.load(f) == {"dpo": entry}
+  # Another run on the same machine and shapes reads the cache: nothing is timed.
+  again = fake({})
+  with caplog.at_level(logging.INFO):
+    assert autotune.tuned(cfg, "dpo", SHAPES, 320, again, str(tmp_path / "other")) == tuned
+  assert again.calls == [] and "from " + str(cache_dir) in caplog.text
+  # Other shapes are another key.
+  other = fake({})
+  autotune.tuned(cfg, "dpo", {"tokens": (8, 2, 256)}, 320, other)
+  assert len(other.calls) == 5
+
+
+def test_the_run_record_wins_over_the_cache(tmp_path, cache_dir):
+  cfg = bench()
+  run = str(tmp_path / "run")
+  first = autotune.tuned(cfg, "dpo", SHAPES, 320, fake({}), run)
+  assert first == cfg  # every candidate ties: the config's own, first
+  # The cache now says otherwise (another run's measurement): a resume keeps its own record.
+  with open(cache_dir / "autotune.json") as f:
+    cache = json.load(f)
+  (k,) = cache
+  cache[k]["choice"] = {"scan_unroll": 1, "matmul_backward": "autodiff", "attention_block": 64}
+  with open(cache_dir / "autotune.json", "w") as f:
+    json.dump(cache, f)
+  assert autotune.tuned(cfg, "dpo", SHAPES, 320, fake({}), run) == cfg
+  assert autotune.tuned(cfg, "dpo", SHAPES, 320, fake({})).model.attention_block == 64
+
+
+def test_off_changes_nothing_and_times_nothing(tmp_path, cache_dir):
+  cfg = bench(autotune="off")
+  time_step = fake({})
+  assert autotune.tuned(cfg, "dpo", SHAPES, 320, time_step, str(tmp_path)) is cfg
+  assert time_step.calls == [] and not os.path.exists(cache_dir)
+  assert not os.path.exists(tmp_path / "autotune.json")
+
+
+def test_interleaved_compiles_then_times_each_setting_per_round_on_a_copy():
+  calls = []
+
+  def step_of(setting):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, frozen, batch):
+      return state + setting["add"] + frozen * batch, {"loss": state.sum()}
+    def counted(*args):
+      calls.append(setting["add"])
+      return step(*args)
+    return counted
+
+  state = jnp.zeros(3)
+  time_steps = autotune.interleaved(step_of, state, jnp.ones(3), jnp.ones(3), rounds=2)
+  seconds = time_steps([{"add": 1.0}, {"add": 2.0}])
+  assert len(seconds) == 2 and all(t > 0 for t in seconds)
+  assert calls == [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]  # compile calls, then round-robin rounds
+  np.testing.assert_array_equal(state, np.zeros(3))  # the caller's state is neither donated nor changed
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_recorded_choice_bitwise(tmp_path, monkeypatch, cache_dir):
+  """The tiny SFT -> DPO run with --autotune=on measures its candidates for real and records
+  the choice; a run crashed in DPO and resumed with neither the cache nor a measurement that
+  agrees (the rerun would pick the other backward) keeps the recorded choice and ends as the
+  uninterrupted run."""
+  ref = tmp_path / "uninterrupted"
+  loop.run(tiny_cfg(ref, autotune="on"))
+  with open(ref / "autotune.json") as f:
+    recorded = json.load(f)
+  assert set(recorded) == {"sft", "dpo"}
+  for entry in recorded.values():  # one layer: the rolled scan, with each backward
+    assert len(entry["seconds"]) == 2 and entry["choice"]["scan_unroll"] == 1
+  cut = tmp_path / "interrupted"
+  with pytest.raises(SimulatedCrash):  # the same machine and shapes: the cached choice
+    loop.run(tiny_cfg(cut, autotune="on"), extra_hooks={"dpo": [Crash(5)]})
+  with open(cut / "autotune.json") as f:
+    assert json.load(f) == recorded
+  measured = []
+
+  def other(model, slots, time_steps, label, blocks=True):
+    measured.append(label)
+    flip = {"explicit": "autodiff", "autodiff": "explicit"}
+    best = {**recorded[label]["choice"],
+            "matmul_backward": flip[recorded[label]["choice"]["matmul_backward"]]}
+    return best, {autotune.describe(best): 0.1}
+  monkeypatch.setattr(autotune, "choose", other)
+  monkeypatch.setenv("DPO_JAX_CACHE", str(tmp_path / "empty"))
+  loop.run(tiny_cfg(cut, autotune="on"))
+  assert measured == []  # the run's own record answered
+  assert records(cut) == records(ref)
+  cfg = tiny_cfg(ref)
+  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  assert_tree_bitwise(checkpoint.load_params(str(cut / "checkpoints" / "policy"), cfg.model, mesh),
+                      checkpoint.load_params(str(ref / "checkpoints" / "policy"), cfg.model, mesh))
