@@ -107,7 +107,7 @@ class ModelConfig:
                             "n_layers runs the layers as straight-line code, without the scan's "
                             "stacked per-layer buffers, at a compile time that grows with depth.")
   matmul_backward: str = option("autodiff", "Backward of the model's weight matmuls (projections, "
-                                "LM head; not the LoRA factors): autodiff (JAX's transpose rule) "
+                                "LM head, LoRA factors): autodiff (JAX's transpose rule) "
                                 "or explicit (the weight gradient x^T.dy formed in the weight's "
                                 "layout; same sums; models/transformer.py matmul).")
   attention_block: int = option(0, "Attention over query blocks of this many slots, each against "
