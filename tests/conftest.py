@@ -1,5 +1,9 @@
 """Tests run on 8 fake CPU devices so sharded code paths are exercised; set before JAX starts.
 
+Under pytest-xdist (`python -m pytest -n 2 tests`, `--dist loadgroup` from pyproject.toml) the
+tests of a module that share a module- or session-scoped fixture of that module run on one
+worker, so the fixture (a finished run, a converted model, every tool's output) is built once.
+
 Under CI=true a test that would skip because a test dependency does not import
 (`pytest.importorskip`, in a test or at module level) fails instead: a broken torch or
 transformers install must not turn the oracle tests into a green run.
@@ -13,13 +17,17 @@ import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+  # (pytest-xdist's workers inherit the controller's environment, flag included)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole session, inherited by every subprocess (launch,
 # tools, multi-host): many tests compile the same tiny programs, and a hit skips XLA's compile.
 # The executables are the same as a fresh compile's, so results are too; the cache is new each
-# session and removed at exit.
+# session and removed at exit. Under pytest-xdist (`-n 2`) the controller makes it and its
+# workers inherit it, so a program one worker compiled is a hit in the other (JAX writes an entry
+# only if absent, and an entry it cannot read is a warning and a compile, not an error).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="dpo-jax-test-cache-")
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
@@ -82,3 +90,20 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
   outcome = yield
   _fail_in_ci(outcome.get_result(), collector.nodeid)
+
+
+def _shared_fixture_group(item) -> str | None:
+  """The test's module when the test uses a module- or session-scoped fixture defined there."""
+  module = item.nodeid.split("::")[0]
+  for defs in item._fixtureinfo.name2fixturedefs.values():
+    if defs[-1].scope in ("module", "session") and defs[-1].baseid == module:
+      return module
+  return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker names the groups in the node ids
+def pytest_collection_modifyitems(items):
+  for item in items:
+    group = _shared_fixture_group(item)
+    if group is not None:
+      item.add_marker(pytest.mark.xdist_group(group))
