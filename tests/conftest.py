@@ -1,8 +1,8 @@
 """Tests run on 8 fake CPU devices so sharded code paths are exercised; set before JAX starts.
 
-Under pytest-xdist (`python -m pytest -n 2 tests`, `--dist loadgroup` from pyproject.toml) the
-tests of a module that share a module- or session-scoped fixture of that module run on one
-worker, so the fixture (a finished run, a converted model, every tool's output) is built once.
+Under pytest-xdist (`python -m pytest -n 2 tests`) each module runs whole on one worker
+(`--dist loadfile`, pyproject.toml), so its module- and session-scoped fixtures (a finished run,
+a converted model, every tool's output) and its compiled programs are built once, as serially.
 
 Under CI=true a test that would skip because a test dependency does not import
 (`pytest.importorskip`, in a test or at module level) fails instead: a broken torch or
@@ -10,6 +10,7 @@ transformers install must not turn the oracle tests into a green run.
 """
 
 import atexit
+import collections
 import os
 import shutil
 import sys
@@ -92,18 +93,10 @@ def pytest_make_collect_report(collector):
   _fail_in_ci(outcome.get_result(), collector.nodeid)
 
 
-def _shared_fixture_group(item) -> str | None:
-  """The test's module when the test uses a module- or session-scoped fixture defined there."""
-  module = item.nodeid.split("::")[0]
-  for defs in item._fixtureinfo.name2fixturedefs.values():
-    if defs[-1].scope in ("module", "session") and defs[-1].baseid == module:
-      return module
-  return None
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker names the groups in the node ids
 def pytest_collection_modifyitems(items):
-  for item in items:
-    group = _shared_fixture_group(item)
-    if group is not None:
-      item.add_marker(pytest.mark.xdist_group(group))
+  """Under pytest-xdist the modules go to the workers in collection order (pyproject.toml:
+  --dist loadfile --no-loadscope-reorder); the modules with the most slow tests go first, so the
+  last ones handed out, which decide how long one worker waits for the other, are quick."""
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: a module's own order is kept
