@@ -1,11 +1,16 @@
 """Tests run on 8 fake CPU devices so sharded code paths are exercised; set before JAX starts.
 
+Under pytest-xdist (`python -m pytest -n 2 tests`) each module runs whole on one worker
+(`--dist loadfile`, pyproject.toml), so its module- and session-scoped fixtures (a finished run,
+a converted model, every tool's output) and its compiled programs are built once, as serially.
+
 Under CI=true a test that would skip because a test dependency does not import
 (`pytest.importorskip`, in a test or at module level) fails instead: a broken torch or
 transformers install must not turn the oracle tests into a green run.
 """
 
 import atexit
+import collections
 import os
 import shutil
 import sys
@@ -13,13 +18,17 @@ import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+  # (pytest-xdist's workers inherit the controller's environment, flag included)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole session, inherited by every subprocess (launch,
 # tools, multi-host): many tests compile the same tiny programs, and a hit skips XLA's compile.
 # The executables are the same as a fresh compile's, so results are too; the cache is new each
-# session and removed at exit.
+# session and removed at exit. Under pytest-xdist (`-n 2`) the controller makes it and its
+# workers inherit it, so a program one worker compiled is a hit in the other (JAX writes an entry
+# only if absent, and an entry it cannot read is a warning and a compile, not an error).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="dpo-jax-test-cache-")
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
@@ -82,3 +91,12 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
   outcome = yield
   _fail_in_ci(outcome.get_result(), collector.nodeid)
+
+
+def pytest_collection_modifyitems(items):
+  """Under pytest-xdist the modules go to the workers in collection order (pyproject.toml:
+  --dist loadfile --no-loadscope-reorder); the modules with the most slow tests go first, so the
+  last ones handed out, which decide how long one worker waits for the other, are quick."""
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: a module's own order is kept

@@ -8,6 +8,7 @@ the last checkpoint to the uninterrupted run's records and policy, bit for bit.
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -30,9 +31,22 @@ TINY = ["--stage=dpo", "--vocab_size=264", "--d_model=32", "--n_layers=1", "--n_
 
 
 def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
+  """A free port for the coordinator, below the kernel's ephemeral range (32768 and up on Linux),
+  so no outgoing connection is given it before the coordinator binds it, and from this pytest-xdist
+  worker's own block of 1000 (gw0: 20000-20999, gw1: 21000-21999, ...), so two workers never pick
+  the same one; a random start in the block keeps two concurrent runs apart."""
+  worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+  block = 20000 + 1000 * (worker % 10)
+  start = random.randrange(1000)
+  for i in range(1000):
+    port = block + (start + i) % 1000
+    with socket.socket() as s:
+      try:
+        s.bind(("localhost", port))
+      except OSError:
+        continue
+      return port
+  raise RuntimeError(f"no free port in {block}-{block + 999}")
 
 
 def _env(devices: int) -> dict:
