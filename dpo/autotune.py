@@ -79,20 +79,32 @@ def other_block(model, slots: int) -> int | None:
 def key(cfg, step_name: str, batch_shapes: Any, options: list[dict], blocks: bool) -> str:
   """What the measurement depends on: the CPU, the devices, the step, the config fields that
   shape it (all but the tuned ones), the batch shapes and the candidates."""
-  model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in FIELDS}
+  # Every section a step reads (optimizer, loss, reference, guards, ...), less where the run
+  # writes, what it evaluates and the tuned fields themselves.
+  sections = {name: value for name, value in dataclasses.asdict(cfg).items()
+              if name not in ("run", "checkpoint", "eval")}
+  sections["model"] = {k: v for k, v in sections["model"].items() if k not in FIELDS}
   parts = {"cpu": cpu_model(), "devices": [jax.device_count(), jax.devices()[0].platform],
-           "jax": jax.__version__, "step": step_name, "model": model,
-           "lora": dataclasses.asdict(cfg.lora), "mesh": cfg.mesh.mesh,
+           "cores": len(os.sched_getaffinity(0)), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "jax": jax.__version__, "step": step_name, "config": sections,
            "batch": sorted(batch_shapes.items()), "candidates": options, "blocks": blocks}
   text = json.dumps(parts, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _read(path: str) -> dict:
+def _read(path: str, required: bool = False) -> dict:
+  """The table at `path` ({} where there is none). An unreadable run record (`required`) is an
+  error naming it; an unreadable cache is logged and measured anew."""
+  if not os.path.exists(path):
+    return {}
   try:
     with open(path) as f:
       return json.load(f)
-  except (OSError, ValueError):
+  except (OSError, ValueError) as e:
+    if required:
+      raise ValueError(f"--autotune=on: {path} cannot be read ({e}); it records the settings "
+                       f"this run trained with: restore it, or start in a new --output_dir")
+    logging.warning("autotune: cache %s cannot be read (%s); measuring anew", path, e)
     return {}
 
 
@@ -152,10 +164,13 @@ def measured(cfg, step_name: str, batch_shapes: dict, slots: int,
   options = candidates(cfg.model)
   k = key(cfg, step_name, batch_shapes, options, blocks)
   record_path = os.path.join(record_dir, FILE) if record_dir else None
-  record = _read(record_path) if record_path else {}
+  record = _read(record_path, required=True) if record_path else {}
   cache = _read(cache_path())
-  if record.get(step_name, {}).get("key") == k:
+  if step_name in record:  # the run trained with this: kept, even on another machine
     entry, source = record[step_name], record_path
+    if entry.get("key") != k:
+      logging.warning("autotune %s: %s was measured under another key (CPU, devices, JAX or "
+                      "config); this run keeps its recorded choice", step_name, record_path)
   elif k in cache:
     entry, source = cache[k], cache_path()
   else:
@@ -166,7 +181,7 @@ def measured(cfg, step_name: str, batch_shapes: dict, slots: int,
     source = None
     cache[k] = entry
     _write(cache_path(), cache)
-  if record_path and record.get(step_name) != entry:
+  if record_path and step_name not in record:
     _write(record_path, {**record, step_name: entry})
   logging.info("autotune %s: %s%s", step_name, describe(entry["choice"]),
                f" (from {source})" if source else " (fastest measured)")

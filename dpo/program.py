@@ -98,17 +98,23 @@ class Program:
     c = self.cfg
     if c.run.autotune == "off":
       return c
+    if jax.process_count() > 1:  # each process would time, and choose, on its own
+      raise ValueError(f"--autotune=on: single-process runs only ({jax.process_count()} "
+                       f"processes); give the settings as flags, or --autotune=off")
     position = loader.state()
     host = algorithm.batch(next(loader))
     loader.restore(position)
     batch = train.device_batch(self.mesh, host, c.optim.global_batch_size)
-    state = start.fresh()
 
-    def step_of(setting: dict):
-      spec = algorithm.step_config(c.replace(**setting))
-      return train.jit_step(algorithm.step, spec, self.mesh, state, start.frozen)
+    def time_steps(settings: list[dict]) -> list[float]:
+      state = start.fresh()  # only where no record or cache answers
 
-    time_steps = autotune.interleaved(step_of, state, start.frozen, batch, _AUTOTUNE_ROUNDS)
+      def step_of(setting: dict):
+        spec = algorithm.step_config(c.replace(**setting))
+        return train.jit_step(algorithm.step, spec, self.mesh, state, start.frozen)
+
+      timer = autotune.interleaved(step_of, state, start.frozen, batch, _AUTOTUNE_ROUNDS)
+      return timer(settings)
     shapes = {jax.tree_util.keystr(k): tuple(v.shape)
               for k, v in jax.tree_util.tree_leaves_with_path(host)}
     slots = max(v.shape[-1] for v in jax.tree.leaves(host))

@@ -111,6 +111,39 @@ def test_the_run_record_wins_over_the_cache(tmp_path, cache_dir):
   assert autotune.tuned(cfg, "dpo", SHAPES, 320, fake({})).model.attention_block == 64
 
 
+def test_a_record_under_another_key_is_kept_and_an_unreadable_one_refused(tmp_path, cache_dir,
+                                                                         caplog):
+  """A resume on another machine (another key) trains with the recorded choice and leaves the
+  record as it is; a record that cannot be read is an error naming it, not a new measurement."""
+  cfg = bench()
+  run = tmp_path / "run"
+  run.mkdir()
+  recorded = {"key": "another-machine", "choice": {"scan_unroll": 1, "matmul_backward":
+                                                   "autodiff", "attention_block": 64}}
+  (run / "autotune.json").write_text(json.dumps({"dpo": recorded}))
+  time_step = fake({})
+  with caplog.at_level(logging.WARNING):
+    got = autotune.tuned(cfg, "dpo", SHAPES, 320, time_step, str(run))
+  assert (got.model.scan_unroll, got.model.attention_block) == (1, 64) and time_step.calls == []
+  assert json.loads((run / "autotune.json").read_text()) == {"dpo": recorded}
+  assert "measured under another key" in caplog.text
+  (run / "autotune.json").write_text("{not json")
+  with pytest.raises(ValueError, match=r"--autotune=on: .*autotune.json cannot be read") as e:
+    autotune.tuned(cfg, "dpo", SHAPES, 320, fake({}), str(run))
+  assert "\n" not in str(e.value)
+
+
+def test_the_key_holds_every_section_a_step_reads():
+  """A loss, optimizer or reference setting changes the compiled step, so the key; where the
+  run writes does not."""
+  cfg = bench()
+  k = lambda c: autotune.key(c, "dpo", SHAPES, autotune.candidates(c.model), True)
+  assert k(cfg) == k(cfg.replace(output_dir="/elsewhere", seed=7))
+  for change in (dict(loss_type=("ipo",)), dict(gradient_accumulation_steps=2),
+                 dict(max_grad_norm=0.5), dict(lora_rank=8)):
+    assert k(cfg.replace(**change)) != k(cfg), change
+
+
 def test_off_changes_nothing_and_times_nothing(tmp_path, cache_dir):
   cfg = bench(autotune="off")
   time_step = fake({})
