@@ -556,7 +556,8 @@ DEFAULT = Config().replace(
     rpo_alpha=4.0, sft_learning_rate=3e-3, global_batch_size=16, lora_targets=LORA_TARGETS,
     log_every=20, eval_every=0, log_kl=True, task_eval_prompts=512, output_dir="runs/default")
 
-# bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are.
+# bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are;
+# --autotune on, these settings its first candidate (the best differs by CPU and load).
 BENCH_SMALL = Config(
     model=ModelConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
                       head_dim=64, mlp_dim=1536, rope_theta=1e4, norm_eps=1e-5,
