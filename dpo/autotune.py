@@ -26,6 +26,7 @@ import logging
 import os
 import platform
 import statistics
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -38,7 +39,16 @@ FILE = "autotune.json"
 
 
 def cpu_model() -> str:
-  """The CPU's model name (`lscpu`'s), else the platform's processor string."""
+  """`lscpu`'s Model name (the name docs/ give with each figure), else /proc/cpuinfo's, else the
+  platform's processor string."""
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines()
+             if line.startswith("Model name")]
+    if names:
+      return names[0]
+  except (OSError, subprocess.CalledProcessError):
+    pass
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
@@ -109,11 +119,14 @@ def _read(path: str, required: bool = False) -> dict:
 
 
 def _write(path: str, table: dict) -> None:
-  """Atomically, so a reader never sees half a file."""
+  """Fsynced and renamed, so a reader never sees half a file; the temporary name is the
+  process's own, as several runs share one cache (checkpoint._write_json's is fixed)."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
     json.dump(table, f, indent=1, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
   os.replace(tmp, path)
 
 

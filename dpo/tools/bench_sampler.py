@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -45,21 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from dpo import autotune
 from models import hf, sampler, sharding
 
 FLAGS = flags.FLAGS
-
-
-def cpu_model() -> str:
-  """`lscpu`'s Model name (or the platform's name where lscpu is missing)."""
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-  except (OSError, subprocess.CalledProcessError):
-    import platform
-    return platform.processor() or "unknown"
-  names = [line.split(":", 1)[1].strip() for line in out.splitlines()
-           if line.startswith("Model name")]
-  return names[0] if names else "unknown"
 
 
 def random_llama(vocab_size: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int,
@@ -201,7 +189,7 @@ def main(argv):
                            cfg.vocab_size, pad_id)
   N = FLAGS.new_tokens
   n_params = sum(p.numel() for p in model.parameters())
-  print(f"CPU: {cpu_model()}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable); "
+  print(f"CPU: {autotune.cpu_model()}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable); "
         f"jax {jax.__version__} ({jax.device_count()} x {jax.devices()[0].platform}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}), torch {torch.__version__}, "
         f"transformers {transformers.__version__}")
