@@ -113,7 +113,9 @@ def _spec(directory: str, i: int, read: bool = False) -> dict:
   return spec
 
 
-def _barrier(name: str) -> None:
+def barrier(name: str) -> None:
+  """Every process waits here for the others (a no-op in one process): what process 0 wrote
+  before it is there for all."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
 
@@ -331,10 +333,10 @@ def save(path: str, tree, meta: dict, keep: int = 0, kept: int = 0) -> str:
     _discard(tmp)  # left by a save that was killed before it committed
     _check_space(path, need, keep, kept)
     os.makedirs(os.path.join(tmp, "arrays"))
-  _barrier(f"ckpt-mkdir:{path}")
+  barrier(f"ckpt-mkdir:{path}")
   try:
     _serialize(leaves, [_spec(tmp, i) for i in range(len(leaves))])
-    _barrier(f"ckpt-written:{path}")
+    barrier(f"ckpt-written:{path}")
     _commit(path, names, leaves, meta)
   except Exception as e:
     if not is_no_space(e):
@@ -367,7 +369,7 @@ def _commit(path: str, names: list[str], leaves: list, meta: dict) -> None:
                                               "leaves": table})
     _fsync_dir(tmp)
     _flip(tmp, path)
-  _barrier(f"ckpt-committed:{path}")
+  barrier(f"ckpt-committed:{path}")
 
 
 def load(path: str, like, prefix: str = "") -> tuple[Any, dict]:
@@ -507,7 +509,7 @@ class Manager:
         m = re.match(r"^(step_\d{8})(\.tmp|\.old|\.deleted)?$", name)
         if m:
           recover(os.path.join(self.directory, m.group(1)))
-    _barrier(f"ckpt-recovered:{self.directory}")
+    barrier(f"ckpt-recovered:{self.directory}")
 
   def path(self, step: int) -> str:
     return os.path.join(self.directory, f"step_{step:08d}")
@@ -533,7 +535,7 @@ class Manager:
     if jax.process_index() == 0:
       for old in self.steps()[:-self.keep]:
         _remove(self.path(old))
-    _barrier(f"ckpt-pruned:{out}")
+    barrier(f"ckpt-pruned:{out}")
     return out
 
   @staticmethod
@@ -602,19 +604,19 @@ class Manager:
     if jax.process_index() == 0:
       for s in reversed(gone):
         _remove(self.path(s))
-    _barrier(f"ckpt-deleted:{self.directory}:{step}")
+    barrier(f"ckpt-deleted:{self.directory}:{step}")
     return gone
 
 
 def move_aside(path: str) -> None:
   """Renames a damaged checkpoint to `<path>.damaged` (kept for inspection, never read). Collective."""
-  _barrier(f"ckpt-damaged:{path}")
+  barrier(f"ckpt-damaged:{path}")
   if jax.process_index() == 0:
     aside = path + ".damaged"
     _discard(aside)
     os.rename(path, aside)
     _fsync_dir(os.path.dirname(path))
-  _barrier(f"ckpt-moved:{path}")
+  barrier(f"ckpt-moved:{path}")
 
 
 def like_of(tree) -> Any:
