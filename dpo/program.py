@@ -49,11 +49,14 @@ class Program:
     be resumed. `to_pack` (every pair's shared-prefix rows) packs each batch's rows from them
     (--packing). `online(spec, update)` builds the dispatch of a stage whose host batch is not
     the rows it trains on (an online stage samples them first), from `update(state, frozen,
-    typed batch)`, the jitted step on the mesh."""
+    typed batch)`, the jitted step on the mesh; with `online.whole_batch` every process holds the
+    whole host batch and hands `update` its own block of the rows (`train.process_block`)."""
     c, o, name = self.cfg, self.cfg.optim, algorithm.name
     pid, nproc = sharding.process_batch_block(self.mesh, o.global_batch_size)
     rows = getattr(online, "prompts_per_step", o.global_batch_size)  # GRPO: prompts, not rows
-    loader = data_lib.Loader(arrays, rows, c.run.seed + algorithm.data_seed, (pid, nproc))
+    # `online.whole_batch`: every process draws the whole batch (they sample it together).
+    block = (0, 1) if getattr(online, "whole_batch", False) else (pid, nproc)
+    loader = data_lib.Loader(arrays, rows, c.run.seed + algorithm.data_seed, block)
     if to_pack is not None:
       k = o.gradient_accumulation_steps
       packer = packing.Packer(to_pack, o.global_batch_size, nproc, k,
@@ -83,7 +86,8 @@ class Program:
                                start.info)
     return Stage(name, spec.total_steps, dispatch, start.fresh, start.frozen, loader, ckpts,
                  self.writer,
-                 [*hooks, *self.extra_hooks.get(name, ())], algorithm.steps_flag)
+                 [*hooks, *self.extra_hooks.get(name, ())], algorithm.steps_flag,
+                 blocks=block[1])
 
   def fingerprint(self, algorithm, arrays, initial: str, cfg=None) -> dict:
     """The fingerprint of `algorithm`'s stage over `arrays` from the model `initial`, run with

@@ -254,6 +254,7 @@ class Stage:
   writer: MetricsWriter
   hooks: Sequence[Hook] = ()
   steps_flag: str = "--steps"  # the flag that sets `steps`, for the messages about its length
+  blocks: int = 1  # the processes' blocks a host batch is one of (1: each holds the whole batch)
   # Live values the hooks read (and some write, e.g. TR-DPO's frozen, the tokens count).
   state: Any = None
   step: int = 0          # steps taken by run.state
@@ -286,7 +287,7 @@ class Stage:
     batch = next(self.loader)
     for h in self.hooks:
       batch = h.before_step(self, batch)
-    self._dispatched += int(batch["segment_ids"].astype(bool).sum()) * jax.process_count()
+    self._dispatched += int(batch["segment_ids"].astype(bool).sum()) * self.blocks
     self.state, metrics = self.step_fn(self.state, self.frozen, batch)
     self.step += 1
     for h in self.hooks:

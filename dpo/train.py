@@ -381,6 +381,16 @@ def device_batch(mesh: Mesh, local, global_batch: int | None = None):
   return jax.tree.map(one, local)
 
 
+def process_block(mesh: Mesh, whole):
+  """This process's block of a batch that every process holds whole (a pytree of numpy arrays,
+  one leading row axis: the online stages' sampled rows), the rows the offline stages' loader
+  would give it (`sharding.process_batch_block`); `device_batch` with the whole batch's row
+  count makes the global batch of it."""
+  n = len(jax.tree.leaves(whole)[0])
+  i, blocks = sharding.process_batch_block(mesh, n)
+  return jax.tree.map(lambda v: v[i * n // blocks:(i + 1) * n // blocks], whole)
+
+
 def memory_estimate(spec: StepConfig, mesh: Mesh) -> dict[str, int]:
   """Per-device bytes of the DPO stage's persistent arrays, from abstract shapes and shardings.
 
