@@ -242,6 +242,54 @@ def test_killed_peer_then_the_rerun_resumes_to_the_uninterrupted_run(tmp_path, u
             checkpoint.digest(str(multi / "checkpoints" / name))), name
 
 
+def length_reward(prompt, completion):
+  """A judge that tells a random model's samples apart (the embedded task's reward is 0 on them),
+  so the labels, advantages and updates depend on what was sampled."""
+  return float(len(completion))
+
+
+# The online stages on the embedded task from a random init, 2 processes x 2 devices against
+# 1 x 4: a few steps, no checkpoints, a short final evaluation.
+ONLINE = ["--online_max_new_tokens=8", "--checkpoint_every=0", "--eval_max_new_tokens=4",
+          "--reward_fn=tests.test_multihost:length_reward"]
+_CLOCK = ("tokens_per_sec", "time/sample_s", "time/judge_s", "time/train_s", "eval/eval_time_s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [
+    ["--stage=online_dpo", "--online_steps=2"],
+    ["--stage=grpo", "--grpo_steps=2", "--num_iterations=2", "--num_generations=4",
+     "--max_completion_length=8", "--grpo_beta=0.04"],
+    ["--stage=iterative_dpo", "--iterative_rounds=2", "--iterative_steps_per_round=1"],
+], ids=["online_dpo", "grpo", "iterative_dpo"])
+def test_online_stage_in_two_processes_is_the_one_process_run(tmp_path, stage):
+  """Every process samples the whole batch on the global mesh, judges every sample and trains on
+  its block of the rows (iterative DPO: of the round file process 0 wrote): the records and the
+  policy equal one process's on the same mesh bit for bit (the same executables; gloo's two-way
+  sums are exact in either order)."""
+  args = [*ONLINE, *stage]
+  port = _free_port()
+  multi, single = tmp_path / "two", tmp_path / "one"
+  logs = [tmp_path / "p0.log", tmp_path / "p1.log", tmp_path / "single.log"]
+  _wait([_launch([*args, f"--output_dir={multi}", *_distributed(port, i)], 2, logs[i])
+         for i in range(2)] + [_launch([*args, f"--output_dir={single}"], 4, logs[2])], logs)
+  name = stage[0].split("=")[1]
+  two, one = _records(multi, drop=_CLOCK), _records(single, drop=_CLOCK)
+  assert [r["stage"] for r in one] == [name] * 2 + ["eval"]
+  trained = [r for r in one if r["stage"] == name]
+  if name == "grpo":  # the samples' rewards differ, so the advantages and the update are not 0
+    assert all(r["reward_std"] > 0 for r in trained)
+  else:  # the judge chose between different samples
+    assert all(r["objective/scores_margin"] > 0 for r in trained)
+  assert two == one
+  if name == "iterative_dpo":  # process 0 wrote each round file; all trained on it
+    for r in range(2):
+      path = os.path.join("iterative", f"round_{r}.jsonl")
+      assert open(multi / path).read() == open(single / path).read()
+  assert (checkpoint.digest(str(multi / "checkpoints" / "policy")) ==
+          checkpoint.digest(str(single / "checkpoints" / "policy")))
+
+
 # --- how a survivor sees a death at once (dpo/distributed.py), without a second process --------
 
 @pytest.fixture

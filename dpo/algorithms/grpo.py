@@ -12,7 +12,8 @@ between generation batches (--checkpoint_every and --grpo_steps must be multiple
 uninterrupted one drew (the sampling key of a batch is fold_in(key, its first step)). Sampling is
 online DPO's (dpo/algorithms/online_dpo.py): jitted on the training mesh, no weight copy, fixed
 shapes. LoRA dropout is off in the GRPO step, so the importance ratio of the first update of a
-batch is exactly 1. Single process.
+batch is exactly 1. Several processes as online DPO: each samples, scores and judges the whole
+generation batch alike (the log-probs gathered to every process) and trains on its own block.
 
 Logged per step, TRL's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean
 and /std (several --reward_fn functions, summed with --reward_weights), completions/mean_length,
@@ -35,7 +36,7 @@ import numpy as np
 from dpo import algorithms, batches, identity, judges, logprobs, train
 from dpo import policy_gradient as pg
 from dpo.algorithms import dpo, online_dpo
-from models import transformer
+from models import sharding, transformer
 
 
 class GRPOBatch(NamedTuple):
@@ -110,7 +111,7 @@ class Generated(online_dpo.Sampled):
         times = {"time/sample_s": round(t1 - t0, 3),
                  "time/judge_s": round(time.perf_counter() - t1, 3)}
       t2 = time.perf_counter()
-      state, metrics = update(state, frozen, self.buffer)
+      state, metrics = update(state, frozen, train.process_block(self.mesh, self.buffer))
       jax.block_until_ready(state)
       return state, {**metrics, **self.info, **times,
                      "time/train_s": round(time.perf_counter() - t2, 3)}
@@ -131,13 +132,13 @@ class Generated(online_dpo.Sampled):
     if c.grpo.mask_truncated_completions:  # a completion that did not end leaves the loss
       rows["loss_mask"] = rows["loss_mask"] * ended[:, None].astype(np.float32)
     rows = batches.Rows.of(rows)
-    device_rows = train.device_batch(self.mesh, rows)
+    device_rows = train.device_batch(self.mesh, rows, len(rows.tokens))  # the whole batch
     params, adapter = _policy(spec, frozen, state.params)
-    old = np.asarray(jax.device_get(score(params, device_rows, adapter)))
+    old = sharding.to_host(score(params, device_rows, adapter))
     ref = None
     if c.grpo.grpo_beta > 0:
       ref_params = frozen.params if frozen.ref_params is None else frozen.ref_params
-      ref = np.asarray(jax.device_get(score(ref_params, device_rows)))
+      ref = sharding.to_host(score(ref_params, device_rows))
     lengths = np.array([len(x) for x in comps], np.float64)
     std_BG = _nanstd(rewards_BG, axis=1)
     info = {**info, "reward": _nanmean(rewards), "reward_std": _nanstd(rewards),

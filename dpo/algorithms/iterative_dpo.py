@@ -26,7 +26,9 @@ the sha256 and figures of the rounds sampled so far (`Rounds.state_dict`), and a
 the recorded round file (refusing one that changed) instead of sampling it again; the batch of
 each step is a pure function of the round file and the step, and the moving reference travels
 with the checkpoints (hooks.UpdateReference). A rollback to an earlier round samples the later
-rounds again and replaces their files. Single process, as the online stages.
+rounds again and replaces their files. Several processes as online DPO: each samples and labels
+the whole pool alike; process 0 writes the round file, the others wait for it, and all read it
+back (the output directory is shared, as for the checkpoints) and train on their block of it.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class Rounds(Hook):
   lengths: dict                 # fixed last-axis lengths of the round arrays (no recompiles)
   rounds: dict = dataclasses.field(default_factory=dict)  # "r": sha256 and figures, sampled
   current: tuple | None = None  # (round, its Loader) in memory
+  whole_batch = True            # Program.stage: every process holds each step's whole batch
 
   @property
   def hooks(self) -> list:
@@ -120,7 +123,8 @@ class Rounds(Hook):
 
   def __call__(self, spec, update):
     def dispatch(state, frozen, batch):
-      state, metrics = update(state, frozen, batches.PairBatch.of(batch))
+      own = train.process_block(self.sampled.mesh, batch)  # the round loader gives it whole
+      state, metrics = update(state, frozen, batches.PairBatch.of(own))
       r = self.current[0]
       info = {k: v for k, v in self.rounds[str(r)].items() if k != "sha256"}
       return state, {**metrics, "iterative/round": r, **info}
@@ -217,7 +221,10 @@ class Rounds(Hook):
     cat = lambda j: np.concatenate([f[j] for f in labels])  # figures' [firsts, seconds] layout
     figs = online_dpo.figures(cat(0), np.concatenate([cat(1), cat(2)]),
                               np.concatenate([cat(3), cat(4)]))
-    sha = write_jsonl(path, out)
+    if jax.process_index() == 0:
+      write_jsonl(path, out)
+    checkpoint.barrier(f"iterative-round:{path}")
+    sha = data_lib.file_sha256(path)
     logging.info("iterative_dpo: round %d: %d pairs -> %s (scores %.3f, margin %.3f, ended "
                  "%.2f; sample %.1fs, judge %.1fs)", r, len(out), path, figs["objective/scores"],
                  figs["objective/scores_margin"], figs["val/contain_eos_token"], t["sample"],

@@ -16,7 +16,13 @@ are the distinct prompts of the training pairs, left-padded to one length, and c
 laid out in rows of one length (prompt length + `online_max_new_tokens`, rounded up to 8), so
 neither sampling nor the update recompiles as lengths vary. The sampling key of step s is
 fold_in(key, s), so a resumed run draws what the uninterrupted one drew: checkpoints, resume and
-the KL guard are the offline stage's (dpo/runner.py, dpo/hooks.py). Single process.
+the KL guard are the offline stage's (dpo/runner.py, dpo/hooks.py).
+
+Several processes (one per host, as the offline stages): every process holds the prompt table
+and draws the same prompts, passes the whole batch to the sampler on the global mesh and gets
+every sample back (gathered), so each judges all of them alike (a reward function on the host,
+a reward model on the mesh); each then hands the step its own block of the pairs
+(`train.process_block`), as the offline stages' loader does.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 from dpo import algorithms, batches, identity, judges, packing, train
 from dpo import data as data_lib
 from dpo.algorithms import dpo
-from models import sampler, transformer
+from models import sampler, sharding, transformer
 
 
 def prompt_table(pairs: dict, pad_id: int) -> tuple[dict, list[int]]:
@@ -82,6 +88,7 @@ class Sampled:
   base: object         # the frozen base the LoRA factors apply to (LoRA on); None: full weights
   scfg: sampler.SamplingConfig
   seq_len: int
+  whole_batch = True   # Program.stage: every process draws the whole batch of prompts
 
   def __call__(self, spec, update):
     key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), 5)
@@ -99,7 +106,8 @@ class Sampled:
       rows = pair_rows(prompts, [a if c else b for a, b, c in zip(first, second, chosen)],
                        [b if c else a for a, b, c in zip(first, second, chosen)], self.seq_len,
                        self.tok.pad_id)
-      state, metrics = update(state, frozen, batches.PairBatch(batches.Rows.of(rows)))
+      own = train.process_block(self.mesh, rows)  # this process's block, as a loader's
+      state, metrics = update(state, frozen, batches.PairBatch(batches.Rows.of(own)))
       jax.block_until_ready(state)
       metrics = {**metrics, **figures(chosen, rewards, ended),
                  "time/sample_s": round(t1 - t0, 3), "time/judge_s": round(t2 - t1, 3),
@@ -112,13 +120,15 @@ class Sampled:
     prompt, sample 1, ...], each ending with its stop token when it ended."""
     tokens = np.concatenate([batch["tokens"]] * n)
     segments = np.concatenate([batch["segment_ids"]] * n)
-    prompts = train.device_batch(self.mesh, sampler.Prompts(tokens, segments))
+    # Every process holds the whole batch and reads every sample back.
+    prompts = train.device_batch(self.mesh, sampler.Prompts(tokens, segments), len(tokens))
     if self.base is None:
       params, adapter = state.params, None
     else:
       params, adapter = self.base, transformer.Adapter(state.params, self.cfg.lora.scale)
     samples = sampler.generate(self.cfg.model, self.scfg, params, prompts, key, adapter)
-    return sampler.completions(jax.device_get(samples))
+    return sampler.completions(samples._replace(tokens=sharding.to_host(samples.tokens),
+                                                lengths=sharding.to_host(samples.lengths)))
 
   def decoded(self, comps) -> tuple[list[str], np.ndarray]:
     """(each of `sample`'s completions as text, without its stop token; whether it ended)."""
@@ -146,8 +156,6 @@ class Sampled:
 def sampled(p, judge, base):
   """dpo.preference_stage's `online`: the prompt table and the dispatch factory."""
   c = p.cfg
-  if jax.process_count() > 1:
-    raise ValueError(f"--stage={c.run.stage}: the online stages run in a single process")
   if judge is None:
     raise ValueError(f"--stage={c.run.stage}: online DPO needs a judge to label its samples: "
                      f"give --judge or --reward_fn")
