@@ -250,17 +250,19 @@ def length_reward(prompt, completion):
 
 # The online stages on the embedded task from a random init, 2 processes x 2 devices against
 # 1 x 4: a few steps, no checkpoints, a short final evaluation.
-ONLINE = ["--online_max_new_tokens=8", "--checkpoint_every=0", "--eval_max_new_tokens=4",
-          "--reward_fn=tests.test_multihost:length_reward"]
+ONLINE = ["--online_max_new_tokens=8", "--checkpoint_every=0", "--eval_max_new_tokens=4"]
+LENGTH = "--reward_fn=tests.test_multihost:length_reward"
 _CLOCK = ("tokens_per_sec", "time/sample_s", "time/judge_s", "time/train_s", "eval/eval_time_s")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [
-    ["--stage=online_dpo", "--online_steps=2"],
+    # the judge a reward model on the mesh: the run's own rm stage, on half the pairs
+    ["--stage=rm,online_dpo", "--online_steps=2", "--judge=rm", "--rm_split=0.5",
+     "--rm_steps=2"],
     ["--stage=grpo", "--grpo_steps=2", "--num_iterations=2", "--num_generations=4",
-     "--max_completion_length=8", "--grpo_beta=0.04"],
-    ["--stage=iterative_dpo", "--iterative_rounds=2", "--iterative_steps_per_round=1"],
+     "--max_completion_length=8", "--grpo_beta=0.04", LENGTH],
+    ["--stage=iterative_dpo", "--iterative_rounds=2", "--iterative_steps_per_round=1", LENGTH],
 ], ids=["online_dpo", "grpo", "iterative_dpo"])
 def test_online_stage_in_two_processes_is_the_one_process_run(tmp_path, stage):
   """Every process samples the whole batch on the global mesh, judges every sample and trains on
@@ -273,9 +275,12 @@ def test_online_stage_in_two_processes_is_the_one_process_run(tmp_path, stage):
   logs = [tmp_path / "p0.log", tmp_path / "p1.log", tmp_path / "single.log"]
   _wait([_launch([*args, f"--output_dir={multi}", *_distributed(port, i)], 2, logs[i])
          for i in range(2)] + [_launch([*args, f"--output_dir={single}"], 4, logs[2])], logs)
-  name = stage[0].split("=")[1]
-  two, one = _records(multi, drop=_CLOCK), _records(single, drop=_CLOCK)
-  assert [r["stage"] for r in one] == [name] * 2 + ["eval"]
+  name = stage[0].split(",")[-1].removeprefix("--stage=")
+  # The rm judge's name holds its run's output directory.
+  records = lambda out: [{k: v.replace(str(out), "OUT") if isinstance(v, str) else v
+                          for k, v in r.items()} for r in _records(out, drop=_CLOCK)]
+  two, one = records(multi), records(single)
+  assert [r["stage"] for r in one if r["stage"] != "rm"] == [name] * 2 + ["eval"]
   trained = [r for r in one if r["stage"] == name]
   if name == "grpo":  # the samples' rewards differ, so the advantages and the update are not 0
     assert all(r["reward_std"] > 0 for r in trained)
