@@ -28,7 +28,7 @@ import platform
 import statistics
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -155,27 +155,33 @@ def describe(setting: dict) -> str:
   return " ".join(f"--{k}={setting[k]}" for k in FIELDS)
 
 
-def tuned(cfg, step_name: str, batch_shapes: dict, slots: int,
-          time_steps: Callable[[list[dict]], list[float]], record_dir: str | None = None,
-          blocks: bool = True):
+class Trial(NamedTuple):
+  """What one tuning measures: the step `name` on batches of `shapes` ({name: shape}) and rows
+  of `slots` slots, timed by `time_steps(settings) -> seconds of each`; `record_dir` holds the
+  run's autotune.json (None: no run record); `blocks=False` keeps the config's query block."""
+  name: str
+  shapes: dict
+  slots: int
+  time_steps: Callable[[list[dict]], list[float]]
+  record_dir: str | None = None
+  blocks: bool = True
+
+
+def tuned(cfg, trial: Trial):
   """`cfg` with the fastest setting of FIELDS (`measured`'s choice); `cfg` itself with
   --autotune=off."""
   if cfg.run.autotune == "off":
     return cfg
-  return cfg.replace(**measured(cfg, step_name, batch_shapes, slots, time_steps, record_dir,
-                                blocks)["choice"])
+  return cfg.replace(**measured(cfg, trial)["choice"])
 
 
-def measured(cfg, step_name: str, batch_shapes: dict, slots: int,
-             time_steps: Callable[[list[dict]], list[float]], record_dir: str | None = None,
-             blocks: bool = True) -> dict:
-  """{"key", "choice", "seconds", "cpu", "load"}: the fastest setting of FIELDS for the step
-  `step_name` on batches of `batch_shapes` ({name: shape}) and rows of `slots` slots: the one
-  recorded in `record_dir`'s autotune.json for this step (a resumed run), else the cached one,
-  else measured with `time_steps(settings) -> seconds of each`; the choice is written to both.
-  `blocks=False` keeps the config's query block."""
+def measured(cfg, trial: Trial) -> dict:
+  """{"key", "choice", "seconds", "cpu", "load"}: the fastest setting of FIELDS for `trial`'s
+  step: the one recorded in its `record_dir`'s autotune.json for this step (a resumed run), else
+  the cached one, else measured with its `time_steps`; the choice is written to both."""
+  step_name, record_dir = trial.name, trial.record_dir
   options = candidates(cfg.model)
-  k = key(cfg, step_name, batch_shapes, options, blocks)
+  k = key(cfg, step_name, trial.shapes, options, trial.blocks)
   record_path = os.path.join(record_dir, FILE) if record_dir else None
   record = _read(record_path, required=True) if record_path else {}
   cache = _read(cache_path())
@@ -187,7 +193,7 @@ def measured(cfg, step_name: str, batch_shapes: dict, slots: int,
   elif k in cache:
     entry, source = cache[k], cache_path()
   else:
-    choice, times = choose(cfg.model, slots, time_steps, step_name, blocks)
+    choice, times = choose(cfg.model, trial.slots, trial.time_steps, step_name, trial.blocks)
     # A neighbour's jobs can change which setting wins: the entry says under what load.
     entry = {"key": k, "choice": choice, "seconds": times, "cpu": cpu_model(),
              "load": round(os.getloadavg()[0], 2)}

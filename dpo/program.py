@@ -122,4 +122,5 @@ class Program:
     shapes = {jax.tree_util.keystr(k): tuple(v.shape)
               for k, v in jax.tree_util.tree_leaves_with_path(host)}
     slots = max(v.shape[-1] for v in jax.tree.leaves(host))
-    return autotune.tuned(c, algorithm.name, shapes, slots, time_steps, c.run.output_dir)
+    return autotune.tuned(c, autotune.Trial(algorithm.name, shapes, slots, time_steps,
+                                            c.run.output_dir))

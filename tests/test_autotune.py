@@ -36,6 +36,11 @@ def fake(seconds: dict):
   return time_steps
 
 
+def trial(time_steps, record_dir=None, shapes=SHAPES):
+  """The DPO step's tuning on rows of 320 slots (long enough to try the query block)."""
+  return autotune.Trial("dpo", shapes, 320, time_steps, record_dir)
+
+
 def bench(**kw):
   return configs.get_config("bench-small").replace(**{"autotune": "on", **kw})
 
@@ -74,7 +79,7 @@ def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
                                           "attention_block": 0}): 3.0,
                        autotune.describe({"scan_unroll": 1, "matmul_backward": "autodiff",
                                           "attention_block": 0}): 0.9})
-  tuned = autotune.tuned(cfg, "dpo", SHAPES, 320, slow_default, str(tmp_path / "run"))
+  tuned = autotune.tuned(cfg, trial(slow_default, str(tmp_path / "run")))
   assert (tuned.model.scan_unroll, tuned.model.matmul_backward) == (1, "autodiff")
   assert tuned.model.attention_block == 0 and tuned.lora == cfg.lora
   with open(cache_dir / "autotune.json") as f:
@@ -87,18 +92,18 @@ def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
   # Another run on the same machine and shapes reads the cache: nothing is timed.
   again = fake({})
   with caplog.at_level(logging.INFO):
-    assert autotune.tuned(cfg, "dpo", SHAPES, 320, again, str(tmp_path / "other")) == tuned
+    assert autotune.tuned(cfg, trial(again, str(tmp_path / "other"))) == tuned
   assert again.calls == [] and "from " + str(cache_dir) in caplog.text
   # Other shapes are another key.
   other = fake({})
-  autotune.tuned(cfg, "dpo", {"tokens": (8, 2, 256)}, 320, other)
+  autotune.tuned(cfg, trial(other, shapes={"tokens": (8, 2, 256)}))
   assert len(other.calls) == 5
 
 
 def test_the_run_record_wins_over_the_cache(tmp_path, cache_dir):
   cfg = bench()
   run = str(tmp_path / "run")
-  first = autotune.tuned(cfg, "dpo", SHAPES, 320, fake({}), run)
+  first = autotune.tuned(cfg, trial(fake({}), run))
   assert first == cfg  # every candidate ties: the config's own, first
   # The cache now says otherwise (another run's measurement): a resume keeps its own record.
   with open(cache_dir / "autotune.json") as f:
@@ -107,8 +112,8 @@ def test_the_run_record_wins_over_the_cache(tmp_path, cache_dir):
   cache[k]["choice"] = {"scan_unroll": 1, "matmul_backward": "autodiff", "attention_block": 64}
   with open(cache_dir / "autotune.json", "w") as f:
     json.dump(cache, f)
-  assert autotune.tuned(cfg, "dpo", SHAPES, 320, fake({}), run) == cfg
-  assert autotune.tuned(cfg, "dpo", SHAPES, 320, fake({})).model.attention_block == 64
+  assert autotune.tuned(cfg, trial(fake({}), run)) == cfg
+  assert autotune.tuned(cfg, trial(fake({}))).model.attention_block == 64
 
 
 def test_a_record_under_another_key_is_kept_and_an_unreadable_one_refused(tmp_path, cache_dir,
@@ -123,13 +128,13 @@ def test_a_record_under_another_key_is_kept_and_an_unreadable_one_refused(tmp_pa
   (run / "autotune.json").write_text(json.dumps({"dpo": recorded}))
   time_step = fake({})
   with caplog.at_level(logging.WARNING):
-    got = autotune.tuned(cfg, "dpo", SHAPES, 320, time_step, str(run))
+    got = autotune.tuned(cfg, trial(time_step, str(run)))
   assert (got.model.scan_unroll, got.model.attention_block) == (1, 64) and time_step.calls == []
   assert json.loads((run / "autotune.json").read_text()) == {"dpo": recorded}
   assert "measured under another key" in caplog.text
   (run / "autotune.json").write_text("{not json")
   with pytest.raises(ValueError, match=r"--autotune=on: .*autotune.json cannot be read") as e:
-    autotune.tuned(cfg, "dpo", SHAPES, 320, fake({}), str(run))
+    autotune.tuned(cfg, trial(fake({}), str(run)))
   assert "\n" not in str(e.value)
 
 
@@ -147,7 +152,7 @@ def test_the_key_holds_every_section_a_step_reads():
 def test_off_changes_nothing_and_times_nothing(tmp_path, cache_dir):
   cfg = bench(autotune="off")
   time_step = fake({})
-  assert autotune.tuned(cfg, "dpo", SHAPES, 320, time_step, str(tmp_path)) is cfg
+  assert autotune.tuned(cfg, trial(time_step, str(tmp_path))) is cfg
   assert time_step.calls == [] and not os.path.exists(cache_dir)
   assert not os.path.exists(tmp_path / "autotune.json")
 

@@ -173,7 +173,8 @@ def time_config(cfg) -> dict:
         train.dpo_step, train.StepConfig.dpo(cfg.replace(**setting)), mesh, state, frozen)
     time_steps = autotune.interleaved(step_of, state, frozen, batch, FLAGS.timed_steps)
     shapes = {k: tuple(v.shape) for k, v in arrays.items()}
-    tuning = autotune.measured(cfg, "dpo", shapes, slots, time_steps, blocks=False)  # layout's
+    tuning = autotune.measured(cfg, autotune.Trial("dpo", shapes, slots, time_steps,
+                                                   blocks=False))  # the layout's query block
     cfg = cfg.replace(**tuning["choice"])
     spec = train.StepConfig.dpo(cfg)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
