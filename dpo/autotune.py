@@ -207,14 +207,19 @@ def measured(cfg, trial: Trial) -> dict:
   return entry
 
 
-def interleaved(step_of: Callable[[dict], Callable], state, frozen, batch, rounds: int
-                ) -> Callable[[list[dict]], list[float]]:
+def interleaved(step_of: Callable[[dict], Callable], state, frozen, batch, rounds: int,
+                copy: bool = True) -> Callable[[list[dict]], list[float]]:
   """`choose`'s `time_steps` for jitted steps: `step_of(setting)` is the step of a setting; all
-  take one copy of `state` in turn (the steps donate it; they train it, which leaves each
-  step's cost as it is), each first called once to compile, then once per round, round-robin,
-  so a neighbour's load falls on every candidate alike. Each setting's median."""
+  take `state` in turn (the steps donate it; they train it, which leaves each step's cost as it
+  is), each first called once to compile, then once per round, round-robin, so a neighbour's
+  load falls on every candidate alike. Each setting's median. `copy`: the steps train a copy,
+  made when they are first timed (the bench times the caller's state afterwards, and needs none
+  when the cache answers); False: they donate `state` itself (a run's fresh state, built only
+  to measure)."""
   def time_steps(settings: list[dict]) -> list[float]:
-    nonlocal state
+    nonlocal state, copy
+    if copy:
+      state, copy = jax.tree.map(lambda x: x.copy(), state), False
     steps = [step_of(s) for s in settings]
     for step in steps:
       state, m = step(state, frozen, batch)
@@ -227,5 +232,4 @@ def interleaved(step_of: Callable[[dict], Callable], state, frozen, batch, round
         jax.block_until_ready(m)
         ts.append(time.perf_counter() - t)
     return [statistics.median(ts) for ts in times]
-  state = jax.tree.map(lambda x: x.copy(), state)
   return time_steps

@@ -117,8 +117,9 @@ class Program:
         spec = algorithm.step_config(c.replace(**setting))
         return train.jit_step(algorithm.step, spec, self.mesh, state, start.frozen)
 
-      timer = autotune.interleaved(step_of, state, start.frozen, batch, _AUTOTUNE_ROUNDS)
-      return timer(settings)
+      # The run builds its own state after measuring: this one is donated, not copied.
+      return autotune.interleaved(step_of, state, start.frozen, batch, _AUTOTUNE_ROUNDS,
+                                  copy=False)(settings)
     shapes = {jax.tree_util.keystr(k): tuple(v.shape)
               for k, v in jax.tree_util.tree_leaves_with_path(host)}
     slots = max(v.shape[-1] for v in jax.tree.leaves(host))

@@ -157,9 +157,9 @@ def test_off_changes_nothing_and_times_nothing(tmp_path, cache_dir):
   assert not os.path.exists(tmp_path / "autotune.json")
 
 
-def test_interleaved_compiles_then_times_each_setting_per_round_on_a_copy():
-  calls = []
-
+def counted_steps(calls: list):
+  """`step_of` for `interleaved`: each setting's jitted step (state donated), recording its
+  calls by the setting's "add"."""
   def step_of(setting):
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state, frozen, batch):
@@ -168,13 +168,32 @@ def test_interleaved_compiles_then_times_each_setting_per_round_on_a_copy():
       calls.append(setting["add"])
       return step(*args)
     return counted
+  return step_of
 
+
+def test_interleaved_compiles_then_times_each_setting_per_round_on_a_copy():
+  calls = []
   state = jnp.zeros(3)
-  time_steps = autotune.interleaved(step_of, state, jnp.ones(3), jnp.ones(3), rounds=2)
+  time_steps = autotune.interleaved(counted_steps(calls), state, jnp.ones(3), jnp.ones(3),
+                                    rounds=2)
   seconds = time_steps([{"add": 1.0}, {"add": 2.0}])
   assert len(seconds) == 2 and all(t > 0 for t in seconds)
   assert calls == [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]  # compile calls, then round-robin rounds
   np.testing.assert_array_equal(state, np.zeros(3))  # the caller's state is neither donated nor changed
+
+
+def test_interleaved_copies_only_to_time_and_a_run_donates_its_state():
+  """The bench's copy is made when a candidate is timed, not when the timer is built (a cached
+  choice times nothing); copy=False (a run's state, built to be measured) donates it."""
+  gone = jnp.zeros(3)
+  gone.delete()  # copying it would raise: building the timer must not touch it
+  autotune.interleaved(counted_steps([]), gone, jnp.ones(3), jnp.ones(3), rounds=1)
+  calls = []
+  state = jnp.zeros(3)
+  time_steps = autotune.interleaved(counted_steps(calls), state, jnp.ones(3), jnp.ones(3),
+                                    rounds=1, copy=False)
+  assert len(time_steps([{"add": 1.0}, {"add": 2.0}])) == 2 and calls == [1.0, 2.0, 1.0, 2.0]
+  assert state.is_deleted()  # the first step took the caller's buffer, no copy of it
 
 
 @pytest.mark.slow
