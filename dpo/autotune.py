@@ -12,7 +12,7 @@ The choice changes float rounding, so a run must keep it: it is recorded per sta
 fingerprint, which holds the model fields, is the one its checkpoints were written with), and
 cached across runs in `$DPO_JAX_CACHE/autotune.json` (default `~/.cache/dpo-jax`), keyed by the
 CPU model, the device count, the step, the config fields that shape it, the batch shapes and the
-candidate set. One log line per candidate gives its median step time. The winner can depend on
+candidate set. One log line per timing gives its median step time. The winner can depend on
 the machine's load as well as its CPU (docs/benchmarks.md), so the entry records the load
 average it was measured under; delete the cache file to measure again.
 """
@@ -68,7 +68,8 @@ def cache_path() -> str:
 def candidates(model) -> list[dict]:
   """The settings tried, the config's own first: the layer scan rolled or fully unrolled, each
   with JAX's and the written-out matmul backward, at the config's query block; then (`choose`)
-  the winner with the other query block where the rows are long enough to skip any. Unrolled
+  the winner beside itself with the other query block where the rows are long enough to skip
+  any. Unrolled
   layers are left out with --remat (it needs the rolled scan)."""
   own = {f: getattr(model, f) for f in FIELDS}
   unrolls = [1] if model.remat or model.n_layers == 1 else [1, model.n_layers]
@@ -132,22 +133,25 @@ def _write(path: str, table: dict) -> None:
 
 def choose(model, slots: int, time_steps: Callable[[list[dict]], list[float]], label: str,
            blocks: bool = True) -> tuple[dict, dict]:
-  """The fastest candidate by `time_steps(settings) -> seconds per step of each`, and every
-  measurement ({setting as text: seconds}); `blocks`: the query block is tried too, on the
-  winner. One log line per candidate."""
-  times: dict[str, float] = {}
+  """The fastest candidate by `time_steps(settings) -> seconds per step of each`, and what was
+  measured: {"seconds": {candidate as text: seconds}}, and with `blocks` where the rows are long
+  enough, "query_block": the winner timed again beside itself with the other query block, in one
+  call (round-robin, so load falls on both alike), the faster of the two chosen. One log line
+  per timing."""
+  def timed(settings: list[dict], note: str) -> dict:
+    seconds = dict(zip(map(describe, settings), time_steps(settings)))
+    for setting, t in seconds.items():
+      logging.info("autotune %s: %s %.4f s per step%s", label, setting, t, note)
+    return seconds
 
-  def fastest(settings: list[dict]) -> dict:
-    todo = [s for s in settings if describe(s) not in times]
-    for setting, seconds in zip(todo, time_steps(todo) if todo else []):
-      times[describe(setting)] = seconds
-      logging.info("autotune %s: %s %.4f s per step", label, describe(setting), seconds)
-    return min(settings, key=lambda s: times[describe(s)])
-
-  best = fastest(candidates(model))
+  options = candidates(model)
+  times = {"seconds": timed(options, "")}
+  best = min(options, key=lambda s: times["seconds"][describe(s)])  # ties: the config's own
   block = other_block(model, slots) if blocks else None
   if block is not None:
-    best = fastest([best, {**best, "attention_block": block}])
+    pair = [best, {**best, "attention_block": block}]
+    times["query_block"] = timed(pair, " (the winner beside its other query block)")
+    best = min(pair, key=lambda s: times["query_block"][describe(s)])
   return best, times
 
 
@@ -176,7 +180,7 @@ def tuned(cfg, trial: Trial):
 
 
 def measured(cfg, trial: Trial) -> dict:
-  """{"key", "choice", "seconds", "cpu", "load"}: the fastest setting of FIELDS for `trial`'s
+  """{"key", "choice", "seconds"[, "query_block"], "cpu", "load"} (`choose`'s): the fastest setting of FIELDS for `trial`'s
   step: the one recorded in its `record_dir`'s autotune.json for this step (a resumed run), else
   the cached one, else measured with its `time_steps`; the choice is written to both."""
   step_name, record_dir = trial.name, trial.record_dir
@@ -195,7 +199,7 @@ def measured(cfg, trial: Trial) -> dict:
   else:
     choice, times = choose(cfg.model, trial.slots, trial.time_steps, step_name, trial.blocks)
     # A neighbour's jobs can change which setting wins: the entry says under what load.
-    entry = {"key": k, "choice": choice, "seconds": times, "cpu": cpu_model(),
+    entry = {"key": k, "choice": choice, **times, "cpu": cpu_model(),
              "load": round(os.getloadavg()[0], 2)}
     source = None
     cache[k] = entry

@@ -27,12 +27,16 @@ def cache_dir(tmp_path, monkeypatch):
   return tmp_path / "cache"
 
 
-def fake(seconds: dict):
-  """A `time_steps` from {setting text: seconds} (default 1.0), recording what it timed."""
+def fake(*passes: dict):
+  """A `time_steps` from {setting text: seconds} (default 1.0), one dict per call (the last
+  for the calls after), recording what it timed: `calls` the settings, `batches` per call."""
   def time_steps(settings):
-    time_steps.calls.extend(autotune.describe(s) for s in settings)
-    return [seconds.get(autotune.describe(s), 1.0) for s in settings]
-  time_steps.calls = []
+    names = [autotune.describe(s) for s in settings]
+    seconds = passes[min(len(time_steps.batches), len(passes) - 1)] if passes else {}
+    time_steps.calls.extend(names)
+    time_steps.batches.append(names)
+    return [seconds.get(name, 1.0) for name in names]
+  time_steps.calls, time_steps.batches = [], []
   return time_steps
 
 
@@ -56,21 +60,30 @@ def test_candidates_start_with_the_config_and_respect_remat():
   assert {c["scan_unroll"] for c in rolled} == {1} and len(rolled) == 2
 
 
-def test_picks_the_fastest_then_tries_the_query_block_and_logs_each(caplog):
+def test_picks_the_fastest_then_times_it_beside_the_query_block_and_logs_each(caplog):
   cfg = bench()
   quick = {"scan_unroll": 1, "matmul_backward": "explicit", "attention_block": 0}
-  seconds = {autotune.describe(quick): 0.5, autotune.describe({**quick, "attention_block": 64}): 0.4}
-  time_step = fake(seconds)
+  blocked = {**quick, "attention_block": 64}
+  grid = {autotune.describe(quick): 0.5}
+  # Under the load of the second pass the winner takes 0.7 s: the query block's 0.6 s is
+  # compared with that, not with the winner's 0.5 s of the first pass.
+  paired = {autotune.describe(quick): 0.7, autotune.describe(blocked): 0.6}
+  time_step = fake(grid, paired)
   with caplog.at_level(logging.INFO):
     best, times = autotune.choose(cfg.model, 320, time_step, "dpo")
-  assert best == {**quick, "attention_block": 64}
-  assert len(time_step.calls) == len(set(time_step.calls)) == 5  # 4 + the winner's block
+  assert best == blocked
+  options = [autotune.describe(c) for c in autotune.candidates(cfg.model)]
+  assert time_step.batches == [options, [autotune.describe(quick), autotune.describe(blocked)]]
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("autotune dpo: --")]
-  assert len(lines) == 5 and all(line.endswith(" s per step") for line in lines)
-  assert times == {name: seconds.get(name, 1.0) for name in time_step.calls}
+  assert len(lines) == 6 and all(" s per step" in line for line in lines)
+  assert times == {"seconds": {name: grid.get(name, 1.0) for name in options},
+                   "query_block": paired}
+  # The query block slower beside the winner: whole rows kept; every time equal: the config's.
+  assert autotune.choose(cfg.model, 320, fake(grid), "dpo")[0] == quick
+  assert autotune.choose(cfg.model, 320, fake({}), "dpo")[0] == autotune.candidates(cfg.model)[0]
   # Rows too short for a block to skip anything: only the four.
-  assert autotune.choose(cfg.model, 100, fake({}), "dpo")[1].keys() == set(
-      autotune.describe(c) for c in autotune.candidates(cfg.model))
+  assert autotune.choose(cfg.model, 100, fake({}), "dpo")[1] == {
+      "seconds": {name: 1.0 for name in options}}
 
 
 def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
@@ -85,7 +98,8 @@ def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
   with open(cache_dir / "autotune.json") as f:
     (entry,) = json.load(f).values()
   assert entry["choice"] == {"scan_unroll": 1, "matmul_backward": "autodiff", "attention_block": 0}
-  assert len(entry["seconds"]) == 5 and entry["cpu"] == autotune.cpu_model()
+  assert len(entry["seconds"]) == 4 and len(entry["query_block"]) == 2
+  assert entry["cpu"] == autotune.cpu_model()
   assert entry["load"] >= 0
   with open(tmp_path / "run" / "autotune.json") as f:
     assert json.load(f) == {"dpo": entry}
@@ -97,7 +111,7 @@ def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
   # Other shapes are another key.
   other = fake({})
   autotune.tuned(cfg, trial(other, shapes={"tokens": (8, 2, 256)}))
-  assert len(other.calls) == 5
+  assert len(other.calls) == 6
 
 
 def test_the_run_record_wins_over_the_cache(tmp_path, cache_dir):
@@ -209,6 +223,7 @@ def test_a_resumed_run_keeps_its_recorded_choice_bitwise(tmp_path, monkeypatch, 
   assert set(recorded) == {"sft", "dpo"}
   for entry in recorded.values():  # one layer: the rolled scan, with each backward
     assert len(entry["seconds"]) == 2 and entry["choice"]["scan_unroll"] == 1
+    assert "query_block" not in entry  # rows too short to skip any keys
   cut = tmp_path / "interrupted"
   with pytest.raises(SimulatedCrash):  # the same machine and shapes: the cached choice
     loop.run(tiny_cfg(cut, autotune="on"), extra_hooks={"dpo": [Crash(5)]})
@@ -221,7 +236,7 @@ def test_a_resumed_run_keeps_its_recorded_choice_bitwise(tmp_path, monkeypatch, 
     flip = {"explicit": "autodiff", "autodiff": "explicit"}
     best = {**recorded[label]["choice"],
             "matmul_backward": flip[recorded[label]["choice"]["matmul_backward"]]}
-    return best, {autotune.describe(best): 0.1}
+    return best, {"seconds": {autotune.describe(best): 0.1}}
   monkeypatch.setattr(autotune, "choose", other)
   monkeypatch.setenv("DPO_JAX_CACHE", str(tmp_path / "empty"))
   loop.run(tiny_cfg(cut, autotune="on"))
