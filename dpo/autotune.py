@@ -12,7 +12,8 @@ The choice changes float rounding, so a run must keep it: it is recorded per sta
 fingerprint, which holds the model fields, is the one its checkpoints were written with), and
 cached across runs in `$DPO_JAX_CACHE/autotune.json` (default `~/.cache/dpo-jax`), keyed by the
 CPU model, the device count, the step, the config fields that shape it, the batch shapes and the
-candidate set. One log line per timing gives its median step time. The winner can depend on
+candidate set (each table updated under a lock on `<file>.lock`, so runs measuring at once keep
+both entries). One log line per timing gives its median step time. The winner can depend on
 the machine's load as well as its CPU (docs/benchmarks.md), so the entry records the load
 average it was measured under; delete the cache file to measure again.
 """
@@ -20,6 +21,7 @@ average it was measured under; delete the cache file to measure again.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -122,13 +124,22 @@ def _read(path: str, required: bool = False) -> dict:
 def _write(path: str, table: dict) -> None:
   """Fsynced and renamed, so a reader never sees half a file; the temporary name is the
   process's own, as several runs share one cache (checkpoint._write_json's is fixed)."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
     json.dump(table, f, indent=1, sort_keys=True)
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+
+
+def _merge(path: str, name: str, entry: dict, required: bool = False) -> None:
+  """`entry` added under `name` to the table at `path`, read again and written under an
+  exclusive lock on `<path>.lock`: the rename keeps the file whole, the lock keeps both of two
+  runs' entries (each would otherwise write the table it read, less the other's)."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(f"{path}.lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+    _write(path, {**_read(path, required), name: entry})
 
 
 def choose(model, slots: int, time_steps: Callable[[list[dict]], list[float]], label: str,
@@ -202,10 +213,9 @@ def measured(cfg, trial: Trial) -> dict:
     entry = {"key": k, "choice": choice, **times, "cpu": cpu_model(),
              "load": round(os.getloadavg()[0], 2)}
     source = None
-    cache[k] = entry
-    _write(cache_path(), cache)
+    _merge(cache_path(), k, entry)
   if record_path and step_name not in record:
-    _write(record_path, {**record, step_name: entry})
+    _merge(record_path, step_name, entry, required=True)
   logging.info("autotune %s: %s%s", step_name, describe(entry["choice"]),
                f" (from {source})" if source else " (fastest measured)")
   return entry

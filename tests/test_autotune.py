@@ -4,6 +4,7 @@ import functools
 import json
 import logging
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,32 @@ def test_the_choice_is_cached_recorded_and_reused(tmp_path, cache_dir, caplog):
   other = fake({})
   autotune.tuned(cfg, trial(other, shapes={"tokens": (8, 2, 256)}))
   assert len(other.calls) == 6
+
+
+def test_two_runs_measuring_at_once_both_keep_their_cache_entry(cache_dir, monkeypatch):
+  """Two runs (threads) measure other shapes at once and both write the cache: each write
+  first waits (up to a second) for the other, so without the lock both would write the table
+  they read before either wrote, and one entry would be lost."""
+  both = threading.Barrier(2, timeout=1.0)
+  write = autotune._write
+
+  def meeting_write(path, table):
+    try:
+      both.wait()  # under the lock the other run waits for the lock instead: the barrier breaks
+    except threading.BrokenBarrierError:
+      pass
+    write(path, table)
+  monkeypatch.setattr(autotune, "_write", meeting_write)
+  cfg, shapes = bench(), [{"tokens": (4, 2, 256)}, {"tokens": (8, 2, 256)}]
+  runs = [threading.Thread(target=autotune.tuned, args=(cfg, trial(fake({}), shapes=s)))
+          for s in shapes]
+  for run in runs:
+    run.start()
+  for run in runs:
+    run.join()
+  keys = {autotune.key(cfg, "dpo", s, autotune.candidates(cfg.model), True) for s in shapes}
+  with open(cache_dir / "autotune.json") as f:
+    assert set(json.load(f)) == keys and len(keys) == 2
 
 
 def test_the_run_record_wins_over_the_cache(tmp_path, cache_dir):
