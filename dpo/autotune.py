@@ -9,7 +9,8 @@ with `--autotune=on` times a few candidates on its own jitted step, shapes and f
 
 The choice changes float rounding, so a run must keep it: it is recorded per stage in
 `<output_dir>/autotune.json` (a resume reads it back before anything is timed, so the stage's
-fingerprint, which holds the model fields, is the one its checkpoints were written with), and
+fingerprint, which holds the model fields, is the one its checkpoints and its saved model, such
+as checkpoints/sft_model, were written with: `recorded`), and
 cached across runs in `$DPO_JAX_CACHE/autotune.json` (default `~/.cache/dpo-jax`), keyed by the
 CPU model, the device count, the step, the config fields that shape it, the batch shapes and the
 candidate set (each table updated under a lock on `<file>.lock`, so runs measuring at once keep
@@ -188,6 +189,16 @@ def tuned(cfg, trial: Trial):
   if cfg.run.autotune == "off":
     return cfg
   return cfg.replace(**measured(cfg, trial)["choice"])
+
+
+def recorded(cfg, name: str, record_dir: str):
+  """`cfg` with the choice recorded for stage `name` in `record_dir`'s autotune.json, as the
+  stage trained with it: what a finished stage's saved model is checked against before the
+  stage is built (and tuned) again; `cfg` itself with --autotune=off or no choice recorded."""
+  if cfg.run.autotune == "off":
+    return cfg
+  entry = _read(os.path.join(record_dir, FILE), required=True).get(name)
+  return cfg.replace(**entry["choice"]) if entry else cfg
 
 
 def measured(cfg, trial: Trial) -> dict:

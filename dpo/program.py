@@ -91,8 +91,9 @@ class Program:
 
   def fingerprint(self, algorithm, arrays, initial: str, cfg=None) -> dict:
     """The fingerprint of `algorithm`'s stage over `arrays` from the model `initial`, run with
-    `cfg` (default the program's; a stage's own after --autotune)."""
-    cfg = cfg or self.cfg
+    `cfg` (a stage's own after --autotune; default the program's with the stage's recorded
+    --autotune choice, which its checkpoints and saved model were written with)."""
+    cfg = cfg or autotune.recorded(self.cfg, algorithm.name, self.cfg.run.output_dir)
     return identity.fingerprint(cfg, algorithm.hyperparameters(cfg), algorithm.data_files,
                                 arrays, initial)
 

@@ -179,6 +179,19 @@ def test_a_record_under_another_key_is_kept_and_an_unreadable_one_refused(tmp_pa
   assert "\n" not in str(e.value)
 
 
+def test_recorded_is_the_config_a_finished_stage_trained_with(tmp_path):
+  """What a stage's saved model is checked against before the stage is tuned again: the
+  recorded choice; the config itself with none recorded for that stage, or with off."""
+  cfg = bench()
+  assert autotune.recorded(cfg, "dpo", str(tmp_path)) == cfg  # no record yet
+  choice = {"scan_unroll": 1, "matmul_backward": "autodiff", "attention_block": 64}
+  (tmp_path / "autotune.json").write_text(json.dumps({"dpo": {"key": "k", "choice": choice}}))
+  assert autotune.recorded(cfg, "dpo", str(tmp_path)) == cfg.replace(**choice)
+  assert autotune.recorded(cfg, "sft", str(tmp_path)) == cfg
+  off = bench(autotune="off")
+  assert autotune.recorded(off, "dpo", str(tmp_path)) is off
+
+
 def test_the_key_holds_every_section_a_step_reads():
   """A loss, optimizer or reference setting changes the compiled step, so the key; where the
   run writes does not."""
@@ -273,3 +286,23 @@ def test_a_resumed_run_keeps_its_recorded_choice_bitwise(tmp_path, monkeypatch, 
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   assert_tree_bitwise(checkpoint.load_params(str(cut / "checkpoints" / "policy"), cfg.model, mesh),
                       checkpoint.load_params(str(ref / "checkpoints" / "policy"), cfg.model, mesh))
+
+
+@pytest.mark.slow
+def test_the_sft_model_carries_the_tuned_fingerprint_of_its_checkpoints(tmp_path, monkeypatch):
+  """--autotune=on choosing other settings than the config's: the saved SFT model's fingerprint
+  is its stage checkpoints' (the tuned settings), and a rerun in the same folder checks it
+  against the recorded choice, so it reuses the model rather than refusing it as another run's."""
+  def explicit(model, slots, time_steps, label, blocks=True):
+    best = {**autotune.candidates(model)[0], "matmul_backward": "explicit"}
+    return best, {"seconds": {autotune.describe(best): 0.1}}
+  monkeypatch.setattr(autotune, "choose", explicit)
+  out = tmp_path / "run"
+  cfg = tiny_cfg(out, autotune="on", stage="sft")
+  assert cfg.model.matmul_backward == "autodiff"
+  loop.run(cfg)
+  saved = checkpoint.read_meta(str(out / "checkpoints" / "sft_model"))["fingerprint"]
+  last = sorted((out / "checkpoints" / "sft").glob("step_*"))[-1]
+  assert saved == checkpoint.read_meta(str(last))["fingerprint"]
+  assert saved["model.matmul_backward"] == "explicit"
+  loop.run(cfg)  # the SFT model is complete and of this run: reused, not refused

@@ -50,9 +50,11 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   stage_hooks = [hooks.LogMetrics(c.run.log_every),
                  hooks.SaveCheckpoints(c.checkpoint.checkpoint_every)]
   start = Start(fresh, None, initial, {"init_from": c.checkpoint.init_from, "lora": False})
-  state = p.stage(SFT, start, arrays, stage_hooks).run()
+  stage = p.stage(SFT, start, arrays, stage_hooks)
+  state = stage.run()
+  # The stage's fingerprint, as its checkpoints carry it: with --autotune, the tuned settings.
   checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step),
-                         metrics_records=p.writer.count, **want)
+                         metrics_records=p.writer.count, **stage.ckpts.identity)
   logging.info("sft: model -> %s", sft_out)
   return algorithms.Model(state.params, os.path.abspath(sft_out))
 
