@@ -202,7 +202,8 @@ def recorded(cfg, name: str, record_dir: str):
 
 
 def measured(cfg, trial: Trial) -> dict:
-  """{"key", "choice", "seconds"[, "query_block"], "cpu", "load"} (`choose`'s): the fastest setting of FIELDS for `trial`'s
+  """{"key", "choice", "seconds"[, "query_block"], "cpu", "load", "when"} and "from", the file it
+  was read from (None: measured now, by `choose`): the fastest setting of FIELDS for `trial`'s
   step: the one recorded in its `record_dir`'s autotune.json for this step (a resumed run), else
   the cached one, else measured with its `time_steps`; the choice is written to both."""
   step_name, record_dir = trial.name, trial.record_dir
@@ -222,14 +223,15 @@ def measured(cfg, trial: Trial) -> dict:
     choice, times = choose(cfg.model, trial.slots, trial.time_steps, step_name, trial.blocks)
     # A neighbour's jobs can change which setting wins: the entry says under what load.
     entry = {"key": k, "choice": choice, **times, "cpu": cpu_model(),
-             "load": round(os.getloadavg()[0], 2)}
+             "load": round(os.getloadavg()[0], 2),
+             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     source = None
     _merge(cache_path(), k, entry)
   if record_path and step_name not in record:
     _merge(record_path, step_name, entry, required=True)
   logging.info("autotune %s: %s%s", step_name, describe(entry["choice"]),
                f" (from {source})" if source else " (fastest measured)")
-  return entry
+  return {**entry, "from": source}
 
 
 def interleaved(step_of: Callable[[dict], Callable], state, frozen, batch, rounds: int,

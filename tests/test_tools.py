@@ -17,7 +17,7 @@ import pytest
 
 import configs
 from dpo import autotune, train
-from dpo.tools import compile_check
+from dpo.tools import bench, compile_check
 from models import sharding, transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +133,24 @@ def tool_output(tmp_path_factory):
     if p.poll() is None:
       p.kill()
       p.wait()
+
+
+def test_bench_prints_measured_seconds_only_where_it_measured(tmp_path, monkeypatch):
+  """A process that measured prints each candidate's seconds; one whose choice came from the
+  cache prints where from, the key and when it was measured there, and no seconds as its own."""
+  monkeypatch.setenv("DPO_JAX_CACHE", str(tmp_path))
+  cfg = configs.get_config("bench-small")
+  trial = autotune.Trial("dpo", {"tokens": (4, 2, 16)}, 16, lambda settings: [
+      {"autodiff": 0.5}.get(s["matmul_backward"], 1.0) for s in settings], blocks=False)
+  assert bench.autotune_lines(autotune.measured(cfg, trial)) == [
+      f"  autotune {autotune.describe(c)} {0.5 if c['matmul_backward'] == 'autodiff' else 1:.3f}"
+      f" s per step" for c in autotune.candidates(cfg.model)]
+  entry = autotune.measured(cfg, trial)
+  (cached,) = bench.autotune_lines(entry)
+  assert cached == (f"  autotune: {autotune.describe(entry['choice'])} from "
+                    f"{tmp_path / 'autotune.json'} (key {entry['key']}, measured "
+                    f"{entry['when']} under load {entry['load']}); nothing timed in this process")
+  assert bench.autotune_lines(None) == []
 
 
 @pytest.mark.slow

@@ -171,6 +171,7 @@ def time_config(cfg) -> dict:
   if cfg.run.autotune == "on":  # as a run's DPO stage would (dpo/program.py), cache included
     step_of = lambda setting: train.jit_step(
         train.dpo_step, train.StepConfig.dpo(cfg.replace(**setting)), mesh, state, frozen)
+    # The timed state is a copy (this one is timed after), made only if the cache has no choice.
     time_steps = autotune.interleaved(step_of, state, frozen, batch, FLAGS.timed_steps)
     shapes = {k: tuple(v.shape) for k, v in arrays.items()}
     tuning = autotune.measured(cfg, autotune.Trial("dpo", shapes, slots, time_steps,
@@ -202,7 +203,7 @@ def time_config(cfg) -> dict:
           "executed_flops": executed_flops(cfg, rows, slots, head_rows),
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None), "first_loss": first_loss,
           "setting": autotune.describe({f: getattr(cfg.model, f) for f in autotune.FIELDS}),
-          "autotune": tuning.get("seconds"),
+          "autotune": tuning or None,
           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -306,6 +307,21 @@ def _print_table(cfg, variants: list[str], results: dict, plain: bool, peak: flo
             f"{fmt(rate.get('unshared') and rate[layout] / rate['unshared'], '{:9.2f}x'):>10}")
 
 
+def autotune_lines(tuning: dict | None) -> list[str]:
+  """What --autotune did in one process (`autotune.measured`'s entry; None: off): each
+  candidate's median where this process measured it, else where the choice was read from and
+  when it was measured there (its seconds are that run's, not this one's)."""
+  if not tuning:
+    return []
+  if tuning["from"]:
+    return [f"  autotune: {autotune.describe(tuning['choice'])} from {tuning['from']} (key "
+            f"{tuning['key']}, measured {tuning.get('when', 'at an unrecorded time')} under load "
+            f"{tuning.get('load', '?')}); nothing timed in this process"]
+  return [f"  autotune {setting} {seconds:.3f} s per step{note}"
+          for part, note in (("seconds", ""), ("query_block", " (beside its other query block)"))
+          for setting, seconds in tuning.get(part, {}).items()]
+
+
 def main(argv):
   del argv
   unknown = set(FLAGS.layouts) - set(LAYOUTS)
@@ -337,9 +353,9 @@ def main(argv):
     if layout == "plain JAX":
       continue
     print(f"{v} {layout}: {', '.join(sorted({x['setting'] for x in rs}))}")
-    for r in rs:  # --autotune=on: what each candidate measured (nothing when the cache had it)
-      for setting, seconds in (r["autotune"] or {}).items():
-        print(f"  autotune {setting} {seconds:.3f} s per step")
+    for r in rs:
+      for line in autotune_lines(r["autotune"]):
+        print(line)
 
 
 if __name__ == "__main__":
