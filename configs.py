@@ -347,12 +347,18 @@ class RunConfig:
                          "its own step and trains with the fastest, recorded in "
                          "<output_dir>/autotune.json and cached by CPU model and shapes "
                          "(dpo/autotune.py); off: the config's settings.")
+  autotune_from: str = option("", "With --autotune=on: a run's autotune.json; each stage recorded "
+                              "there trains with that choice, nothing timed (a run's flags.txt "
+                              "names its own, so --flagfile= repeats it as it trained). Empty: "
+                              "the run's own record, the cache, else a measurement.")
 
   def __post_init__(self):
     rules(self, stage=(_distinct_names, "all or algorithm names, each at most once, separated "
                                         "by commas"),
           log_every=at_least(1), wandb_mode=one_of(("online", "offline")),
           autotune=one_of(("off", "on")))
+    check(self.autotune == "on" or not self.autotune_from,
+          f"--autotune_from={self.autotune_from!r}: must go with --autotune=on (read only there)")
     check(self.wandb_mode == "online" or self.wandb_project,
           f"--wandb_mode={self.wandb_mode!r}: must go with --wandb_project (read only there)")
 

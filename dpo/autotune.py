@@ -7,16 +7,18 @@ were the slowest full fine-tune on shared rows (issue 30), on the AMD EPYC the f
 with `--autotune=on` times a few candidates on its own jitted step, shapes and first batch
 (`choose`), and trains with the fastest.
 
-The choice changes float rounding, so a run must keep it: it is recorded per stage in
-`<output_dir>/autotune.json` (a resume reads it back before anything is timed, so the stage's
-fingerprint, which holds the model fields, is the one its checkpoints and its saved model, such
-as checkpoints/sft_model, were written with: `recorded`), and
-cached across runs in `$DPO_JAX_CACHE/autotune.json` (default `~/.cache/dpo-jax`), keyed by the
-CPU model, the device count, the step, the config fields that shape it, the batch shapes and the
-candidate set (each table updated under a lock on `<file>.lock`, so runs measuring at once keep
-both entries). One log line per timing gives its median step time. The winner can depend on
-the machine's load as well as its CPU (docs/benchmarks.md), so the entry records the load
-average it was measured under; delete the cache file to measure again.
+The choice changes float rounding, so a run must keep it. It is recorded per stage in
+`<output_dir>/autotune.json`: a resume reads it back before anything is timed, so the stage's
+fingerprint (which holds the model fields) is the one its checkpoints and its saved model
+(checkpoints/sft_model: `recorded`) were written with; the run's flags.txt names the record
+(--autotune_from), so a rerun from that file trains with the same choices in any --output_dir.
+It is also cached across runs in `$DPO_JAX_CACHE/autotune.json` (default `~/.cache/dpo-jax`),
+keyed by the CPU model, the device count, the step, the config fields that shape it, the batch
+shapes and the candidate set; each table is updated under a lock on `<file>.lock`, so runs
+measuring at once keep both entries. One log line per timing gives its median step time. The
+winner can depend on the machine's load as well as its CPU (docs/benchmarks.md), so the entry
+records the load average (and the time) it was measured under; delete the cache file to measure
+again.
 """
 
 from __future__ import annotations
@@ -201,32 +203,53 @@ def recorded(cfg, name: str, record_dir: str):
   return cfg.replace(**entry["choice"]) if entry else cfg
 
 
+def _repeated(cfg, record_path: str | None) -> tuple[str | None, dict]:
+  """(path, table) of --autotune_from, the record of the run this one repeats; (None, {})
+  where none is given or it names this run's own record. One error line where it cannot be
+  read."""
+  path = cfg.run.autotune_from
+  if not path or (record_path and os.path.abspath(path) == os.path.abspath(record_path)):
+    return None, {}
+  try:
+    with open(path) as f:
+      return path, json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"--autotune_from={path}: cannot be read ({e}); give the autotune.json of "
+                     f"the run to repeat, or leave it empty to measure") from None
+
+
 def measured(cfg, trial: Trial) -> dict:
   """{"key", "choice", "seconds"[, "query_block"], "cpu", "load", "when"} and "from", the file it
   was read from (None: measured now, by `choose`): the fastest setting of FIELDS for `trial`'s
-  step: the one recorded in its `record_dir`'s autotune.json for this step (a resumed run), else
-  the cached one, else measured with its `time_steps`; the choice is written to both."""
+  step: the one recorded for this step in its `record_dir`'s autotune.json (a resumed run), else
+  in --autotune_from's (a repeated run), else the cached one, else measured with its
+  `time_steps`; the choice is written to the run's record, a measured one to the cache too."""
   step_name, record_dir = trial.name, trial.record_dir
   options = candidates(cfg.model)
   k = key(cfg, step_name, trial.shapes, options, trial.blocks)
   record_path = os.path.join(record_dir, FILE) if record_dir else None
   record = _read(record_path, required=True) if record_path else {}
   cache = _read(cache_path())
-  if step_name in record:  # the run trained with this: kept, even on another machine
-    entry, source = record[step_name], record_path
+  source, repeated = ((record_path, record) if step_name in record else
+                      _repeated(cfg, record_path))
+  if step_name in repeated:  # a run trained with this: kept, even on another machine
+    entry = repeated[step_name]
     if entry.get("key") != k:
       logging.warning("autotune %s: %s was measured under another key (CPU, devices, JAX or "
-                      "config); this run keeps its recorded choice", step_name, record_path)
-  elif k in cache:
-    entry, source = cache[k], cache_path()
+                      "config); this run trains with its recorded choice", step_name, source)
   else:
-    choice, times = choose(cfg.model, trial.slots, trial.time_steps, step_name, trial.blocks)
-    # A neighbour's jobs can change which setting wins: the entry says under what load.
-    entry = {"key": k, "choice": choice, **times, "cpu": cpu_model(),
-             "load": round(os.getloadavg()[0], 2),
-             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    source = None
-    _merge(cache_path(), k, entry)
+    if source:  # the repeated run stopped before this stage was tuned
+      logging.info("autotune %s: --autotune_from=%s records no choice for it", step_name, source)
+    if k in cache:
+      entry, source = cache[k], cache_path()
+    else:
+      choice, times = choose(cfg.model, trial.slots, trial.time_steps, step_name, trial.blocks)
+      # A neighbour's jobs can change which setting wins: the entry says under what load.
+      entry = {"key": k, "choice": choice, **times, "cpu": cpu_model(),
+               "load": round(os.getloadavg()[0], 2),
+               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+      source = None
+      _merge(cache_path(), k, entry)
   if record_path and step_name not in record:
     _merge(record_path, step_name, entry, required=True)
   logging.info("autotune %s: %s%s", step_name, describe(entry["choice"]),

@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from dpo import algorithms, chat, checkpoint, cli, curves, evaluate, formats, identity
-from dpo import packing, prepare, task
+from dpo import algorithms, autotune, chat, checkpoint, cli, curves, evaluate, formats
+from dpo import identity, packing, prepare, task
 from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -353,7 +353,8 @@ def _check_batch(cfg, mesh) -> None:
 
 # Config fields that say where a run writes, not what it computes: left out of config_sha256, so
 # the same run in two folders has one hash.
-_WHERE = ("output_dir", "data_cache_dir", "ref_cache_dir", "wandb_project", "wandb_mode")
+_WHERE = ("output_dir", "data_cache_dir", "ref_cache_dir", "wandb_project", "wandb_mode",
+          "autotune_from")
 
 
 def provenance(cfg, mesh) -> dict[str, Any]:
@@ -373,7 +374,12 @@ def provenance(cfg, mesh) -> dict[str, Any]:
 def _write_flags(cfg, writer: MetricsWriter) -> None:
   """Logs the settings that differ from the preset and writes them to <output_dir>/flags.txt,
   which `launch.py --flagfile=` reads back (the config as given, before an hf: import fills in
-  the model section; config.json holds the resolved one)."""
+  the model section; config.json holds the resolved one). With --autotune=on the file names the
+  run's autotune.json (--autotune_from), so a rerun from it, into any --output_dir, trains with
+  this run's choices."""
+  if cfg.run.autotune == "on" and not cfg.run.autotune_from:
+    cfg = cfg.replace(autotune_from=os.path.abspath(os.path.join(cfg.run.output_dir,
+                                                                 autotune.FILE)))
   lines = cli.flag_lines(cfg)
   logging.info("config %s; settings that differ from it: %s", cfg.run.config,
                " ".join(lines[1:]) or "none")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import configs
-from dpo import autotune, checkpoint, loop
+from dpo import autotune, checkpoint, cli, loop
 from faults import Crash, SimulatedCrash
 from models import sharding
 from test_checkpoint import assert_tree_bitwise, records, tiny_cfg
@@ -192,6 +192,41 @@ def test_recorded_is_the_config_a_finished_stage_trained_with(tmp_path):
   assert autotune.recorded(off, "dpo", str(tmp_path)) is off
 
 
+def test_a_repeat_trains_with_the_choice_recorded_by_the_run_it_repeats(tmp_path, cache_dir,
+                                                                         caplog):
+  """--autotune_from (which a run's flags.txt names): each stage recorded there trains with that
+  choice, with no cache and nothing timed, and it goes into the repeat's own record; a stage
+  not recorded there is measured; the run's own record named (a resume from its flags.txt
+  before any choice) is no error; a file that cannot be read is one error line."""
+  cfg = bench()
+  first = tmp_path / "first"
+  quick = {"scan_unroll": 1, "matmul_backward": "autodiff", "attention_block": 64}
+  chosen = autotune.tuned(cfg, trial(fake({autotune.describe({**quick, "attention_block": 0}):
+                                           0.5, autotune.describe(quick): 0.1}), str(first)))
+  assert chosen.model.attention_block == 64
+  (cache_dir / "autotune.json").unlink()  # another machine, or the cache deleted
+  repeat = cfg.replace(autotune_from=str(first / "autotune.json"))
+  time_step = fake({})  # measured now, the config's own would win
+  with caplog.at_level(logging.INFO):
+    assert autotune.tuned(repeat, trial(time_step, str(tmp_path / "again"))).model == chosen.model
+  assert time_step.calls == [] and f"(from {first / 'autotune.json'})" in caplog.text
+  assert (json.loads((tmp_path / "again" / "autotune.json").read_text()) ==
+          json.loads((first / "autotune.json").read_text()))
+  other_stage = autotune.Trial("sft", SHAPES, 320, fake({}), str(tmp_path / "again"))
+  with caplog.at_level(logging.INFO):
+    assert autotune.tuned(repeat, other_stage).model == cfg.model
+  assert len(other_stage.time_steps.calls) == 6
+  assert "records no choice for it" in caplog.text
+  own = tmp_path / "own"
+  autotune.tuned(cfg.replace(autotune_from=str(own / "autotune.json")), trial(fake({}), str(own)))
+  for gone in (tmp_path / "none.json", tmp_path / "own"):
+    with pytest.raises(ValueError, match=f"--autotune_from={gone}: cannot be read") as e:
+      autotune.tuned(cfg.replace(autotune_from=str(gone)), trial(fake({}), str(tmp_path / "x")))
+    assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="--autotune_from=.*must go with --autotune=on"):
+    bench(autotune="off", autotune_from=str(first / "autotune.json"))
+
+
 def test_the_key_holds_every_section_a_step_reads():
   """A loss, optimizer or reference setting changes the compiled step, so the key; where the
   run writes does not."""
@@ -289,10 +324,12 @@ def test_a_resumed_run_keeps_its_recorded_choice_bitwise(tmp_path, monkeypatch, 
 
 
 @pytest.mark.slow
-def test_the_sft_model_carries_the_tuned_fingerprint_of_its_checkpoints(tmp_path, monkeypatch):
+def test_the_sft_model_and_a_rerun_from_flags_txt_keep_the_tuned_settings(tmp_path, monkeypatch):
   """--autotune=on choosing other settings than the config's: the saved SFT model's fingerprint
   is its stage checkpoints' (the tuned settings), and a rerun in the same folder checks it
-  against the recorded choice, so it reuses the model rather than refusing it as another run's."""
+  against the recorded choice, so it reuses the model rather than refusing it as another run's.
+  flags.txt keeps --autotune=on and names the run's record: `--flagfile=` into another folder,
+  with no cache and a measurement that would choose otherwise, trains as the run did."""
   def explicit(model, slots, time_steps, label, blocks=True):
     best = {**autotune.candidates(model)[0], "matmul_backward": "explicit"}
     return best, {"seconds": {autotune.describe(best): 0.1}}
@@ -306,3 +343,21 @@ def test_the_sft_model_carries_the_tuned_fingerprint_of_its_checkpoints(tmp_path
   assert saved == checkpoint.read_meta(str(last))["fingerprint"]
   assert saved["model.matmul_backward"] == "explicit"
   loop.run(cfg)  # the SFT model is complete and of this run: reused, not refused
+
+  lines = (out / "flags.txt").read_text().split()
+  assert "--autotune=on" in lines and f"--autotune_from={out / 'autotune.json'}" in lines
+  import launch
+  try:
+    launch.FLAGS.unparse_flags()
+    launch.FLAGS(["launch.py", f"--flagfile={out / 'flags.txt'}",
+                  f"--output_dir={tmp_path / 'again'}"])
+    again = cli.from_flags()
+  finally:
+    launch.FLAGS.unparse_flags()
+  monkeypatch.setattr(autotune, "choose", lambda *a, **k: pytest.fail("measured again"))
+  monkeypatch.setenv("DPO_JAX_CACHE", str(tmp_path / "empty"))
+  loop.run(again)
+  assert (json.loads((tmp_path / "again" / "autotune.json").read_text()) ==
+          json.loads((out / "autotune.json").read_text()))
+  assert checkpoint.read_meta(str(tmp_path / "again" / "checkpoints" / "sft_model"))[
+      "fingerprint"] == saved
