@@ -74,8 +74,7 @@ def candidates(model) -> list[dict]:
   """The settings tried, the config's own first: the layer scan rolled or fully unrolled, each
   with JAX's and the written-out matmul backward, at the config's query block; then (`choose`)
   the winner beside itself with the other query block where the rows are long enough to skip
-  any. Unrolled
-  layers are left out with --remat (it needs the rolled scan)."""
+  any. Unrolled layers are left out with --remat (it needs the rolled scan)."""
   own = {f: getattr(model, f) for f in FIELDS}
   unrolls = [1] if model.remat or model.n_layers == 1 else [1, model.n_layers]
   grid = [{"scan_unroll": u, "matmul_backward": b, "attention_block": own["attention_block"]}
