@@ -335,8 +335,7 @@ def test_the_sft_model_and_a_rerun_from_flags_txt_keep_the_tuned_settings(tmp_pa
     return best, {"seconds": {autotune.describe(best): 0.1}}
   monkeypatch.setattr(autotune, "choose", explicit)
   out = tmp_path / "run"
-  cfg = tiny_cfg(out, autotune="on", stage="sft")
-  assert cfg.model.matmul_backward == "autodiff"
+  cfg = tiny_cfg(out, autotune="on", stage="sft", matmul_backward="autodiff")
   loop.run(cfg)
   saved = checkpoint.read_meta(str(out / "checkpoints" / "sft_model"))["fingerprint"]
   last = sorted((out / "checkpoints" / "sft").glob("step_*"))[-1]
