@@ -256,19 +256,17 @@ def measured(cfg, trial: Trial) -> dict:
   return {**entry, "from": source}
 
 
-def interleaved(step_of: Callable[[dict], Callable], state, frozen, batch, rounds: int,
-                copy: bool = True) -> Callable[[list[dict]], list[float]]:
+def interleaved(step_of: Callable[[dict], Callable], state, frozen, batch,
+                rounds: int) -> Callable[[list[dict]], list[float]]:
   """`choose`'s `time_steps` for jitted steps: `step_of(setting)` is the step of a setting; all
-  take `state` in turn (the steps donate it; they train it, which leaves each step's cost as it
-  is), each first called once to compile, then once per round, round-robin, so a neighbour's
-  load falls on every candidate alike. Each setting's median. `copy`: the steps train a copy,
-  made when they are first timed (the bench times the caller's state afterwards, and needs none
-  when the cache answers); False: they donate `state` itself (a run's fresh state, built only
-  to measure)."""
+  take `state` in turn (the steps donate it, so it is not the caller's after the first call, and
+  train it, which leaves each step's cost as it is), each first called once to compile, then
+  once per round, round-robin, so a neighbour's load falls on every candidate alike. Each
+  setting's median. The caller builds `state` to be measured (a run's or the bench's fresh
+  state) and builds its own again after: a copy would double the state's memory, and with it
+  the peak RSS the bench reports."""
   def time_steps(settings: list[dict]) -> list[float]:
-    nonlocal state, copy
-    if copy:
-      state, copy = jax.tree.map(lambda x: x.copy(), state), False
+    nonlocal state
     steps = [step_of(s) for s in settings]
     for step in steps:
       state, m = step(state, frozen, batch)

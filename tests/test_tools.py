@@ -122,7 +122,7 @@ def tool_output(tmp_path_factory):
                                      cwd=ROOT, env=env, stdout=so, stderr=se)
 
   def output(name: str) -> list[str]:
-    rc = procs[name].wait(timeout=300)
+    rc = procs[name].wait(timeout=600)  # the bench runs 12 processes on the shared cores
     stdout, stderr = ((out / f"{name}.{s}").read_text() for s in ("stdout", "stderr"))
     assert rc == 0, f"dpo.tools.{name} exited {rc}:\n{stdout}\n{stderr[-4000:]}"
     return stdout.splitlines()
@@ -180,8 +180,11 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
     for layout, block in (("unshared", 0), ("shared", 0), ("blocks", 8)):
       (i,) = [i for i, l in enumerate(rest) if l.startswith(f"{v} {layout}: --scan_unroll=1 ")]
       assert rest[i].endswith(f" --attention_block={block}")
-      assert [l.split()[2] for l in rest[i + 1:i + 3]] == [
+      # measured in a process of its own first, so the timed one reads the cache
+      assert rest[i + 1].startswith("  autotune in its own process first: peak RSS ")
+      assert [l.split()[2] for l in rest[i + 2:i + 4]] == [
           "--matmul_backward=explicit", "--matmul_backward=autodiff"]
+      assert not any(l.startswith("  autotune") for l in rest[i + 4:i + 5])  # nor the timed one
   # Shared rows run fewer slots and FLOPs than the unshared pair rows: 4 rows of 8 + 8 + 8
   # slots instead of 8 rows of 16; query blocks of 8 skip the keys above the diagonal.
   assert [int(r[2]) for r in rows] == [128, 96, 96, 128, 96, 96]

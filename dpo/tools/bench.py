@@ -146,9 +146,10 @@ def time_config(cfg) -> dict:
                                transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh), mesh)
   spec = train.StepConfig.dpo(cfg)
   opt, _ = spec.optimizer()
-  trainable = train.initial_trainable(cfg.model, cfg.lora, base, jax.random.fold_in(key, 1), mesh)
   frozen = train.initial_frozen(base)
-  state = train.init_state(trainable, opt, cfg.run.seed, mesh)
+  fresh = lambda: train.init_state(train.initial_trainable(
+      cfg.model, cfg.lora, base, jax.random.fold_in(key, 1), mesh), opt, cfg.run.seed, mesh)
+  state = fresh()
   make = hh_batch if FLAGS.workload == "hh-rlhf" else synthetic_batch
   arrays = make(cfg, pairs, np.random.default_rng(0))
   T = arrays["tokens"].shape[-1]
@@ -171,11 +172,16 @@ def time_config(cfg) -> dict:
   if cfg.run.autotune == "on":  # as a run's DPO stage would (dpo/program.py), cache included
     step_of = lambda setting: train.jit_step(
         train.dpo_step, train.StepConfig.dpo(cfg.replace(**setting)), mesh, state, frozen)
-    # The timed state is a copy (this one is timed after), made only if the cache has no choice.
+    # As in a run, the candidates train this state (donated, not copied, so the peak RSS is a
+    # run's), and the timed one is built again after, only if the cache had no choice.
     time_steps = autotune.interleaved(step_of, state, frozen, batch, FLAGS.timed_steps)
     shapes = {k: tuple(v.shape) for k, v in arrays.items()}
     tuning = autotune.measured(cfg, autotune.Trial("dpo", shapes, slots, time_steps,
                                                    blocks=False))  # the layout's query block
+    if FLAGS.worker_tune_only:
+      return {"autotune": tuning, "peak_rss_mib": _peak_rss_mib()}
+    if tuning["from"] is None:
+      state = fresh()
     cfg = cfg.replace(**tuning["choice"])
     spec = train.StepConfig.dpo(cfg)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
@@ -204,7 +210,11 @@ def time_config(cfg) -> dict:
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None), "first_loss": first_loss,
           "setting": autotune.describe({f: getattr(cfg.model, f) for f in autotune.FIELDS}),
           "autotune": tuning or None,
-          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+          "peak_rss_mib": _peak_rss_mib()}
+
+
+def _peak_rss_mib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _plain_applies(cfg) -> bool:
@@ -235,6 +245,7 @@ def _run(cmd: list[str], out: str, what: str) -> dict:
 def _tool_argv() -> list[str]:
   """This command's config flags, to pass on to the worker processes."""
   own = ("--variants", "--layouts", "--query_block", "--plain_dir", "--worker_json",
+         "--worker_tune_only",
          "--matmul_size", "--rounds_of_processes")
   return [a for a in sys.argv[1:] if not a.startswith(own)]
 
@@ -251,11 +262,16 @@ def _layout_flags(cfg, layout: str) -> list[str]:
           f"--attention_block={block}"]
 
 
-def _run_processes(cfg, variants: list[str], plain_script: str | None) -> dict:
-  """{(variant, layout): [figures of each round]}: every layout of every variant in its own
-  process, with the plain JAX step (`plain_script`, when given) as one more per variant."""
+def _run_processes(cfg, variants: list[str], plain_script: str | None) -> tuple[dict, dict]:
+  """({(variant, layout): [figures of each round]}, {(variant, layout): its tuning}): every
+  layout of every variant in its own process, with the plain JAX step (`plain_script`, when
+  given) as one more per variant. With --autotune=on each layout's choice is made first, in a
+  process of its own (`--worker_tune_only`: measured, or read from the cache), so the timed
+  processes find it cached and their peak RSS is the step's, not the tuning's (every
+  candidate's compiled step and temporary buffers)."""
   tmp = tempfile.mkdtemp(prefix="dpo_bench_")
   results: dict[tuple[str, str], list[dict]] = {}
+  tunings: dict[tuple[str, str], dict] = {}
   for r in range(FLAGS.rounds_of_processes):
     for v in variants:
       jobs = [(layout, [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(),
@@ -265,9 +281,12 @@ def _run_processes(cfg, variants: list[str], plain_script: str | None) -> dict:
         jobs.append(("plain JAX", [sys.executable, plain_script, "--variant", v]))
       for layout, cmd in jobs:
         out = os.path.join(tmp, f"{v}_{layout.replace(' ', '_')}_{r}.json")
+        if r == 0 and layout != "plain JAX" and cfg.run.autotune == "on":
+          tune = [*cmd, f"--worker_json={out}.tune", "--worker_tune_only"]
+          tunings[(v, layout)] = _run(tune, f"{out}.tune", " ".join(tune))
         cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
         results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
-  return results
+  return results, tunings
 
 
 def _print_table(cfg, variants: list[str], results: dict, plain: bool, peak: float) -> None:
@@ -347,15 +366,21 @@ def main(argv):
         f"{jax.devices()[0].platform}; float32 "
         f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s; plain JAX step: "
         f"{plain_script if plain else 'not run (absent, or not the bench-small workload)'}")
-  results = _run_processes(cfg, variants, plain_script if plain else None)
+  results, tunings = _run_processes(cfg, variants, plain_script if plain else None)
   _print_table(cfg, variants, results, plain, peak)
   for (v, layout), rs in results.items():
     if layout == "plain JAX":
       continue
     print(f"{v} {layout}: {', '.join(sorted({x['setting'] for x in rs}))}")
-    for r in rs:
-      for line in autotune_lines(r["autotune"]):
-        print(line)
+    tuning = tunings.get((v, layout))
+    if tuning:
+      print(f"  autotune in its own process first: peak RSS {tuning['peak_rss_mib']:.0f} MiB")
+    for line in autotune_lines(tuning and tuning["autotune"]):
+      print(line)
+    for r in rs:  # a timed process that tuned (the cache was written elsewhere meanwhile)
+      if r["autotune"] and not r["autotune"]["from"]:
+        for line in autotune_lines(r["autotune"]):
+          print(line)
 
 
 if __name__ == "__main__":
@@ -383,6 +408,9 @@ if __name__ == "__main__":
                       "tokenizer.json that tokenises --hh_data.")
   flags.DEFINE_string("worker_json", "", "Internal: time this one configuration in this "
                       "process and write its figures here.")
+  flags.DEFINE_bool("worker_tune_only", False, "Internal: with --worker_json, only make this "
+                    "configuration's --autotune choice (measured, or read from the cache) and "
+                    "write it with this process's peak RSS.")
   flags.DEFINE_integer("timed_steps", 10, "Timed steps per round (after the warm-up steps).",
                        lower_bound=1)
   flags.DEFINE_integer("warmup_steps", 3, "Untimed steps per round (the first gives loss@1).",
