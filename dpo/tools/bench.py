@@ -6,11 +6,12 @@
 
 Every variant (LoRA or full fine-tuning x the unshared pair rows, shared-prefix rows, shared
 rows with blockwise attention, or packed rows) runs in its own process, so each peak RSS is that
-variant's alone; with `--plain_dir` present (default ../shared/bench) and the bench-small
-workload, its plain JAX step (`plain_jax_dpo.py`) runs as one more process per variant, and
-every row prints our pairs/s over its pairs/s. `--rounds` repeats the whole set of processes, interleaved (ours, plain, ours,
-plain, ...), and reports each variant's median round, so a noisy neighbour slows both sides
-alike.
+variant's alone (with --autotune=on, its choice is made first in one more process, so the peak
+is the timed step's, not the tuning's); with `--plain_dir` present (default ../shared/bench)
+and the bench-small workload, its plain JAX step (`plain_jax_dpo.py`) runs as one more process
+per variant, and every row prints our pairs/s over its pairs/s. `--rounds_of_processes`
+repeats the whole set of processes, interleaved (ours, plain, ours, plain, ...), and reports
+each variant's median round, so a noisy neighbour slows both sides alike.
 
 Every config flag applies (--config defaults to bench-small here). The step is the one a run
 jits (`train.jit_step`: sharded over --mesh, state donated), built from the run's initial trees
@@ -180,7 +181,8 @@ def time_config(cfg) -> dict:
                                                    blocks=False))  # the layout's query block
     if FLAGS.worker_tune_only:
       return {"autotune": tuning, "peak_rss_mib": _peak_rss_mib()}
-    if tuning["from"] is None:
+    if tuning["from"] is None:  # measured here after all (the cache lost the tuning's entry)
+      del time_steps  # it holds the candidates' trained state
       state = fresh()
     cfg = cfg.replace(**tuning["choice"])
     spec = train.StepConfig.dpo(cfg)
@@ -374,11 +376,15 @@ def main(argv):
     print(f"{v} {layout}: {', '.join(sorted({x['setting'] for x in rs}))}")
     tuning = tunings.get((v, layout))
     if tuning:
-      print(f"  autotune in its own process first: peak RSS {tuning['peak_rss_mib']:.0f} MiB")
+      print("  autotune in its own process first: " + (
+          "read from the cache" if tuning["autotune"]["from"] else
+          f"peak RSS {tuning['peak_rss_mib']:.0f} MiB"))
     for line in autotune_lines(tuning and tuning["autotune"]):
       print(line)
-    for r in rs:  # a timed process that tuned (the cache was written elsewhere meanwhile)
+    for r in rs:  # a timed process that measured after all: its RSS row includes the tuning
       if r["autotune"] and not r["autotune"]["from"]:
+        print("  the timed process measured too (the cache lost the entry); its peak RSS "
+              "includes the tuning")
         for line in autotune_lines(r["autotune"]):
           print(line)
 
