@@ -81,6 +81,14 @@ def test_the_frontier_refuses_flags_it_sets_per_run(tmp_path):
                         "--sft_steps=10", f"--output_dir={tmp_path}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
   assert res.returncode != 0 and "--sft_steps is read by nothing with --init_from" in res.stderr
+  # An online method's steps that the DPO runs' cannot match: refused before anything runs (the
+  # SFT model named here does not exist; nothing reads it).
+  res = subprocess.run([sys.executable, "-m", "dpo.tools.frontier", "--init_from=some/sft_model",
+                        "--online_methods=iterative_dpo", "--steps=150", "--iterative_rounds=4",
+                        f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode != 0 and "--steps=150 must divide by --iterative_rounds=4" in res.stderr
+  assert "some/sft_model" not in res.stderr and not os.listdir(tmp_path)
 
 
 def vowel_reward(prompt, completion):

@@ -187,6 +187,8 @@ def main(argv) -> None:
     raise app.UsageError("--judge=rm names a run's own rm stage; the frontier runs none: give "
                          "the reward model's directory")
   out = cfg.run.output_dir
+  for method in FLAGS.online_methods:  # refused now, not after the SFT model and the sweep
+    online_config(cfg, method, os.path.join(out, method))
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   t0 = time.perf_counter()
   if cfg.checkpoint.init_from:
