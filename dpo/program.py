@@ -117,8 +117,7 @@ class Program:
       nonlocal timer
       if timer is None:  # built only where no record or cache answers, once for both passes
         state = start.fresh()
-        sh = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-        state_sh, frozen_sh = sh(state), sh(start.frozen)
+        state_sh, frozen_sh = train.shardings(state), train.shardings(start.frozen)  # live
 
         def step_of(setting: dict):
           spec = algorithm.step_config(c.replace(**setting))

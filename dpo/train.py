@@ -328,9 +328,13 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(sharding.RULES["batch"]))
 
 
+def shardings(tree):
+  """The sharding of each array of `tree` (for `jit_step_with_shardings`)."""
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
 def jit_step(step_fn: Callable, spec: StepConfig, mesh: Mesh, state: TrainState, frozen):
   """jit(step) with explicit in/out shardings taken from the live state, state donated."""
-  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   return jit_step_with_shardings(step_fn, spec, mesh, shardings(state), shardings(frozen))
 
 
