@@ -354,6 +354,9 @@ def main(argv):
   if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
     FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
   cfg = cli.from_flags()
+  if FLAGS.worker_tune_only and not (FLAGS.worker_json and cfg.run.autotune == "on"):
+    raise app.UsageError("--worker_tune_only makes a --worker_json process's --autotune choice: "
+                         "give both, with --autotune=on")
   if FLAGS.worker_json:
     with open(FLAGS.worker_json, "w") as f:
       json.dump(time_config(cfg), f)
