@@ -128,7 +128,8 @@ def main(argv) -> None:
   import jax
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
-  from dpo import checkpoint, data, loop, tracking
+  from dpo import checkpoint, data, hostmem, loop, tracking
+  hostmem.trim_after_compiles()  # the compiler's freed heap is not resident under a step's run
   try:
     _prepare_inputs(cfg)
     _check_inputs(cfg)

@@ -54,7 +54,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import autotune, batches, cli, packing, prepare, train
+from dpo import autotune, batches, cli, hostmem, packing, prepare, train
 from dpo import tokenizer as tokenizer_lib
 from models import quant, sharding, transformer
 
@@ -155,7 +155,9 @@ def time_config(cfg) -> dict:
   arrays = make(cfg, pairs, np.random.default_rng(0))
   T = arrays["tokens"].shape[-1]
   tokens = filled = int(arrays["segment_ids"].sum())  # real tokens of the pair rows
-  rows, slots, head_rows = 2 * pairs, T, 2 * pairs * T
+  # Unshared rows run the LM head at the slots a row can score (`logprobs.scored_slots`).
+  K = spec.score_slots if 0 < spec.score_slots < T - 1 and not spec.kl else T
+  rows, slots, head_rows = 2 * pairs, T, 2 * pairs * K
   if cfg.model.prefix_sharing:
     shared, note = packing.shared_prefix(arrays)
     if shared is None:
@@ -358,6 +360,7 @@ def main(argv):
     raise app.UsageError("--worker_tune_only makes a --worker_json process's --autotune choice: "
                          "give both, with --autotune=on")
   if FLAGS.worker_json:
+    hostmem.trim_after_compiles()  # as a run does (launch.py)
     with open(FLAGS.worker_json, "w") as f:
       json.dump(time_config(cfg), f)
     return
