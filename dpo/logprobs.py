@@ -103,21 +103,47 @@ class PairStats(NamedTuple):
   logits: jax.Array | None    # [B, 2, T, V] with_logits (the in-step KL measure), else None
 
 
+def scored_slots(cfg: ModelConfig, params, rows: Rows, slots: int, adapter: Adapter | None = None,
+                 wpo: bool = False) -> TokenStats:
+  """`score` of [B, T] rows that score at most `slots` tokens each, the LM head run only there:
+  the rows' scored tokens in slot order, padded with weight-0 entries to `slots`. `TokenStats`
+  is then [B, slots] (`mask` the gathered loss-mask weights); the sums over a row are `score`'s.
+  Callers pass a bound the rows are built to (the DPO step: --max_target_length, which every
+  completion is cut to); a row that scores more gets NaN log-probs (its update is skipped and
+  counted, `train.apply_update`), never a sum short of its last tokens."""
+  h_BTD = transformer.hidden(cfg, params, rows.inputs(), adapter)
+  mask_BT = rows.loss_mask.astype(jnp.float32)
+  # Scored slots first, in slot order (a stable sort of "not scored"), then the first `slots`.
+  slot_BK = jnp.argsort(mask_BT <= 0, axis=-1, stable=True)[:, :slots]
+  weight_BK = jnp.where(slot_BK > 0, jnp.take_along_axis(mask_BT, slot_BK, axis=-1), 0.0)
+  target_BK = jnp.take_along_axis(rows.tokens, slot_BK, axis=-1)
+  h_BKD = jnp.take_along_axis(h_BTD, jnp.maximum(slot_BK - 1, 0)[..., None], axis=1)
+  lp_BK, logw_BK, _ = head_logps(cfg, params, h_BKD, target_BK, wpo)
+  lp_BK = jnp.where((mask_BT > 0).sum(-1, keepdims=True) > slots, jnp.nan, lp_BK)
+  return TokenStats(lp_BK * weight_BK, weight_BK,
+                    None if logw_BK is None else logw_BK * weight_BK, None)
+
+
 def pair_stats(cfg: ModelConfig, params, batch: PairBatch, adapter: Adapter | None = None,
-               wpo: bool = False, with_logits: bool = False) -> PairStats:
+               wpo: bool = False, with_logits: bool = False, score_slots: int = 0) -> PairStats:
   """`score` vmapped over the pair axis of [B, 2, T] rows, then per-pair reductions; a batch
   with shared-prefix rows goes to `shared_pair_stats` (same result, less work).
 
-  Each side gets its own dropout key. The shared-length sum (LD-DPO) keeps completion tokens
-  whose rank within their completion is <= min(|y_w|, |y_l|).
+  `score_slots` > 0 bounds the tokens a row scores (the DPO step's --max_target_length): the LM
+  head then runs at those slots only (`scored_slots`), not at all T, unless `with_logits`
+  asks for the [B, 2, T, V] logits. Each side gets its own dropout key. The shared-length sum
+  (LD-DPO) keeps completion tokens whose rank within their completion is <= min(|y_w|, |y_l|).
   """
   if batch.shared is not None:
     return shared_pair_stats(cfg, params, batch, adapter, wpo, with_logits)
   key = None if adapter is None else adapter.dropout_key
   keys = None if key is None else jax.random.split(key, 2)
+  gather = 0 < score_slots < batch.pairs.tokens.shape[-1] - 1 and not with_logits
 
   def one(rows, key):
     side = None if adapter is None else dataclasses.replace(adapter, dropout_key=key)
+    if gather:
+      return scored_slots(cfg, params, rows, score_slots, side, wpo)
     return score(cfg, params, rows, side, wpo=wpo, with_logits=with_logits)
 
   s = jax.vmap(one, in_axes=(1, None if keys is None else 0), out_axes=1)(batch.pairs, keys)

@@ -57,6 +57,7 @@ class StepConfig:
   lora: Any = None          # DPO: LoraConfig (rank 0 = full fine-tuning); SFT: None
   loss: Any = None          # DPO: LossConfig; SFT: None
   kl: bool = False          # DPO: also compute the token KL(pi || ref) metric
+  score_slots: int = 0      # DPO: most tokens a pair row scores (LM head only there); 0 = all
   reward: Any = None        # RM: RewardConfig (dpo/algorithms/rm.py)
   grpo: Any = None          # GRPO: policy_gradient.GRPOConfig (dpo/algorithms/grpo.py)
   kto: Any = None           # KTO: unpaired.Objective (dpo/algorithms/kto.py)
@@ -68,7 +69,7 @@ class StepConfig:
   @classmethod
   def dpo(cls, cfg) -> "StepConfig":
     return cls(cfg.model, cfg.optim, cfg.optim.learning_rate, cfg.optim.steps, cfg.lora, cfg.loss,
-               cfg.step_kl)
+               cfg.step_kl, score_slots=cfg.data.max_target_length)
 
   def optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
     return optimizer(self.optim, self.peak_lr, self.total_steps)
@@ -180,7 +181,8 @@ def reference_stats(spec: StepConfig, frozen: Frozen, batch, with_logits: bool =
   params = frozen.params if frozen.ref_params is None else frozen.ref_params
   adapter = None if frozen.ref_lora is None else transformer.Adapter(frozen.ref_lora,
                                                                      spec.lora.scale)
-  out = logprobs.pair_stats(spec.model, params, batch, adapter, with_logits=with_logits)
+  out = logprobs.pair_stats(spec.model, params, batch, adapter, with_logits=with_logits,
+                            score_slots=spec.score_slots)
   return jax.lax.stop_gradient(out)
 
 
@@ -278,7 +280,8 @@ def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch: PairBatc
     policy_params, adapter = frozen.params, transformer.Adapter(
         trainable, spec.lora.scale, dropout_key, spec.lora.lora_dropout)
   pol = logprobs.pair_stats(spec.model, policy_params, batch, adapter, wpo=lc.wpo,
-                            with_logits=ref is not None and ref.logits is not None)
+                            with_logits=ref is not None and ref.logits is not None,
+                            score_slots=spec.score_slots)
   pol_lp = ld(pol.logps, pol.shared_logps)
   ref_lp = jnp.zeros_like(pol_lp) if ref is None else ld(ref.logps, ref.shared_logps)
   lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],

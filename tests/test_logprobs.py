@@ -108,3 +108,31 @@ def test_pair_stats_shared_length_and_wpo_match_numpy():
       np.testing.assert_allclose(float(st.wpo_logw[b, j]), (logw_t[b] * m[b]).sum() / m[b].sum(),
                                  rtol=1e-5, atol=1e-4)
   assert logprobs.pair_stats(CFG, params, PairBatch.of(batch)).wpo_logw is None
+
+
+@pytest.mark.slow
+def test_head_at_scored_slots_equals_every_slot():
+  """pair_stats with score_slots (the LM head only at each row's scored slots, as the DPO step
+  runs it) gives the every-slot path's sums, shared-length sums, counts and WPO weights, with
+  LoRA dropout drawn alike; a row scoring more than score_slots tokens gets NaN, not a short sum."""
+  from configs import LoraConfig
+  from models import lora as lora_lib
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  params = transformer.init(CFG, jax.random.key(0), mesh)
+  lc = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.3, lora_targets=("q", "v"))
+  lora = jax.tree.map(lambda x: x + 0.1, lora_lib.init(CFG, lc, jax.random.key(1), mesh))
+  adapter = transformer.Adapter(lora, lc.scale, jax.random.key(2), lc.lora_dropout)
+  batch = _pair_batch(np.random.default_rng(4), B=4, T=16)
+  batch["loss_mask"][0, 1, -3] = 0.0  # a hole inside a completion
+  batch["loss_mask"][1, 0] *= 0.5     # weighted tokens
+  bound = int((batch["loss_mask"] > 0).sum(-1).max())
+  stats = jax.jit(lambda b, k: logprobs.pair_stats(CFG, params, PairBatch.of(b), adapter,
+                                                   wpo=True, score_slots=k), static_argnums=1)
+  full, gathered = stats(batch, 0), stats(batch, bound)
+  for name in ("logps", "tokens", "shared_logps", "wpo_logw"):
+    np.testing.assert_allclose(np.asarray(getattr(gathered, name)),
+                               np.asarray(getattr(full, name)), rtol=2e-5, atol=2e-5,
+                               err_msg=name)
+  short = np.asarray(stats(batch, bound - 1).logps)
+  over = (batch["loss_mask"] > 0).sum(-1) > bound - 1
+  assert over.any() and np.isnan(short[over]).all() and np.isfinite(short[~over]).all()

@@ -180,7 +180,10 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
 
 
 def step_config(cfg) -> train.StepConfig:
-  return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.online_steps)
+  # A sampled row scores at most its completion budget, not --max_target_length.
+  return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.online_steps,
+                             score_slots=cfg.online.online_max_new_tokens
+                             or cfg.data.max_target_length)
 
 
 ONLINE_DPO = algorithms.register(algorithms.Algorithm(
