@@ -118,6 +118,8 @@ def main(argv) -> None:
     cfg = cli.from_flags()
   except ValueError as e:
     _user_error(e)
+  from dpo import hostmem
+  hostmem.trim_after_compiles()  # the compiler's freed heap is not resident under a step's run
   from dpo import distributed  # imported after flag parsing so JAX starts with the final environment
   try:
     distributed.initialize(FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes,
@@ -128,8 +130,7 @@ def main(argv) -> None:
   import jax
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)  # only process 0 logs progress
-  from dpo import checkpoint, data, hostmem, loop, tracking
-  hostmem.trim_after_compiles()  # the compiler's freed heap is not resident under a step's run
+  from dpo import checkpoint, data, loop, tracking
   try:
     _prepare_inputs(cfg)
     _check_inputs(cfg)
@@ -153,4 +154,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  from dpo import hostmem
+  hostmem.reexec_with_huge_pages()  # a step's temporaries on transparent huge pages
   app.run(main, flags_parser=_parse)

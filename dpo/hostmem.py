@@ -1,11 +1,26 @@
-"""Host memory: hand the heap that XLA's compiler frees back to the operating system.
+"""Host memory: how the process's C heap serves XLA:CPU's buffers.
 
-XLA:CPU compiles a step on several threads, and glibc keeps what each thread's malloc arena
-frees for reuse instead of returning it. Without a trim, a freshly compiled step runs with that
-freed-but-resident heap (about 200 MiB for bench-small's DPO step) under the temporaries its
-first execution allocates, and the process's peak RSS counts both. `trim_after_compiles` asks
-glibc to return it (`malloc_trim`) at the end of every backend compile, before the compiled
-executable first runs. Values and speed are untouched; measurements in docs/benchmarks.md.
+Two glibc behaviours cost a CPU step memory and time; this module changes both for our
+processes (launch.py, the bench's workers):
+
+* **The compiler's freed heap stays resident.** XLA compiles on several threads, and what it
+  frees stays in glibc's heap; a freshly compiled step then runs with that garbage under its
+  own buffers, and the process's peak RSS counts both. `trim_after_compiles` asks glibc to
+  return free memory (`malloc_trim`) at the end of every backend compile (a `jax.monitoring`
+  listener): about 250 MiB off bench-small's peak RSS.
+* **Each step's temporaries are faulted in afresh, 4 KiB at a time.** XLA:CPU allocates a
+  step's temporary buffers (hundreds of MiB) when the step runs and frees them when it ends;
+  glibc serves allocations that large by mmap and unmaps them on free, so every step
+  page-faults its temporaries in again (bench-small's LoRA step: 165k faults, 0.3 s of system
+  time a step). With glibc's `glibc.malloc.hugetlb=1` tunable those mappings are madvised as
+  transparent huge pages, 2 MiB a fault. A tunable is read when the process starts, so
+  `reexec_with_huge_pages` starts the process again (same PID, same arguments) with it in
+  `GLIBC_TUNABLES`, and `environment` gives a child process's environment with it. Keeping the
+  freed memory mapped instead (glibc's `M_MMAP_MAX` 0) is faster still but fragments the heap:
+  peak RSS grew by up to 1.9 GiB on bench-small (docs/benchmarks.md).
+
+Values are untouched. Where the C library is not glibc (macOS, musl), nothing changes and the
+log says so; where the kernel's transparent huge pages are off (`never`), the tunable is inert.
 """
 
 from __future__ import annotations
@@ -13,37 +28,69 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-
-import jax
+import os
+import sys
 
 # The event jax records when a backend compile (or a persistent-cache load) finishes.
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+_REEXEC_MARK = "DPO_JAX_REEXEC"  # set across the one re-exec, so it never loops
 
-_trim = None       # libc's malloc_trim, once installed
+_libc = None       # glibc's handle, once trimming
 trims = 0          # compiles followed by a trim in this process (tests read it)
+
+
+def _glibc():
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    libc.gnu_get_libc_version.restype = ctypes.c_char_p
+    return libc
+  except (OSError, AttributeError):
+    return None
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
   del duration, kwargs
   global trims
   if event == COMPILE_EVENT:
-    _trim(0)
+    _libc.malloc_trim(0)
     trims += 1
 
 
 def trim_after_compiles() -> bool:
   """Trim the C heap after every compile from now on, once per process. False (and a log line)
-  where the C library has no `malloc_trim` (not glibc: macOS, musl), where nothing is trimmed."""
-  global _trim
-  if _trim is not None:
+  where the C library is not glibc."""
+  global _libc
+  if _libc is not None:
     return True
-  try:
-    trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-  except (OSError, AttributeError):
-    logging.info("hostmem: this C library has no malloc_trim; the compiler's freed heap stays "
-                 "resident")
+  libc = _glibc()
+  if libc is None:
+    logging.info("hostmem: the C library is not glibc; the compiler's freed heap stays resident")
     return False
-  trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-  _trim = trim
+  import jax  # here, so that importing this module before a re-exec stays cheap
+  _libc = libc
   jax.monitoring.register_event_duration_secs_listener(_on_event)
   return True
+
+
+def environment(env=None) -> dict[str, str]:
+  """`env` (default os.environ) with `HUGE_PAGES` added to its GLIBC_TUNABLES, for a child."""
+  env = dict(os.environ if env is None else env)
+  tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+  if not any(t.startswith("glibc.malloc.hugetlb=") for t in tunables):
+    env["GLIBC_TUNABLES"] = ":".join(tunables + [HUGE_PAGES])
+  return env
+
+
+def reexec_with_huge_pages() -> None:
+  """Start this process again, with the command line it was started with, with `HUGE_PAGES` in
+  GLIBC_TUNABLES, unless it is there (or the user set glibc.malloc.hugetlb otherwise), the C
+  library is not glibc, or this process is the re-exec. Call it first thing in a `__main__`,
+  before anything worth keeping is built."""
+  if environment() == dict(os.environ) or os.environ.get(_REEXEC_MARK) or _glibc() is None:
+    return
+  env = {**environment(), _REEXEC_MARK: "1"}
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, sys.orig_argv, env)

@@ -4,6 +4,9 @@
     python -m dpo.tools.bench --variants=lora --layouts=shared --rounds_of_processes=3
     python -m dpo.tools.bench --workload=hh-rlhf --variants=lora --layouts=unshared,shared,packed
 
+Our processes run as launch.py's does (dpo/hostmem.py: glibc's huge-page tunable, the heap
+trimmed after each compile); the plain step runs in this command's environment as it is.
+
 Every variant (LoRA or full fine-tuning x the unshared pair rows, shared-prefix rows, shared
 rows with blockwise attention, or packed rows) runs in its own process, so each peak RSS is that
 variant's alone (with --autotune=on, its choice is made first in one more process, so the peak
@@ -235,9 +238,12 @@ def _plain_applies(cfg) -> bool:
           and cfg.lora.lora_rank in (0, ref.lora.lora_rank) and cfg.loss == ref.loss)
 
 
-def _run(cmd: list[str], out: str, what: str) -> dict:
+def _run(cmd: list[str], out: str, what: str, ours: bool = True) -> dict:
+  """Run one worker; ours run as launch.py's process does (`hostmem.reexec_with_huge_pages`),
+  the plain step in this command's environment as it is."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
+  env = hostmem.environment(env) if ours else env
   done = subprocess.run(cmd, capture_output=True, text=True, env=env)
   if done.returncode != 0:
     raise RuntimeError(f"{what} exited {done.returncode}:\n{done.stdout[-2000:]}\n"
@@ -289,7 +295,8 @@ def _run_processes(cfg, variants: list[str], plain_script: str | None) -> tuple[
           tune = [*cmd, f"--worker_json={out}.tune", "--worker_tune_only"]
           tunings[(v, layout)] = _run(tune, f"{out}.tune", " ".join(tune))
         cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
-        results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
+        results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd),
+                                                        ours=layout != "plain JAX"))
   return results, tunings
 
 
@@ -355,12 +362,12 @@ def main(argv):
                          "`tokenizers` package: pip install -e '.[hf]'")
   if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
     FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
+  hostmem.trim_after_compiles()  # as a run's process does (launch.py)
   cfg = cli.from_flags()
   if FLAGS.worker_tune_only and not (FLAGS.worker_json and cfg.run.autotune == "on"):
     raise app.UsageError("--worker_tune_only makes a --worker_json process's --autotune choice: "
                          "give both, with --autotune=on")
   if FLAGS.worker_json:
-    hostmem.trim_after_compiles()  # as a run does (launch.py)
     with open(FLAGS.worker_json, "w") as f:
       json.dump(time_config(cfg), f)
     return
@@ -374,6 +381,9 @@ def main(argv):
         f"{jax.devices()[0].platform}; float32 "
         f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s; plain JAX step: "
         f"{plain_script if plain else 'not run (absent, or not the bench-small workload)'}")
+  tunables = hostmem.environment()["GLIBC_TUNABLES"]
+  print(f"our processes: GLIBC_TUNABLES={tunables} (as launch.py runs; dpo/hostmem.py); the plain "
+        f"step: GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
   results, tunings = _run_processes(cfg, variants, plain_script if plain else None)
   _print_table(cfg, variants, results, plain, peak)
   for (v, layout), rs in results.items():
