@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import configs
-from dpo import autotune, train
+from dpo import autotune, hostmem, train
 from dpo.tools import bench, compile_check
 from models import sharding, transformer
 
@@ -159,11 +159,13 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
   assert lines[0].startswith(f"CPU: {autotune.cpu_model()}; devices: 1 x cpu; float32 128^3 "
                              "matmul peak")
   assert "plain JAX step: not run" in lines[0]  # a tiny model is not the plain step's workload
-  assert lines[1] == "workload bench-small, 4 pairs per step"
-  assert lines[2].split() == ["variant", "layout", "slots", "fill", "step", "s", "pairs/s",
+  # Our workers run as launch.py's process does (dpo/hostmem.py), the plain step as given.
+  assert lines[1].startswith("our processes: GLIBC_TUNABLES=") and hostmem.HUGE_PAGES in lines[1]
+  assert lines[2] == "workload bench-small, 4 pairs per step"
+  assert lines[3].split() == ["variant", "layout", "slots", "fill", "step", "s", "pairs/s",
                               "tokens/s", "exec", "GF", "exec", "util", "model", "util", "temp",
                               "MiB", "RSS", "MiB", "loss@1", "x", "plain", "x", "unshared"]
-  rows = [l.replace("full FT", "full").split() for l in lines[3:9]]
+  rows = [l.replace("full FT", "full").split() for l in lines[4:10]]
   assert [r[:2] for r in rows] == [[v, l] for v in ("LoRA", "full")
                                    for l in ("unshared", "shared", "blocks")]
   for r in rows:
@@ -175,7 +177,7 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
   assert float(rows[0][-1][:-1]) == 1.0
   # bench-small tunes each variant's step (--autotune=on) on a fresh cache: one rolled layer, so
   # each backward measured once, the layout's query block kept; the setting it ran with.
-  rest = lines[9:]
+  rest = lines[10:]
   for v in ("lora", "full"):
     for layout, block in (("unshared", 0), ("shared", 0), ("blocks", 8)):
       (i,) = [i for i, l in enumerate(rest) if l.startswith(f"{v} {layout}: --scan_unroll=1 ")]
