@@ -20,7 +20,8 @@ processes (launch.py, the bench's workers):
   peak RSS grew by up to 1.9 GiB on bench-small (docs/benchmarks.md).
 
 Values are untouched. Where the C library is not glibc (macOS, musl), nothing changes and the
-log says so; where the kernel's transparent huge pages are off (`never`), the tunable is inert.
+log says so; the tunable acts where the kernel's transparent huge pages are on `madvise` and
+glibc is 2.35 or later (with `always` every mapping already has them; elsewhere it is inert).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def trim_after_compiles() -> bool:
   if libc is None:
     logging.info("hostmem: the C library is not glibc; the compiler's freed heap stays resident")
     return False
-  import jax  # here, so that importing this module before a re-exec stays cheap
+  import jax
   _libc = libc
   jax.monitoring.register_event_duration_secs_listener(_on_event)
   return True

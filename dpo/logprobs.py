@@ -115,10 +115,13 @@ def scored_slots(cfg: ModelConfig, params, rows: Rows, slots: int, adapter: Adap
   mask_BT = rows.loss_mask.astype(jnp.float32)
   # Scored slots first, in slot order (a stable sort of "not scored"), then the first `slots`.
   slot_BK = jnp.argsort(mask_BT <= 0, axis=-1, stable=True)[:, :slots]
-  weight_BK = jnp.where(slot_BK > 0, jnp.take_along_axis(mask_BT, slot_BK, axis=-1), 0.0)
+  weight_BK = jnp.take_along_axis(mask_BT, slot_BK, axis=-1)
   target_BK = jnp.take_along_axis(rows.tokens, slot_BK, axis=-1)
   h_BKD = jnp.take_along_axis(h_BTD, jnp.maximum(slot_BK - 1, 0)[..., None], axis=1)
   lp_BK, logw_BK, _ = head_logps(cfg, params, h_BKD, target_BK, wpo)
+  first = slot_BK == 0  # slot 0 has no context: it scores 0 and counts, as in `score`
+  lp_BK = jnp.where(first, 0.0, lp_BK)
+  logw_BK = None if logw_BK is None else jnp.where(first, 0.0, logw_BK)
   lp_BK = jnp.where((mask_BT > 0).sum(-1, keepdims=True) > slots, jnp.nan, lp_BK)
   return TokenStats(lp_BK * weight_BK, weight_BK,
                     None if logw_BK is None else logw_BK * weight_BK, None)

@@ -125,6 +125,7 @@ def test_head_at_scored_slots_equals_every_slot():
   batch = _pair_batch(np.random.default_rng(4), B=4, T=16)
   batch["loss_mask"][0, 1, -3] = 0.0  # a hole inside a completion
   batch["loss_mask"][1, 0] *= 0.5     # weighted tokens
+  batch["loss_mask"][2, 0, 0] = 1.0    # slot 0 scored (no prompt, no BOS): scores 0, counts
   bound = int((batch["loss_mask"] > 0).sum(-1).max())
   stats = jax.jit(lambda b, k: logprobs.pair_stats(CFG, params, PairBatch.of(b), adapter,
                                                    wpo=True, score_slots=k), static_argnums=1)
