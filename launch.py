@@ -16,9 +16,13 @@ import re
 import sys
 import traceback
 
-from absl import app, flags, logging
+if __name__ == "__main__":  # first, before imports a re-exec would repeat (dpo/hostmem.py)
+  from dpo import hostmem
+  hostmem.reexec_with_huge_pages()  # a step's temporaries on transparent huge pages
 
-from dpo import cli
+from absl import app, flags, logging  # noqa: E402
+
+from dpo import cli  # noqa: E402
 
 cli.define_flags()
 # Per-process settings, not part of the experiment's config (they differ between processes).
@@ -154,6 +158,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from dpo import hostmem
-  hostmem.reexec_with_huge_pages()  # a step's temporaries on transparent huge pages
   app.run(main, flags_parser=_parse)
