@@ -127,6 +127,12 @@ def scored_slots(cfg: ModelConfig, params, rows: Rows, slots: int, adapter: Adap
                     None if logw_BK is None else logw_BK * weight_BK, None)
 
 
+def head_slots(T: int, score_slots: int, with_logits: bool) -> int:
+  """The slots a [.., T] pair row runs the LM head at in `pair_stats`: `score_slots` when that
+  bound saves any (`scored_slots`) and no logits are kept, else all T."""
+  return score_slots if 0 < score_slots < T - 1 and not with_logits else T
+
+
 def pair_stats(cfg: ModelConfig, params, batch: PairBatch, adapter: Adapter | None = None,
                wpo: bool = False, with_logits: bool = False, score_slots: int = 0) -> PairStats:
   """`score` vmapped over the pair axis of [B, 2, T] rows, then per-pair reductions; a batch
@@ -141,7 +147,8 @@ def pair_stats(cfg: ModelConfig, params, batch: PairBatch, adapter: Adapter | No
     return shared_pair_stats(cfg, params, batch, adapter, wpo, with_logits)
   key = None if adapter is None else adapter.dropout_key
   keys = None if key is None else jax.random.split(key, 2)
-  gather = 0 < score_slots < batch.pairs.tokens.shape[-1] - 1 and not with_logits
+  T = batch.pairs.tokens.shape[-1]
+  gather = head_slots(T, score_slots, with_logits) < T
 
   def one(rows, key):
     side = None if adapter is None else dataclasses.replace(adapter, dropout_key=key)

@@ -57,7 +57,7 @@ import numpy as np
 from absl import app, flags
 
 import configs
-from dpo import autotune, batches, cli, hostmem, packing, prepare, train
+from dpo import autotune, batches, cli, hostmem, logprobs, packing, prepare, train
 from dpo import tokenizer as tokenizer_lib
 from models import quant, sharding, transformer
 
@@ -158,9 +158,8 @@ def time_config(cfg) -> dict:
   arrays = make(cfg, pairs, np.random.default_rng(0))
   T = arrays["tokens"].shape[-1]
   tokens = filled = int(arrays["segment_ids"].sum())  # real tokens of the pair rows
-  # Unshared rows run the LM head at the slots a row can score (`logprobs.scored_slots`).
-  K = spec.score_slots if 0 < spec.score_slots < T - 1 and not spec.kl else T
-  rows, slots, head_rows = 2 * pairs, T, 2 * pairs * K
+  rows, slots = 2 * pairs, T
+  head_rows = 2 * pairs * logprobs.head_slots(T, spec.score_slots, spec.kl)
   if cfg.model.prefix_sharing:
     shared, note = packing.shared_prefix(arrays)
     if shared is None:
