@@ -187,6 +187,8 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
       assert [l.split()[2] for l in rest[i + 2:i + 4]] == [
           "--matmul_backward=explicit", "--matmul_backward=autodiff"]
       assert not any(l.startswith("  autotune") for l in rest[i + 4:i + 5])  # nor the timed one
+      # each timed process's step time, with the CPU it used a step (to tell a slow one's cause)
+      assert rest[i + 4].startswith("  processes: ") and " page faults; machine steal " in rest[i + 4]
   # Shared rows run fewer slots and FLOPs than the unshared pair rows: 4 rows of 8 + 8 + 8
   # slots instead of 8 rows of 16; query blocks of 8 skip the keys above the diagonal.
   assert [int(r[2]) for r in rows] == [128, 96, 96, 128, 96, 96]

@@ -34,7 +34,10 @@ Two utilisations, both over the float32 --matmul_size^3 matmul peak measured in 
 `temp MiB` is the compiler's temporary-buffer figure for the step (`memory_analysis`).
 `slots` counts the positions the model runs per step (rows x row length) and `fill` the share of
 them that hold a token; tokens/s counts the real (non-padding) tokens of the pair rows;
-`x unshared` is a row's pairs/s over the unshared layout's.
+`x unshared` is a row's pairs/s over the unshared layout's. Below the table, each of our timed
+processes' step time with the CPU it used a step (user, system, page faults) and the machine's
+steal time, and each plain step process's time: a slow process shows whether it computed,
+faulted or waited on a virtual machine's host.
 """
 
 from __future__ import annotations
@@ -194,19 +197,21 @@ def time_config(cfg) -> dict:
   mem = step.lower(state, frozen, batch).compile().memory_analysis()
   rounds = []
   first_loss = None
+  cpu = []
   for _ in range(FLAGS.rounds):
     for _ in range(FLAGS.warmup_steps):
       state, m = step(state, frozen, batch)
       if first_loss is None:
         first_loss = float(m["loss"])
     jax.block_until_ready(state)
-    times = []
+    times, start = [], _cpu_use()
     for _ in range(FLAGS.timed_steps):
       t = time.perf_counter()
       state, m = step(state, frozen, batch)
       jax.block_until_ready(m)
       times.append(time.perf_counter() - t)
     rounds.append(statistics.median(times))
+    cpu.append(_cpu_use(start, FLAGS.timed_steps))
   step_time = statistics.median(rounds)
   return {"lora": cfg.lora.enabled, "shared": cfg.model.prefix_sharing, "step_time": step_time,
           "pairs_per_s": pairs / step_time, "tokens_per_s": tokens / step_time,
@@ -216,7 +221,24 @@ def time_config(cfg) -> dict:
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None), "first_loss": first_loss,
           "setting": autotune.describe({f: getattr(cfg.model, f) for f in autotune.FIELDS}),
           "autotune": tuning or None,
+          "cpu_per_step": {k: statistics.median(c[k] for c in cpu) for k in cpu[0]},
           "peak_rss_mib": _peak_rss_mib()}
+
+
+def _cpu_use(start: dict | None = None, steps: int = 1) -> dict:
+  """This process's CPU seconds (user, system), minor page faults and the machine's steal time
+  (what a virtual machine's host ran elsewhere; Linux's /proc/stat, 0 where absent): the running
+  totals, or with `start` the use per step since then. Read with a process's step time, they
+  tell a slow process that computed more (user) from one that faulted (system, faults) or
+  waited on the host (steal)."""
+  use = resource.getrusage(resource.RUSAGE_SELF)
+  now = {"user": use.ru_utime, "system": use.ru_stime, "faults": use.ru_minflt, "steal": 0.0}
+  try:
+    with open("/proc/stat") as f:
+      now["steal"] = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+  except (OSError, IndexError, ValueError):
+    pass
+  return now if start is None else {k: (now[k] - start[k]) / steps for k in now}
 
 
 def _peak_rss_mib() -> float:
@@ -387,6 +409,7 @@ def main(argv):
   _print_table(cfg, variants, results, plain, peak)
   for (v, layout), rs in results.items():
     if layout == "plain JAX":
+      print(f"{v} plain JAX: processes " + ", ".join(f"{r['median_step_s']:.3f} s" for r in rs))
       continue
     print(f"{v} {layout}: {', '.join(sorted({x['setting'] for x in rs}))}")
     tuning = tunings.get((v, layout))
@@ -396,6 +419,10 @@ def main(argv):
           f"peak RSS {tuning['peak_rss_mib']:.0f} MiB"))
     for line in autotune_lines(tuning and tuning["autotune"]):
       print(line)
+    print("  processes: " + ", ".join(
+        f"{r['step_time']:.3f} s (a step: CPU user {c['user']:.2f} s, system {c['system']:.2f} "
+        f"s, {c['faults']:.0f} page faults; machine steal {c['steal']:.2f} s)"
+        for r in rs for c in [r["cpu_per_step"]]))
     for r in rs:  # a timed process that measured after all: its RSS row includes the tuning
       if r["autotune"] and not r["autotune"]["from"]:
         print("  the timed process measured too (the cache lost the entry); its peak RSS "
