@@ -18,6 +18,12 @@ processes (launch.py, the bench's workers):
   `GLIBC_TUNABLES`, and `environment` gives a child process's environment with it. Keeping the
   freed memory mapped instead (glibc's `M_MMAP_MAX` 0) is faster still but fragments the heap:
   peak RSS grew by up to 1.9 GiB on bench-small (docs/benchmarks.md).
+  One cost stays: a step touches each page of its temporaries first somewhere inside the step,
+  and on a virtual machine whose kernel reports free memory to its host (virtio balloon free
+  page reporting, in 2 MiB blocks), a huge page that sat freed for about a second or more comes
+  back from the host, far slower than a 4 KiB fault (`python -m dpo.tools.refault`). Steps of
+  about a second or less keep the whole gain; longer ones give part of it back, and now and then
+  a whole process runs slow (docs/benchmarks.md).
 
 Values are untouched. Where the C library is not glibc (macOS, musl), nothing changes and the
 log says so; the tunable acts where the kernel's transparent huge pages are on `madvise` and

@@ -95,7 +95,8 @@ def _tool_commands(out: str) -> dict[str, tuple[int, list[str]]]:
   return {
       "bench": (1, ["--config=bench-small", *TINY_MODEL, "--vocab_size=512",
                     "--max_prompt_length=8", "--max_target_length=8", "--timed_steps=2",
-                    "--warmup_steps=1", "--rounds=1", "--matmul_size=128", "--query_block=8"]),
+                    "--warmup_steps=1", "--rounds=1", "--matmul_size=128", "--query_block=8",
+                    "--rounds_of_processes=1"]),
       "bench_precompute_ref": (2, [*TINY_MODEL, *TINY_TASK, "--timed_steps=3",
                                    "--learning_rate=0.05", "--warmup_ratio=0"]),
       "compare_losses": (1, [*TINY_MODEL, *TINY_TASK, "--steps=2", "--sft_steps=2",
@@ -105,6 +106,7 @@ def _tool_commands(out: str) -> dict[str, tuple[int, list[str]]]:
                             "--global_batch_size=2", "--max_prompt_length=8",
                             "--max_target_length=8"]),
       "base_memory": (1, []),
+      "refault": (1, ["--mib=8", "--gaps=0,0.1", "--repeats=2"]),
   }
 
 
@@ -266,3 +268,15 @@ def test_curves_draws_a_run_directory_with_its_rollbacks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(run / "curves.png")
   assert red(tmp_path / "calm" / "curves.png") == 0 < red(tmp_path / "spiky" / "curves.png")
+
+
+def test_refault_times_each_touch_with_and_without_huge_pages(tool_output):
+  lines = tool_output("refault")
+  assert lines[0].startswith("transparent huge pages: ") and "free page reporting: " in lines[0]
+  rows = lines[1:]
+  assert [r.split(" gap")[0].strip() for r in rows] == ["huge pages"] * 2 + ["4 KiB pages"] * 2
+  for row, gap in zip(rows, ["0.0", "0.1"] * 2):
+    assert f"gap  {gap} s: touch 8 MiB in " in row
+    ms = row.split(" in ")[1].split(" ms;")[0].split(", ")
+    assert len(ms) == 2 and all(float(x) >= 0 for x in ms)  # --repeats touches, each timed
+    assert row.split("reported meanwhile ")[1] == "-" or row.endswith(" MiB")

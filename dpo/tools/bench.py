@@ -1,7 +1,7 @@
 """Benchmark the jitted DPO step beside the plain JAX step: pairs/s, utilisation, memory.
 
     python -m dpo.tools.bench                # bench-small: LoRA, full FT; unshared, shared, blocks
-    python -m dpo.tools.bench --variants=lora --layouts=shared --rounds_of_processes=3
+    python -m dpo.tools.bench --variants=lora --layouts=shared --rounds_of_processes=1
     python -m dpo.tools.bench --workload=hh-rlhf --variants=lora --layouts=unshared,shared,packed
 
 Our processes run as launch.py's does (dpo/hostmem.py: glibc's huge-page tunable, the heap
@@ -13,8 +13,11 @@ variant's alone (with --autotune=on, its choice is made first in one more proces
 is the timed step's, not the tuning's); with `--plain_dir` present (default ../shared/bench)
 and the bench-small workload, its plain JAX step (`plain_jax_dpo.py`) runs as one more process
 per variant, and every row prints our pairs/s over its pairs/s. `--rounds_of_processes`
-repeats the whole set of processes, interleaved (ours, plain, ours, plain, ...), and reports
-each variant's median round, so a noisy neighbour slows both sides alike.
+(default 3) repeats the whole set of processes, interleaved (ours, plain, ours, plain, ...),
+and reports each variant's median round, so a noisy neighbour slows both sides alike and one
+slow process moves no row (on a virtual machine whose host takes back freed huge pages, an
+occasional process faults its temporaries in from host-reclaimed memory for its whole run:
+`python -m dpo.tools.refault`, docs/benchmarks.md).
 
 Every config flag applies (--config defaults to bench-small here). The step is the one a run
 jits (`train.jit_step`: sharded over --mesh, state donated), built from the run's initial trees
@@ -445,8 +448,10 @@ if __name__ == "__main__":
                        lower_bound=1)
   flags.DEFINE_string("plain_dir", "../shared/bench", "Folder of the plain JAX step "
                       "(plain_jax_dpo.py); skipped when absent or not the bench-small workload.")
-  flags.DEFINE_integer("rounds_of_processes", 1, "Times the whole set of variant processes runs, "
-                       "interleaved; each variant reports its median.", lower_bound=1)
+  flags.DEFINE_integer("rounds_of_processes", 3, "Times the whole set of variant processes runs, "
+                       "interleaved; each variant reports its median, so one slow process "
+                       "(docs/benchmarks.md: a virtual machine's host taking back freed huge "
+                       "pages) moves no row.", lower_bound=1)
   flags.DEFINE_enum("workload", "bench-small", ["bench-small", "hh-rlhf"], "bench-small: "
                     "synthetic pairs of max_prompt_length + max_target_length tokens; hh-rlhf: "
                     "--hh_data's lengths and shared prompts.")
