@@ -21,9 +21,10 @@ processes (launch.py, the bench's workers):
   One cost stays: a step touches each page of its temporaries first somewhere inside the step,
   and on a virtual machine whose kernel reports free memory to its host (virtio balloon free
   page reporting, in 2 MiB blocks), a huge page that sat freed for about a second or more comes
-  back from the host, far slower than a 4 KiB fault (`python -m dpo.tools.refault`). Steps of
-  about a second or less keep the whole gain; longer ones give part of it back, and now and then
-  a whole process runs slow (docs/benchmarks.md).
+  back from the host, far slower than a 4 KiB fault (`python -m dpo.tools.refault`). On
+  bench-small's 0.7 s steps huge pages still gain; a step that touches much of its temporaries
+  late loses some of it (its full fine-tune on unshared rows, 2 s: 4% slower than 4 KiB pages),
+  and now and then a whole process runs slow (docs/benchmarks.md).
 
 Values are untouched. Where the C library is not glibc (macOS, musl), nothing changes and the
 log says so; the tunable acts where the kernel's transparent huge pages are on `madvise` and

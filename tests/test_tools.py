@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -190,12 +191,33 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
           "--matmul_backward=explicit", "--matmul_backward=autodiff"]
       assert not any(l.startswith("  autotune") for l in rest[i + 4:i + 5])  # nor the timed one
       # each timed process's step time, with the CPU it used a step (to tell a slow one's cause)
-      assert rest[i + 4].startswith("  processes: ") and " page faults; machine steal " in rest[i + 4]
+      (proc,) = rest[i + 4].removeprefix("  processes: ").split("), ")  # one round of processes
+      seconds, use = proc.split(" s (a step: CPU user ")
+      user, system = float(use.split(" s, ")[0]), float(use.split("system ")[1].split(" s,")[0])
+      assert float(seconds) > 0 and user >= 0 and system >= 0
+      assert int(use.split(" s, ")[2].split(" page faults")[0]) >= 0
+      steal = use.split("machine steal ")[1].rstrip(")")
+      assert steal == "-" or float(steal.removesuffix(" s")) >= 0
   # Shared rows run fewer slots and FLOPs than the unshared pair rows: 4 rows of 8 + 8 + 8
   # slots instead of 8 rows of 16; query blocks of 8 skip the keys above the diagonal.
   assert [int(r[2]) for r in rows] == [128, 96, 96, 128, 96, 96]
   for v in (0, 3):
     assert float(rows[v][7]) > float(rows[v + 1][7]) > float(rows[v + 2][7])
+
+
+def test_bench_cpu_use_is_per_step_and_reads_steal_where_linux_counts_it():
+  start = bench._cpu_use()
+  t = time.process_time()
+  while time.process_time() - t < 0.3:  # burn 0.3 CPU seconds in this process
+    pass
+  one, two = bench._cpu_use(start), bench._cpu_use(start, steps=2)
+  assert one["user"] + one["system"] >= 0.25
+  assert two["user"] == pytest.approx(one["user"] / 2, abs=0.02)  # per step: over the steps
+  assert one["faults"] >= 0
+  if os.path.exists("/proc/stat"):
+    assert one["steal"] is not None and one["steal"] >= 0
+  else:
+    assert one["steal"] is None
 
 
 def test_bench_precompute_ref_times_both_variants_to_the_same_loss(tool_output):
@@ -270,13 +292,21 @@ def test_curves_draws_a_run_directory_with_its_rollbacks(tmp_path):
   assert red(tmp_path / "calm" / "curves.png") == 0 < red(tmp_path / "spiky" / "curves.png")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux's mmap advice and page-fault counts")
 def test_refault_times_each_touch_with_and_without_huge_pages(tool_output):
   lines = tool_output("refault")
   assert lines[0].startswith("transparent huge pages: ") and "free page reporting: " in lines[0]
-  rows = lines[1:]
-  assert [r.split(" gap")[0].strip() for r in rows] == ["huge pages"] * 2 + ["4 KiB pages"] * 2
-  for row, gap in zip(rows, ["0.0", "0.1"] * 2):
-    assert f"gap  {gap} s: touch 8 MiB in " in row
-    ms = row.split(" in ")[1].split(" ms;")[0].split(", ")
-    assert len(ms) == 2 and all(float(x) >= 0 for x in ms)  # --repeats touches, each timed
+  huge = [l for l in lines[1:] if l.startswith("huge pages")]
+  small = [l for l in lines[1:] if l.startswith("4 KiB pages")]
+  # Huge pages: a row per gap, or one line saying why not (THP never or absent, advice refused).
+  assert len(huge) == 2 or (len(huge) == 1 and ("none on this kernel" in huge[0]
+                                                 or "madvise refused" in huge[0]))
+  assert len(small) == 2
+  for row, gap in zip((huge if len(huge) == 2 else []) + small, ["0.0", "0.1"] * 2):
+    assert f" gap  {gap} s: touch 8 MiB in " in row
+    ms = row.split(" in ")[1].split(" ms (")[0].split(", ")
+    faults = [int(x) for x in row.split(" ms (")[1].split(" page faults)")[0].split(", ")]
+    assert len(ms) == len(faults) == 2 and all(float(x) >= 0 for x in ms)  # --repeats touches
+    if row in small:  # advised against huge pages: every 4 KiB page of 8 MiB faults on its own
+      assert all(n >= 2048 for n in faults)
     assert row.split("reported meanwhile ")[1] == "-" or row.endswith(" MiB")

@@ -216,6 +216,7 @@ def time_config(cfg) -> dict:
     rounds.append(statistics.median(times))
     cpu.append(_cpu_use(start, FLAGS.timed_steps))
   step_time = statistics.median(rounds)
+  median_round = sorted(range(len(rounds)), key=rounds.__getitem__)[len(rounds) // 2]
   return {"lora": cfg.lora.enabled, "shared": cfg.model.prefix_sharing, "step_time": step_time,
           "pairs_per_s": pairs / step_time, "tokens_per_s": tokens / step_time,
           "model_flops": model_flops(cfg, pairs, T), "pair_slots": 2 * pairs * T,
@@ -224,24 +225,28 @@ def time_config(cfg) -> dict:
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None), "first_loss": first_loss,
           "setting": autotune.describe({f: getattr(cfg.model, f) for f in autotune.FIELDS}),
           "autotune": tuning or None,
-          "cpu_per_step": {k: statistics.median(c[k] for c in cpu) for k in cpu[0]},
+          "cpu_per_step": cpu[median_round],  # the CPU use of the (upper) median round
           "peak_rss_mib": _peak_rss_mib()}
 
 
 def _cpu_use(start: dict | None = None, steps: int = 1) -> dict:
-  """This process's CPU seconds (user, system), minor page faults and the machine's steal time
-  (what a virtual machine's host ran elsewhere; Linux's /proc/stat, 0 where absent): the running
+  """This process's CPU seconds (user and system, each summed over its threads), minor page
+  faults and the machine's steal time (CPU seconds, summed over the machine's cores, that a
+  virtual machine's host ran elsewhere: Linux's /proc/stat; None where absent): the running
   totals, or with `start` the use per step since then. Read with a process's step time, they
   tell a slow process that computed more (user) from one that faulted (system, faults) or
   waited on the host (steal)."""
   use = resource.getrusage(resource.RUSAGE_SELF)
-  now = {"user": use.ru_utime, "system": use.ru_stime, "faults": use.ru_minflt, "steal": 0.0}
+  now = {"user": use.ru_utime, "system": use.ru_stime, "faults": use.ru_minflt, "steal": None}
   try:
-    with open("/proc/stat") as f:
+    with open("/proc/stat") as f:  # cpu user nice system idle iowait irq softirq steal ...
       now["steal"] = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
   except (OSError, IndexError, ValueError):
     pass
-  return now if start is None else {k: (now[k] - start[k]) / steps for k in now}
+  if start is None:
+    return now
+  return {k: None if now[k] is None or start[k] is None else (now[k] - start[k]) / steps
+          for k in now}
 
 
 def _peak_rss_mib() -> float:
@@ -424,7 +429,8 @@ def main(argv):
       print(line)
     print("  processes: " + ", ".join(
         f"{r['step_time']:.3f} s (a step: CPU user {c['user']:.2f} s, system {c['system']:.2f} "
-        f"s, {c['faults']:.0f} page faults; machine steal {c['steal']:.2f} s)"
+        f"s, {c['faults']:.0f} page faults; machine steal "
+        f"{'-' if c['steal'] is None else format(c['steal'], '.2f') + ' s'})"
         for r in rs for c in [r["cpu_per_step"]]))
     for r in rs:  # a timed process that measured after all: its RSS row includes the tuning
       if r["autotune"] and not r["autotune"]["from"]:

@@ -12,22 +12,28 @@ balloon free page reporting: `/sys/module/page_reporting`, which reports free bl
 backed by the host again when next touched, far slower than a page the guest still holds.
 
 This measures that directly: map `--mib` MiB of anonymous memory (madvised as transparent huge
-pages, or not), touch every 4 KiB page, unmap it, wait the gap, and again, `--repeats` times
-for each gap; it prints each touch's milliseconds and, where the kernel counts it
-(`reported_kib`), how much memory it reported to the host meanwhile. Times that grow with the gap
-on the huge-page rows, and not on the 4 KiB rows, are the host taking back freed huge pages:
-steps that last longer than the gap lose time to it (docs/benchmarks.md).
+pages, or as not), touch every 4 KiB page, unmap it; then, `--repeats` times for each gap, wait
+the gap and touch a fresh mapping again, timed. It prints each timed touch's milliseconds and
+page faults (about 1 per 2 MiB on huge pages, 1 per 4 KiB without: the check that the pages
+were what the row says) and, where the kernel counts it (`reported_kib`), how much memory it
+reported to the host meanwhile. Times that grow with the gap on the huge-page rows, and not on
+the 4 KiB rows, are the host taking back freed huge pages: steps that last longer than the gap
+lose time to it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+import resource
 import time
 
 from absl import app, flags
 
-MADV_HUGEPAGE = 14  # Linux's madvise advice
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)  # Linux's advice numbers
+MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 FLAGS = flags.FLAGS
 
 
@@ -40,23 +46,35 @@ def reported_kib() -> int | None:
     return None
 
 
-def touch_fresh(nbytes: int, huge: bool) -> float:
-  """Seconds to first-touch every 4 KiB page of a fresh anonymous mapping of `nbytes`."""
+def thp_mode() -> str | None:
+  """The kernel's transparent huge page mode (always, madvise or never); None where it has none."""
+  try:
+    with open(THP) as f:
+      return f.read().split("[")[1].split("]")[0]
+  except (OSError, IndexError):
+    return None
+
+
+def touch_fresh(nbytes: int, huge: bool) -> tuple[float, int]:
+  """(seconds, page faults) to first-touch every 4 KiB page of a fresh anonymous mapping of
+  `nbytes`, madvised as huge pages or as not (OSError where the kernel refuses the advice)."""
   m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
   try:
-    if huge:
-      m.madvise(MADV_HUGEPAGE)
+    m.madvise(MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for offset in range(0, nbytes, 4096):
       m[offset] = 1
-    return time.perf_counter() - start
+    return (time.perf_counter() - start,
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
   finally:
     m.close()
 
 
-def _seconds(text: str) -> bool:
+def _is_seconds(text: str) -> bool:
+  """Whether a --gaps entry is a finite number of seconds >= 0."""
   try:
-    return float(text) >= 0
+    return math.isfinite(float(text)) and float(text) >= 0
   except ValueError:
     return False
 
@@ -64,36 +82,37 @@ def _seconds(text: str) -> bool:
 def main(argv):
   del argv
   nbytes = FLAGS.mib << 20
-  thp = "?"
-  try:
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-      thp = f.read().strip()
-  except OSError:
-    pass
-  print(f"transparent huge pages: {thp}; free page reporting: "
+  mode = thp_mode()
+  print(f"transparent huge pages: {mode or 'absent'}; free page reporting: "
         f"{'counted' if reported_kib() is not None else 'not counted (no ' + REPORTED + ')'}")
   gaps = [float(g) for g in FLAGS.gaps]
   for huge in (True, False):
+    label = "huge pages" if huge else "4 KiB pages"
+    if huge and mode in (None, "never"):
+      print(f"{label}: none on this kernel (transparent huge pages {mode or 'absent'})")
+      continue
+    try:
+      touch_fresh(nbytes, huge)  # so every timed touch follows a freed mapping and its gap
+    except OSError as e:  # madvise refused: a kernel without this advice
+      print(f"{label}: madvise refused here ({e})")
+      continue
     for gap in gaps:
-      before, times = reported_kib(), []
-      try:
-        for _ in range(FLAGS.repeats):
-          times.append(touch_fresh(nbytes, huge))
-          time.sleep(gap)
-      except OSError as e:  # madvise(MADV_HUGEPAGE) where the kernel has no such advice
-        print(f"huge pages: not available here ({e})")
-        break
+      before, touches = reported_kib(), []
+      for _ in range(FLAGS.repeats):
+        time.sleep(gap)
+        touches.append(touch_fresh(nbytes, huge))
       after = reported_kib()
       moved = "-" if before is None or after is None else f"{(after - before) / 1024:.0f} MiB"
-      print(f"{'huge pages' if huge else '4 KiB pages':<11} gap {gap:4.1f} s: touch {FLAGS.mib} "
-            f"MiB in {', '.join(f'{1e3 * t:.0f}' for t in times)} ms; reported meanwhile {moved}")
+      print(f"{label:<11} gap {gap:4.1f} s: touch {FLAGS.mib} MiB in "
+            f"{', '.join(f'{1e3 * t:.0f}' for t, _ in touches)} ms "
+            f"({', '.join(str(n) for _, n in touches)} page faults); reported meanwhile {moved}")
 
 
 if __name__ == "__main__":
   flags.DEFINE_integer("mib", 512, "MiB mapped and touched each time.", lower_bound=1)
   flags.DEFINE_list("gaps", ["0", "0.2", "1", "3", "6"], "Seconds the memory sits freed "
-                    "between touches.")
-  flags.DEFINE_integer("repeats", 4, "Touches per gap.", lower_bound=1)
-  flags.register_validator("gaps", lambda v: all(_seconds(x) for x in v),
-                           "--gaps: seconds, each a number >= 0")
+                    "before each timed touch.")
+  flags.DEFINE_integer("repeats", 4, "Timed touches per gap.", lower_bound=1)
+  flags.register_validator("gaps", lambda v: bool(v) and all(_is_seconds(x) for x in v),
+                           "--gaps: one or more seconds, each a finite number >= 0")
   app.run(main)
