@@ -43,6 +43,7 @@ import sys
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 _REEXEC_MARK = "DPO_JAX_REEXEC"  # set across the one re-exec, so it never loops
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _libc = None       # glibc's handle, once trimming
 trims = 0          # compiles followed by a trim in this process (tests read it)
@@ -55,6 +56,16 @@ def _glibc():
     libc.gnu_get_libc_version.restype = ctypes.c_char_p
     return libc
   except (OSError, AttributeError):
+    return None
+
+
+def thp_mode() -> str | None:
+  """The kernel's transparent huge page mode (always, madvise or never); None where it has none
+  (not Linux, or a kernel without them)."""
+  try:
+    with open(THP_MODE) as f:
+      return f.read().split("[")[1].split("]")[0]
+  except (OSError, IndexError):
     return None
 
 

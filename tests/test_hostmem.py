@@ -43,14 +43,9 @@ def _run(mode: str) -> dict:
 def _tunable_decides() -> bool:
   """Whether glibc's tunable decides huge pages here: transparent huge pages on `madvise` (with
   `always` every mapping has them, with `never` none), glibc 2.35 or later (earlier ignores it)."""
-  try:
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-      madvise = "[madvise]" in f.read()
-  except OSError:
-    return False
   libc = hostmem._glibc()
   version = libc and tuple(int(x) for x in libc.gnu_get_libc_version().decode().split(".")[:2])
-  return madvise and bool(version) and version >= (2, 35)
+  return hostmem.thp_mode() == "madvise" and bool(version) and version >= (2, 35)
 
 
 def test_tunable_joins_the_ones_given():

@@ -30,10 +30,11 @@ import time
 
 from absl import app, flags
 
+from dpo import hostmem
+
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)  # Linux's advice numbers
 MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
-THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 FLAGS = flags.FLAGS
 
 
@@ -43,15 +44,6 @@ def reported_kib() -> int | None:
     with open(REPORTED) as f:
       return int(f.read())
   except (OSError, ValueError):
-    return None
-
-
-def thp_mode() -> str | None:
-  """The kernel's transparent huge page mode (always, madvise or never); None where it has none."""
-  try:
-    with open(THP) as f:
-      return f.read().split("[")[1].split("]")[0]
-  except (OSError, IndexError):
     return None
 
 
@@ -82,7 +74,7 @@ def _is_seconds(text: str) -> bool:
 def main(argv):
   del argv
   nbytes = FLAGS.mib << 20
-  mode = thp_mode()
+  mode = hostmem.thp_mode()
   print(f"transparent huge pages: {mode or 'absent'}; free page reporting: "
         f"{'counted' if reported_kib() is not None else 'not counted (no ' + REPORTED + ')'}")
   gaps = [float(g) for g in FLAGS.gaps]
