@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import jax
+
 from models import archs
 from models import lora as lora_lib
 
@@ -113,7 +115,16 @@ class ModelConfig:
   attention_block: int = option(0, "Attention over query blocks of this many slots, each against "
                                 "the keys up to its own last slot only, so fully masked blocks "
                                 "above the causal diagonal are never computed (training and "
-                                "scoring; decoding with a cache is unchanged); 0 = one block.")
+                                "scoring; decoding with a cache is unchanged); 0 = one block. "
+                                "The XLA attention only (--attention=xla).")
+  attention: str = option("auto", "Training and scoring attention: xla (scores and softmax as "
+                          "XLA ops, [T, T] scores per head in memory), pallas (the flash "
+                          "kernel of models/flash.py: [tile, tile] scores on chip only; on a "
+                          "TPU, elsewhere in Pallas's slow interpret mode) or auto (pallas on "
+                          "a TPU unless --attention_block is set, xla elsewhere). Decoding "
+                          "with a KV cache is always xla.")
+  attention_tile: int = option(512, "--attention=pallas: query and key tile of the kernel, a "
+                               "multiple of 128 (rows shorter than a tile use one tile).")
   # Architecture switches (one model definition; Hugging Face families differ only here).
   arch: str = option("llama", f"Hugging Face model_type written on export, from {ARCHS}.")
   mlp_act: str = option("silu", "Gated-MLP activation: silu (SwiGLU), gelu_tanh or gelu (GeGLU).")
@@ -156,7 +167,11 @@ class ModelConfig:
           base_quant=one_of(("none", "int8", "nf4")),
           matmul_backward=one_of(("autodiff", "explicit")), sliding_window=NONNEG,
           sliding_pattern=at_least(1), scan_unroll=at_least(1), attention_block=NONNEG,
-          logits_chunk=NONNEG)
+          logits_chunk=NONNEG, attention=one_of(("auto", "xla", "pallas")),
+          attention_tile=(lambda v: v > 0 and v % 128 == 0, "a positive multiple of 128"))
+    check(self.attention != "pallas" or not self.attention_block,
+          f"--attention_block={self.attention_block}: applies to --attention=xla; the pallas "
+          "kernel skips the tiles above the causal diagonal itself (give --attention_block=0)")
     check(self.n_heads % self.n_kv_heads == 0,
           f"--n_kv_heads={self.n_kv_heads}: must divide --n_heads={self.n_heads}")
     check(self.prefix_sharing or not self.packing,
@@ -174,6 +189,13 @@ class ModelConfig:
   def explicit_backward(self) -> bool:
     """Whether the weight matmuls use models/transformer.matmul's written-out backward."""
     return self.matmul_backward == "explicit"
+
+  def flash_attention(self) -> bool:
+    """Whether training and scoring attention runs the Pallas kernel (models/flash.py): asked
+    for, or `auto` on a TPU without an XLA-only --attention_block. Read while tracing."""
+    if self.attention == "auto":
+      return jax.default_backend() == "tpu" and not self.attention_block
+    return self.attention == "pallas"
 
   def layer_is_local(self) -> tuple[bool, ...]:
     """Per layer: True where attention is restricted to the sliding window."""

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
-from models import quant, sharding
+from models import flash, quant, sharding
 
 if TYPE_CHECKING:
   from models.config import ModelConfig
@@ -330,11 +330,13 @@ class _LayerInputs(NamedTuple):
   """What one layer reads besides the residual stream: RoPE positions, its attention mask and
   RoPE inverse frequencies (sliding-window layers get a banded mask and possibly their own RoPE
   base), and the cache hook (`_cache_writer`) when decoding, whose updated (keys, values) of all
-  cache slots the layer attends over and returns."""
+  cache slots the layer attends over and returns. With the Pallas kernel (`flash`: the slots and
+  this layer's window, 0 for a global layer) the mask is never formed: `mask_BTS` is None."""
   positions_BT: jax.Array
-  mask_BTS: jax.Array
+  mask_BTS: jax.Array | None
   freq_k: jax.Array
   cache_writer: Callable | None = None
+  flash: tuple[Slots, jax.Array] | None = None
 
 
 def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerInputs):
@@ -369,7 +371,9 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
   G = cfg.n_heads // cfg.n_kv_heads
   q_BTKGk = q_BTHk.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
   cache = None
-  if inputs.cache_writer is None:
+  if inputs.flash is not None:
+    attn_BTKGk = _flash_attention(cfg, q_BTKGk, k_BTKk, v_BTKk, *inputs.flash)
+  elif inputs.cache_writer is None:
     attn_BTKGk = _blocked_attention(cfg, q_BTKGk, k_BTKk, v_BTKk, inputs.mask_BTS)
   else:
     cache = inputs.cache_writer(k_BTKk, v_BTKk)
@@ -411,6 +415,26 @@ def _blocked_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, mask_BTS):
       _attend(cfg, q_BTKGk[:, s:s + block], k_BTKk[:, :s + block], v_BTKk[:, :s + block],
               mask_BTS[:, s:s + block, :s + block])
       for s in range(0, T, block)], axis=1)
+
+
+def _flash_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, slots: Slots, window):
+  """`_attend` under `attention_mask(slots, slots, window)` by the Pallas kernel (models/flash.py),
+  which never holds more than a tile of scores. Under a mesh it runs per shard (`shard_map`):
+  rows split as the batch, kv heads as the tensor axis; a row's slots are never split."""
+  kernel = functools.partial(flash.attention, scale=1.0 / math.sqrt(cfg.query_scale or cfg.head_dim),
+                             softcap=cfg.attn_softcap, block=cfg.attention_tile)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return kernel(q_BTKGk, k_BTKk, v_BTKk, slots.segment, slots.branch, window)
+  spec = lambda axes, x: sharding.logical_to_spec(axes, x.shape, mesh)
+  q_spec = spec(("batch", "seq", "act_kv_heads", None, "head_dim"), q_BTKGk)
+  kv_spec = spec(_ACT_KV, k_BTKk)
+  row_spec = spec(("batch", "seq"), slots.segment)
+  branch_spec = None if slots.branch is None else row_spec
+  run = jax.shard_map(lambda q, k, v, s, b, w: kernel(q, k, v, s, b, w), mesh=mesh,
+                      in_specs=(q_spec, kv_spec, kv_spec, row_spec, branch_spec, P()),
+                      out_specs=q_spec, check_vma=False)
+  return run(q_BTKGk, k_BTKk, v_BTKk, slots.segment, slots.branch, jnp.asarray(window, jnp.int32))
 
 
 _ACTIVATIONS: dict[str, Callable] = {
@@ -500,8 +524,11 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
   q, kv = _slots(inputs, None)
   # Per-layer variation (sliding window, local RoPE base) rides along the scan as a flag.
   local_L = np.asarray(cfg.layer_is_local())
-  mask_BTS = attention_mask(q, kv)
-  local_mask_BTS = attention_mask(q, kv, cfg.sliding_window) if local_L.any() else mask_BTS
+  use_flash = cfg.flash_attention()
+  mask_BTS = local_mask_BTS = None
+  if not use_flash:
+    mask_BTS = attention_mask(q, kv)
+    local_mask_BTS = attention_mask(q, kv, cfg.sliding_window) if local_L.any() else mask_BTS
   freq_global, freq_local = (jnp.asarray(rope_frequencies(cfg, local)) for local in (False, True))
 
   def body(x, xs):
@@ -510,9 +537,11 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
         adapter.dropout_key, i)
     mask, freq = mask_BTS, freq_global
     if local_L.any():
-      mask = jnp.where(local, local_mask_BTS, mask_BTS)
+      mask = None if use_flash else jnp.where(local, local_mask_BTS, mask_BTS)
       freq = jnp.where(local, freq_local, freq_global)
-    layer_inputs = _LayerInputs(inputs.positions_BT, mask, freq)
+    window = jnp.where(local, cfg.sliding_window, 0) if use_flash else None
+    layer_inputs = _LayerInputs(inputs.positions_BT, mask, freq,
+                                flash=(q, window) if use_flash else None)
     x, _ = _layer(cfg, x, p, None if adapter is None else adapter.at_layer(lp, key), layer_inputs)
     return sharding.constrain(x, _ACT_RESID), None
 

@@ -1,0 +1,361 @@
+"""Attention without [T, T] scores in memory: a Pallas flash-attention kernel, forward and backward.
+
+The definition it must equal is the XLA path in models/transformer.py (`attention_mask` and
+`_attend`): softmax over scaled (and optionally soft-capped) query-key scores, masked by the
+slots' segments (same segment, never a padding key), causality, an optional sliding window and
+the shared-prefix rows' branches (a prompt key is seen by every later query of its segment, a
+completion key only by its own branch). Here the scores of one [block_q, block_k] tile live in
+on-chip memory only: the forward keeps a running max and sum per query (online softmax) and
+saves the log-sum-exp; the backward recomputes each tile's probabilities from it (FlashAttention-2,
+Dao 2023, Algorithms 1 and 2). Tiles wholly above the causal diagonal or outside the window are
+skipped, neither computed nor fetched.
+
+Layout: queries [B, T, K, G, head_dim] (G query heads per kv head, grouped-query attention), keys
+and values [B, T, K, head_dim], the slots' segment and branch ids [B, T]; query and key slots are
+the same 0..T-1 (a training forward, no KV cache). The kernel runs on a TPU; elsewhere it runs in
+Pallas's interpret mode (slow, for tests). A query that sees no key (a padding slot) gets 0, where
+the XLA path averages every value; no real slot is such a query (each sees itself).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LANES, SUBLANES = 128, 8
+_MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(_MASKED - m) is 0, never NaN
+
+
+class Spec(NamedTuple):
+  """The kernel's static settings: score scale, logit soft-cap (0: none), whether rows carry
+  branch ids, tile sizes (multiples of 128), and interpret mode (off a TPU)."""
+  scale: float
+  softcap: float
+  branches: bool
+  block_q: int
+  block_k: int
+  interpret: bool
+
+
+def attention(q_BTKGd, k_BTKd, v_BTKd, segment_BT, branch_BT, window=0, *, scale: float,
+              softcap: float = 0.0, block: int = 512) -> jax.Array:
+  """Masked softmax attention [B, T, K, G, head_dim] of the queries over the keys (see the module
+  docstring). `window` (an int or an int32 scalar, traced or not) > 0 keeps only the keys with
+  q - k < window; `branch_BT` None means rows without branches. Differentiable in q, k and v."""
+  B, T, K, G, d = q_BTKGd.shape
+  tile = min(block, _round_up(T, LANES))
+  Tp = _round_up(T, tile)
+  spec = Spec(float(scale), float(softcap), branch_BT is not None, tile, tile,
+              jax.default_backend() != "tpu")
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+  q_BHTd = jnp.moveaxis(pad(q_BTKGd).reshape(B, Tp, K * G, d), 1, 2)
+  k_BKTd, v_BKTd = (jnp.moveaxis(pad(x), 1, 2) for x in (k_BTKd, v_BTKd))
+  branch_BT = jnp.zeros_like(segment_BT) if branch_BT is None else branch_BT
+  ids = _Ids.of(pad(segment_BT.astype(jnp.int32)), pad(branch_BT.astype(jnp.int32)))
+  window = jnp.asarray(window, jnp.int32).reshape(1)
+  o_BHTd = _flash(q_BHTd, k_BKTd, v_BKTd, ids, window, spec)
+  return jnp.moveaxis(o_BHTd, 2, 1)[:, :T].reshape(B, T, K, G, d)
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+class _Ids(NamedTuple):
+  """Segment and branch ids in the layouts a tile reads: per query slot down the sublanes
+  ([B, T, 128], a column per tile) and per key slot along the lanes ([B, 8, T], a row)."""
+  q_segment: jax.Array
+  q_branch: jax.Array
+  kv_segment: jax.Array
+  kv_branch: jax.Array
+
+  @classmethod
+  def of(cls, segment_BT, branch_BT):
+    B, T = segment_BT.shape
+    column = lambda x: jax.lax.broadcast_in_dim(x, (B, T, LANES), (0, 1))
+    row = lambda x: jax.lax.broadcast_in_dim(x, (B, SUBLANES, T), (0, 2))
+    return cls(column(segment_BT), column(branch_BT), row(segment_BT), row(branch_BT))
+
+
+# --- which tiles can hold an unmasked score --------------------------------------------------
+
+def _kv_blocks(i, window, spec: Spec):
+  """First and last key tile that query tile i can see: causal, and within the window."""
+  last = ((i + 1) * spec.block_q - 1) // spec.block_k
+  first = jnp.where(window > 0, jnp.maximum(i * spec.block_q - window + 1, 0) // spec.block_k, 0)
+  return first, last
+
+
+def _q_blocks(j, window, n_q: int, spec: Spec):
+  """First and last query tile that can see key tile j."""
+  first = (j * spec.block_k) // spec.block_q
+  last = jnp.where(window > 0, jnp.minimum(((j + 1) * spec.block_k + window - 2) // spec.block_q,
+                                            n_q - 1), n_q - 1)
+  return first, last
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+# --- the tile math shared by the three kernels -------------------------------------------------
+
+def _scores(q, k, spec: Spec):
+  """[bq, bk] float32 scores of a tile, scaled and soft-capped; and tanh of the capped ones (for
+  the cap's derivative; None without a cap)."""
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = s * spec.scale
+  if not spec.softcap:
+    return s, None
+  t = jnp.tanh(s / spec.softcap)
+  return spec.softcap * t, t
+
+
+def _mask(i, j, window, ids, spec: Spec):
+  """[bq, bk] boolean: the tile's unmasked scores (transformer.attention_mask's rule)."""
+  q_segment_ref, q_branch_ref, kv_segment_ref, kv_branch_ref = ids
+  shape = (spec.block_q, spec.block_k)
+  rows = i * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = j * spec.block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  reps = spec.block_k // LANES
+  kv_segment = kv_segment_ref[0, :1, :]
+  mask = (rows >= cols) & (jnp.tile(q_segment_ref[0], (1, reps)) == kv_segment) & (kv_segment != 0)
+  mask &= (window <= 0) | (rows - cols < window)
+  if spec.branches:
+    kv_branch = kv_branch_ref[0, :1, :]
+    mask &= (kv_branch == 0) | (kv_branch == jnp.tile(q_branch_ref[0], (1, reps)))
+  return mask
+
+
+def _lanes(x, n: int):
+  """A [rows, 128] array of equal lanes as [rows, n]."""
+  return x[:, :n] if n <= LANES else jnp.tile(x, (1, n // LANES))
+
+
+def _probabilities(q, k, lse, i, j, window, ids, spec: Spec):
+  """A tile's softmax probabilities from the forward's log-sum-exp (0 where masked), and the
+  derivative of the soft-cap (None without one)."""
+  s, t = _scores(q, k, spec)
+  mask = _mask(i, j, window, ids, spec)
+  p = jnp.where(mask, jnp.exp(s - _lanes(lse, spec.block_k)), 0.0)
+  return p, None if t is None else 1.0 - t * t
+
+
+# --- forward -----------------------------------------------------------------------------------
+
+def _forward_kernel(window_ref, q_ref, k_ref, v_ref, *refs, spec: Spec, n_k: int):
+  ids, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[:4], refs[4:]
+  i, j, window = pl.program_id(2), pl.program_id(3), window_ref[0]
+
+  @pl.when(j == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  first, last = _kv_blocks(i, window, spec)
+
+  @pl.when((j >= first) & (j <= last))
+  def _():
+    v = v_ref[0, 0]
+    s, _ = _scores(q_ref[0, 0], k_ref[0, 0], spec)
+    mask = _mask(i, j, window, ids, spec)
+    s = jnp.where(mask, s, _MASKED)
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])  # [bq, 128]
+    p = jnp.where(mask, jnp.exp(s - _lanes(m_next, spec.block_k)), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1)[:, None]
+    m_ref[...] = m_next
+    pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_ref[...] = _lanes(alpha, v.shape[-1]) * acc_ref[...] + pv
+
+  @pl.when(j == n_k - 1)
+  def _():
+    l = l_ref[...]
+    seen = l > 0.0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    o_ref[0, 0] = (acc_ref[...] * _lanes(inv, o_ref.shape[-1])).astype(o_ref.dtype)
+    # A query that saw no key: a log-sum-exp that makes every exp(s - lse) 0 in the backward.
+    lse_ref[0, 0] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), -_MASKED)
+
+
+def _forward(q, k, v, ids: _Ids, window, spec: Spec):
+  B, H, T, d = q.shape
+  K = k.shape[1]
+  G = H // K
+  n_q, n_k = T // spec.block_q, T // spec.block_k
+
+  def kv_block(i, j, window_ref):
+    first, last = _kv_blocks(i, window_ref[0], spec)
+    return _clamp(j, first, last)  # a skipped tile repeats its neighbour's index: no fetch
+
+  q_map = lambda b, h, i, j, w: (b, h, i, 0)
+  kv_map = lambda b, h, i, j, w: (b, h // G, kv_block(i, j, w), 0)
+  q_ids = lambda b, h, i, j, w: (b, i, 0)
+  kv_ids = lambda b, h, i, j, w: (b, 0, kv_block(i, j, w))
+  bq, bk = spec.block_q, spec.block_k
+  o, lse = pl.pallas_call(
+      functools.partial(_forward_kernel, spec=spec, n_k=n_k),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(B, H, n_q, n_k),
+          in_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
+                    pl.BlockSpec((1, 1, bk, d), kv_map),
+                    pl.BlockSpec((1, bq, LANES), q_ids), pl.BlockSpec((1, bq, LANES), q_ids),
+                    pl.BlockSpec((1, SUBLANES, bk), kv_ids),
+                    pl.BlockSpec((1, SUBLANES, bk), kv_ids)],
+          out_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bq, LANES), q_map)],
+          scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
+                          pltpu.VMEM((bq, LANES), jnp.float32),
+                          pltpu.VMEM((bq, d), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((B, H, T, LANES), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=spec.interpret,
+  )(window, q, k, v, *ids)
+  return o, lse[..., 0]
+
+
+# --- backward ----------------------------------------------------------------------------------
+
+def _dq_kernel(window_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, spec: Spec,
+               n_k: int):
+  ids, (dq_ref, acc_ref) = refs[:4], refs[4:]
+  i, j, window = pl.program_id(2), pl.program_id(3), window_ref[0]
+
+  @pl.when(j == 0)
+  def _():
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  first, last = _kv_blocks(i, window, spec)
+
+  @pl.when((j >= first) & (j <= last))
+  def _():
+    k, do = k_ref[0, 0], do_ref[0, 0]
+    p, cap = _probabilities(q_ref[0, 0], k, lse_ref[0, 0], i, j, window, ids, spec)
+    dp = jax.lax.dot_general(do, v_ref[0, 0], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    ds = p * (dp - _lanes(di_ref[0, 0], spec.block_k))
+    ds = (ds if cap is None else ds * cap) * spec.scale
+    acc_ref[...] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  @pl.when(j == n_k - 1)
+  def _():
+    dq_ref[0, 0] = acc_ref[...].astype(dq_ref.dtype)
+
+
+def _dkv_kernel(window_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, spec: Spec,
+                n_q: int, G: int):
+  ids, (dk_ref, dv_ref, dk_acc, dv_acc) = refs[:4], refs[4:]
+  j, g, i, window = pl.program_id(2), pl.program_id(3), pl.program_id(4), window_ref[0]
+
+  @pl.when((g == 0) & (i == 0))
+  def _():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  first, last = _q_blocks(j, window, n_q, spec)
+
+  @pl.when((i >= first) & (i <= last))
+  def _():
+    q, do = q_ref[0, 0], do_ref[0, 0]
+    p, cap = _probabilities(q, k_ref[0, 0], lse_ref[0, 0], i, j, window, ids, spec)
+    dv_acc[...] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dp = jax.lax.dot_general(do, v_ref[0, 0], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    ds = p * (dp - _lanes(di_ref[0, 0], spec.block_k))
+    ds = (ds if cap is None else ds * cap) * spec.scale
+    dk_acc[...] += jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+
+  @pl.when((g == G - 1) & (i == n_q - 1))
+  def _():
+    dk_ref[0, 0] = dk_acc[...].astype(dk_ref.dtype)
+    dv_ref[0, 0] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _backward(q, k, v, o, lse, do, ids: _Ids, window, spec: Spec):
+  B, H, T, d = q.shape
+  K = k.shape[1]
+  G = H // K
+  n_q, n_k = T // spec.block_q, T // spec.block_k
+  bq, bk = spec.block_q, spec.block_k
+  lanes = lambda x: jax.lax.broadcast_in_dim(x, (*x.shape, LANES), (0, 1, 2))
+  di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, T]
+  lse_lanes, di_lanes = lanes(lse), lanes(di)
+  params = lambda n: pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + (
+      "arbitrary",) * n)
+
+  def kv_block(i, j, window_ref):
+    first, last = _kv_blocks(i, window_ref[0], spec)
+    return _clamp(j, first, last)
+
+  q_map = lambda b, h, i, j, w: (b, h, i, 0)
+  kv_map = lambda b, h, i, j, w: (b, h // G, kv_block(i, j, w), 0)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, spec=spec, n_k=n_k),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(B, H, n_q, n_k),
+          in_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
+                    pl.BlockSpec((1, 1, bk, d), kv_map), pl.BlockSpec((1, 1, bq, d), q_map),
+                    pl.BlockSpec((1, 1, bq, LANES), q_map),
+                    pl.BlockSpec((1, 1, bq, LANES), q_map),
+                    pl.BlockSpec((1, bq, LANES), lambda b, h, i, j, w: (b, i, 0)),
+                    pl.BlockSpec((1, bq, LANES), lambda b, h, i, j, w: (b, i, 0)),
+                    pl.BlockSpec((1, SUBLANES, bk), lambda b, h, i, j, w: (b, 0, kv_block(i, j, w))),
+                    pl.BlockSpec((1, SUBLANES, bk), lambda b, h, i, j, w: (b, 0, kv_block(i, j, w)))],
+          out_specs=pl.BlockSpec((1, 1, bq, d), q_map),
+          scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params(1), interpret=spec.interpret,
+  )(window, q, k, v, do, lse_lanes, di_lanes, *ids)
+
+  def q_block(j, i, window_ref):
+    first, last = _q_blocks(j, window_ref[0], n_q, spec)
+    return _clamp(i, first, last)
+
+  qh_map = lambda b, kh, j, g, i, w: (b, kh * G + g, q_block(j, i, w), 0)
+  k_map = lambda b, kh, j, g, i, w: (b, kh, j, 0)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, spec=spec, n_q=n_q, G=G),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(B, K, n_k, G, n_q),
+          in_specs=[pl.BlockSpec((1, 1, bq, d), qh_map), pl.BlockSpec((1, 1, bk, d), k_map),
+                    pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, bq, d), qh_map),
+                    pl.BlockSpec((1, 1, bq, LANES), qh_map),
+                    pl.BlockSpec((1, 1, bq, LANES), qh_map),
+                    pl.BlockSpec((1, bq, LANES), lambda b, kh, j, g, i, w: (b, q_block(j, i, w), 0)),
+                    pl.BlockSpec((1, bq, LANES), lambda b, kh, j, g, i, w: (b, q_block(j, i, w), 0)),
+                    pl.BlockSpec((1, SUBLANES, bk), lambda b, kh, j, g, i, w: (b, 0, j)),
+                    pl.BlockSpec((1, SUBLANES, bk), lambda b, kh, j, g, i, w: (b, 0, j))],
+          out_specs=[pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, bk, d), k_map)],
+          scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params(2), interpret=spec.interpret,
+  )(window, q, k, v, do, lse_lanes, di_lanes, *ids)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, ids, window, spec):
+  return _forward(q, k, v, ids, window, spec)[0]
+
+
+def _flash_fwd(q, k, v, ids, window, spec):
+  o, lse = _forward(q, k, v, ids, window, spec)
+  return o, (q, k, v, o, lse, ids, window)
+
+
+def _flash_bwd(spec, res, do):
+  q, k, v, o, lse, ids, window = res
+  dq, dk, dv = _backward(q, k, v, o, lse, do, ids, window, spec)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

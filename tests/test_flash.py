@@ -1,0 +1,164 @@
+"""The Pallas attention kernel (models/flash.py) against the XLA path it must equal.
+
+The XLA path (`transformer.attention_mask` and `transformer._attend`) is the definition. On a
+CPU the kernel runs in Pallas's interpret mode, the same tile program a TPU runs. Outputs are
+compared at real query slots only: a padding slot sees no key, and the kernel gives it 0 where
+the XLA path averages every value; no real slot depends on it.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import flash, sharding, transformer
+from models.config import ModelConfig
+from tests import numerics
+
+
+def _rows(B, T, *, packed=False, branches=False, pad=0):
+  """Segment and branch ids of B rows of T slots: one sequence a row, or packed ones, prompt |
+  chosen | rejected branches, `pad` padding slots at the end of the last row."""
+  segment = np.ones((B, T), np.int32)
+  branch = np.zeros((B, T), np.int32)
+  if packed:
+    segment[:, T // 2:] = 2
+  if branches:
+    for start in (0, T // 2) if packed else (0,):
+      n = T // 2 if packed else T
+      branch[:, start + n // 3:start + 2 * n // 3] = 1
+      branch[:, start + 2 * n // 3:start + n] = 2
+  if pad:
+    segment[-1, T - pad:] = 0
+    branch[-1, T - pad:] = 0
+  return jnp.asarray(segment), jnp.asarray(branch) if branches else None
+
+
+def _xla(q, k, v, segment, branch, window, scale, softcap):
+  index = jnp.broadcast_to(jnp.arange(q.shape[1]), segment.shape)
+  slots = transformer.Slots(segment, index, branch)
+  cfg = ModelConfig(head_dim=q.shape[-1], query_scale=scale ** -2, attn_softcap=softcap)
+  return transformer._attend(cfg, q, k, v, transformer.attention_mask(slots, slots, window))
+
+
+def _inputs(B, T, K, G, d, dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, T, K, G, d)), dtype)
+  k, v = (jnp.asarray(rng.normal(size=(B, T, K, d)), dtype) for _ in range(2))
+  return q, k, v, jnp.asarray(rng.normal(size=(B, T, K, G, d)), jnp.float32)
+
+
+def _value_and_grads(fn, q, k, v, weights, real):
+  """The output at real slots and the gradients of sum(out * weights) (weights 0 at padding)."""
+  w = weights * real[:, :, None, None, None]
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+  out = fn(q, k, v) * real[:, :, None, None, None]
+  return out, jax.grad(loss, (0, 1, 2))(q, k, v)
+
+
+CASES = {  # name: (rows, window, softcap, G, T)
+    "causal": (dict(), 0, 0.0, 1, 200),
+    "packed_padded": (dict(packed=True, pad=37), 0, 0.0, 2, 300),
+    "branches": (dict(branches=True), 0, 0.0, 4, 256),
+    "packed_branches": (dict(packed=True, branches=True, pad=20), 0, 0.0, 2, 300),
+    "window_inside_tile": (dict(packed=True), 37, 0.0, 2, 300),
+    "window_across_tiles": (dict(branches=True), 170, 0.0, 2, 384),
+    "softcap": (dict(branches=True), 0, 5.0, 2, 200),
+    "softcap_window": (dict(), 50, 3.0, 1, 256),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_equals_xla_outputs_and_gradients(case):
+  rows, window, softcap, G, T = CASES[case]
+  B, K, d = 2, 2, 32
+  segment, branch = _rows(B, T, **rows)
+  q, k, v, weights = _inputs(B, T, K, G, d)
+  scale = d ** -0.5
+  kernel = lambda q, k, v: flash.attention(q, k, v, segment, branch, window, scale=scale,
+                                           softcap=softcap, block=128)
+  xla = lambda q, k, v: _xla(q, k, v, segment, branch, window, scale, softcap)
+  real = (segment != 0).astype(jnp.float32)
+  got, want = (_value_and_grads(f, q, k, v, weights, real) for f in (kernel, xla))
+  tol = numerics.reorder_tol(T, depth=4)
+  numerics.assert_close({"out": (got[0], want[0], tol), "grads": (got[1], want[1], tol)})
+
+
+@pytest.mark.slow
+def test_a_kernel_without_the_branch_mask_misses_the_bound():
+  """The negative control: the same comparison with the branches dropped from the kernel (sibling
+  completions see each other) misses the bound by orders of magnitude."""
+  B, T, K, G, d = 1, 256, 1, 2, 32
+  segment, branch = _rows(B, T, branches=True)
+  q, k, v, weights = _inputs(B, T, K, G, d)
+  kernel = lambda q, k, v: flash.attention(q, k, v, segment, None, 0, scale=d ** -0.5, block=128)
+  xla = lambda q, k, v: _xla(q, k, v, segment, branch, 0, d ** -0.5, 0.0)
+  real = jnp.ones((B, T))
+  got, want = (_value_and_grads(f, q, k, v, weights, real) for f in (kernel, xla))
+  tol = numerics.reorder_tol(T, depth=4)
+  numerics.assert_mistake_caught({"out": (got[0], want[0], tol), "grads": (got[1], want[1], tol)},
+                                 "kernel without branches")
+
+
+@pytest.mark.slow
+def test_bfloat16_kernel_is_as_close_to_float32_as_xla_in_bfloat16():
+  """In bfloat16 neither path equals float32; the kernel, whose tile scores stay float32, is at
+  least as close to the float32 definition as the XLA path in bfloat16 is."""
+  B, T, K, G, d = 2, 256, 2, 2, 64
+  segment, branch = _rows(B, T, packed=True, branches=True)
+  q, k, v, _ = _inputs(B, T, K, G, d)
+  exact = _xla(q, k, v, segment, branch, 0, d ** -0.5, 0.0)
+  low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  kernel = flash.attention(*low, segment, branch, 0, scale=d ** -0.5, block=128)
+  xla = _xla(*low, segment, branch, 0, d ** -0.5, 0.0)
+  assert kernel.dtype == jnp.bfloat16
+  assert numerics.rel_err(kernel, exact) <= 1.5 * numerics.rel_err(xla, exact)
+
+
+CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  mlp_dim=96, sliding_window=24, sliding_pattern=2, attn_softcap=20.0)
+
+
+def _model_grads(cfg, mesh):
+  """Loss and parameter gradients of `forward` on packed, branched, padded rows."""
+  params = transformer.init(cfg, jax.random.key(0), mesh)
+  B, T = 4, 150
+  segment, branch = _rows(B, T, packed=True, branches=True, pad=30)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  inputs = transformer.Inputs(tokens, positions, segment, branch)
+
+  def loss(p):
+    logp = jax.nn.log_softmax(transformer.forward(cfg, p, inputs))
+    return jnp.sum(jnp.where(segment[..., None] != 0, logp, 0.0)[..., :8])
+
+  with jax.set_mesh(mesh):
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_spec", ["data:1", "data:2,tensor:2"])
+def test_model_with_the_kernel_equals_the_xla_model(mesh_spec):
+  """The whole forward and backward (sliding and global layers, soft-cap, GQA, packed rows with
+  branches and padding) with --attention=pallas equals --attention=xla; on a data x tensor mesh
+  the kernel runs per shard under shard_map."""
+  mesh = sharding.make_mesh(mesh_spec, jax.devices()[:math.prod(
+      int(p.split(":")[1]) for p in mesh_spec.split(","))])
+  want = _model_grads(dataclasses.replace(CFG, attention="xla"), mesh)
+  got = _model_grads(dataclasses.replace(CFG, attention="pallas"), mesh)
+  tol = numerics.reorder_tol(150, depth=numerics.backprop_depth(CFG.n_layers))
+  numerics.assert_close({"loss": (got[0], want[0], tol), "grads": (got[1], want[1], tol)})
+
+
+def test_platform_picks_the_kernel_and_config_rules():
+  assert not ModelConfig().flash_attention()  # auto: xla off a TPU (this test runs on a CPU)
+  assert ModelConfig(attention="pallas").flash_attention()
+  assert not ModelConfig(attention="xla").flash_attention()
+  with pytest.raises(ValueError, match="--attention_block=64: applies to --attention=xla"):
+    ModelConfig(attention="pallas", attention_block=64)
+  with pytest.raises(ValueError, match="attention_tile"):
+    ModelConfig(attention_tile=100)
