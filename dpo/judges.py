@@ -18,13 +18,22 @@ A judge maps (prompt, response) records to one number each, higher meaning bette
     training pairs were, and the reward read at the last token.
 
 `load(cfg, mesh, run_tok, run_template)` builds the judge the flags name (None: no judge).
-Every judge input that cannot work is a `JudgeError`, one line naming the flag and the file.
+Every judge input that cannot work is a `JudgeError`, one line naming the flag and the file; a
+reward function that raises, or returns what is not a finite number, is one line naming the
+function, the record (its index and the prompt's first characters) and the value, and
+`rehearse` finds it on a few records of the data before any compile or sampling.
+`fingerprint(cfg)` is what the judge is, by content and without its path (a reward-model
+checkpoint's manifest digest, a transformers folder's weights and tokenizer, a function's
+source file), for the fingerprint of a stage its labels train (dpo/identity.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import hashlib
 import importlib
+import inspect
 import math
 import numbers
 import os
@@ -44,6 +53,12 @@ from dpo.data import PreferenceRecord
 
 class JudgeError(ValueError):
   """A judge that cannot be built or cannot score, named with its flag."""
+
+
+def _short(value, limit: int = 60, repr_: bool = True) -> str:
+  """`value` (its repr) cut to `limit` characters, for a one-line message."""
+  text = repr(value) if repr_ else " ".join(str(value).split())
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def records_of(prompt, responses: Sequence[str]) -> list[Record]:
@@ -68,9 +83,12 @@ class FunctionJudge:
     except Exception as e:  # noqa: BLE001 (whatever the import raises, it is this flag's)
       raise JudgeError(f"{flag}={spec}: cannot import {module!r} "
                        f"({type(e).__name__}: {e})") from None
-    fn = getattr(mod, attr, None)
-    if not callable(fn):
+    if not hasattr(mod, attr):
       raise JudgeError(f"{flag}={spec}: module {module!r} has no function {attr!r}")
+    fn = getattr(mod, attr)
+    if not callable(fn):
+      raise JudgeError(f"{flag}={spec}: {module}.{attr} is {_short(fn)} "
+                       f"({type(fn).__name__}), not a function of (prompt, response)")
     self.fn: Callable[[Any, str], Any] = fn
 
   @classmethod
@@ -80,23 +98,30 @@ class FunctionJudge:
     judge.name, judge.flag, judge.fn = name or getattr(fn, "__name__", "function"), "judge", fn
     return judge
 
-  def score(self, records: Sequence[Record], allow_none: bool = False) -> np.ndarray:
+  def score(self, records: Sequence[Record], allow_none: bool = False,
+            what: str = "record") -> np.ndarray:
     """[N] float64: the function of each record's prompt and chosen response; with
-    `allow_none`, a None is NaN (TRL's "this function does not apply to this completion")."""
+    `allow_none`, a None is NaN (TRL's "this function does not apply to this completion").
+    An exception or a value that is not a finite number is a JudgeError naming the function,
+    `what` and the record's index, its prompt's first characters and the value."""
     out = np.empty(len(records), np.float64)
     for i, rec in enumerate(records):
       prompt = (rec.prompt if isinstance(rec.prompt, str) else
                 [{"role": m.role, "content": m.content} for m in rec.prompt])
-      value = self.fn(prompt, formats.response_text(rec.chosen))
+      where = f"{what} {i} (prompt {_short(prompt)})"
+      try:
+        value = self.fn(prompt, formats.response_text(rec.chosen))
+      except Exception as e:  # noqa: BLE001 (whatever the user's function raises is its own)
+        raise JudgeError(f"{self.flag}={self.name}: raised {type(e).__name__}: "
+                         f"{_short(str(e), 120, repr_=False)} on {where}") from None
       if value is None and allow_none:
         out[i] = np.nan
         continue
       if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or (
           not math.isfinite(float(value))):
-        raise JudgeError(f"{self.flag}={self.name}: returned {value!r} "
-                         f"({type(value).__name__}) for record {i} (prompt "
-                         f"{str(prompt)[:60]!r}); a reward function returns a finite number"
-                         f"{' or None' if allow_none else ''}")
+        raise JudgeError(f"{self.flag}={self.name}: returned {_short(value)} "
+                         f"({type(value).__name__}) for {where}; a reward function returns a "
+                         f"finite number{' or None' if allow_none else ''}")
       out[i] = float(value)
     return out
 
@@ -123,9 +148,10 @@ class RewardFunctions:
     short = [s.partition(":")[2] for s in specs]  # TRL logs a function by its name
     self.names = short if len(set(short)) == len(short) else list(specs)
 
-  def each(self, records: Sequence[Record]) -> np.ndarray:
+  def each(self, records: Sequence[Record], what: str = "record") -> np.ndarray:
     """[N, F] float64: each function's reward of each record (NaN where it returned None)."""
-    return np.stack([f.score(records, allow_none=True) for f in self.functions], axis=-1)
+    return np.stack([f.score(records, allow_none=True, what=what) for f in self.functions],
+                    axis=-1)
 
   def combined(self, rewards_NF: np.ndarray) -> np.ndarray:
     """[N] the weighted sum (policy_gradient.weighted_rewards: TRL's nansum; NaN unscorable)."""
@@ -162,6 +188,7 @@ class RewardModelJudge:
   batch_size: int
   max_prompt_length: int
   max_target_length: int
+  digest: str = ""     # its content (`fingerprint`), named in the metrics beside `name`
 
   def rows(self, records: Sequence[Record]) -> dict[str, np.ndarray]:
     """[N, T] arrays of the records' chosen sides, rendered and tokenised as the judge's own
@@ -243,7 +270,7 @@ def _hf_judge(cfg, mesh, path: str) -> RewardModelJudge:
   template = chat.resolve_template("auto", tok)
   return RewardModelJudge(f"hf:{path}", model, params, tok, template, mesh,
                           cfg.eval.eval_batch_size, cfg.data.max_prompt_length,
-                          cfg.data.max_target_length)
+                          cfg.data.max_target_length, _hf_digest(flag, path))
 
 
 def _checkpoint_meta(flag: str, path: str) -> dict:
@@ -258,6 +285,7 @@ def _checkpoint_meta(flag: str, path: str) -> dict:
 
 
 def _checkpoint_judge(cfg, mesh, path: str, run_tok, run_template) -> RewardModelJudge:
+  """The reward-model checkpoint at `path`, named as --judge names it (`rm`: the run's own)."""
   from dpo.algorithms import rm
   from models.config import ModelConfig
   flag = f"--judge={cfg.eval.judge}"
@@ -274,9 +302,9 @@ def _checkpoint_judge(cfg, mesh, path: str, run_tok, run_template) -> RewardMode
   model = dataclasses.replace(model, **{k: tuple(v) for k, v in dataclasses.asdict(model).items()
                                         if isinstance(v, list)})
   params = rm.load(path, model, mesh)
-  return RewardModelJudge(path, model, params, run_tok, run_template, mesh,
+  return RewardModelJudge(cfg.eval.judge, model, params, run_tok, run_template, mesh,
                           cfg.eval.eval_batch_size, cfg.data.max_prompt_length,
-                          cfg.data.max_target_length)
+                          cfg.data.max_target_length, _checkpoint_digest(flag, path))
 
 
 def source(cfg) -> str:
@@ -311,12 +339,17 @@ def check(cfg) -> None:
     _checkpoint_meta(f"--judge={e.judge}", e.judge)
 
 
+def _rm_path(cfg) -> str:
+  """--judge=rm: the reward model this run's rm stage saves."""
+  return os.path.join(cfg.run.output_dir, "checkpoints", "rm_model")
+
+
 def load(cfg, mesh, run_tok, run_template) -> Judge | None:
   """The judge --judge or --reward_fn names; on the embedded task without either, its true
   reward; else None."""
   e = cfg.eval
   if e.judge == "rm":
-    path = os.path.join(cfg.run.output_dir, "checkpoints", "rm_model")
+    path = _rm_path(cfg)
     if not os.path.isdir(path):
       raise JudgeError(f"--judge=rm: {path} does not exist; --judge=rm is the reward model an "
                        f"rm stage earlier in --stage trains")
@@ -334,12 +367,110 @@ def load(cfg, mesh, run_tok, run_template) -> Judge | None:
 
 
 def describe(judge: Judge | None) -> str:
+  """The judge in words, as the metrics and the summary name it: the same for two equal runs
+  in two folders (`--judge=rm` is "rm" and its content digest, never the run's path)."""
   if judge is None:
     return "none"
   if isinstance(judge, RewardFunctions):
     return f"reward functions {judge.name} weighted {','.join(map(str, judge.weights))}"
-  return f"{'reward model' if isinstance(judge, RewardModelJudge) else 'reward function'} " \
-         f"{judge.name}"
+  if isinstance(judge, RewardModelJudge):
+    return f"reward model {judge.name}" + (f" (sha256 {judge.digest[:16]})" if judge.digest
+                                           else "")
+  return f"reward function {judge.name}"
+
+
+# --- what a judge is, for a stage's fingerprint --------------------------------------------------
+
+# What a transformers judge folder reads: its config, weights and tokenizer.
+_HF_FILES = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja")
+
+
+def _hf_digest(flag: str, path: str) -> str:
+  """sha256 over the names and contents of the folder's `_HF_FILES`."""
+  h = hashlib.sha256()
+  for f in sorted({f for pattern in _HF_FILES for f in glob.glob(os.path.join(path, pattern))}):
+    try:
+      h.update(f"{os.path.basename(f)}:{data_lib.file_sha256(f)}\n".encode())
+    except (OSError, data_lib.DataError) as e:
+      raise JudgeError(f"{flag}: {_short(str(e), 200, repr_=False)}") from None
+  return h.hexdigest()
+
+
+def _checkpoint_digest(flag: str, path: str) -> str:
+  """A reward-model checkpoint's content: its manifest's checksums (checkpoint.digest)."""
+  try:
+    return checkpoint.digest(path)
+  except (OSError, checkpoint.CheckpointError) as e:
+    raise JudgeError(f"{flag}: {path} is not a readable reward-model checkpoint "
+                     f"({str(e).removeprefix(path + ': ')})") from None
+
+
+def _source(judge: FunctionJudge) -> str:
+  """A reward function by the source file that defines it: its sha256, or "library source" for
+  one of this library's files (those are the fingerprint's `code`, whose change is logged)."""
+  from dpo import identity
+  try:
+    f = inspect.getsourcefile(judge.fn) or inspect.getsourcefile(inspect.getmodule(judge.fn))
+  except TypeError:  # a builtin, or a callable object without a source file
+    f = None
+  if f is None:
+    return "no source file"
+  if os.path.relpath(os.path.abspath(f), identity.ROOT) in identity.source_digests():
+    return "library source"
+  try:
+    return f"source sha256 {data_lib.file_sha256(f)[:16]}"
+  except (OSError, data_lib.DataError) as e:
+    raise JudgeError(f"{judge.flag}={judge.name}: {_short(str(e), 200, repr_=False)}") from None
+
+
+def fingerprint(cfg) -> str:
+  """What the judge of `cfg` is, without its path: the flag, the kind and the content's digest
+  (a reward-model checkpoint: its manifest's checksums; `hf:DIR`: its config, weights and
+  tokenizer; a reward function: its source file, and the weights of several); "none" without
+  one. A stage trained on the judge's labels carries it in its fingerprint, so a resume onto
+  another judge is refused, naming the flag."""
+  e = cfg.eval
+  if e.judge == "rm":
+    return f"--judge=rm: this run's reward model, sha256 {_checkpoint_digest('--judge=rm', _rm_path(cfg))}"
+  if e.judge.startswith("hf:"):
+    return (f"--judge=hf:DIR: config, weights and tokenizer sha256 "
+            f"{_hf_digest(f'--judge={e.judge}', e.judge[3:])}")
+  if e.judge:
+    return (f"--judge=DIR: reward-model checkpoint sha256 "
+            f"{_checkpoint_digest(f'--judge={e.judge}', e.judge)}")
+  judge = load(cfg, None, None, None)
+  if judge is None:
+    return "none"
+  functions = judge.functions if isinstance(judge, RewardFunctions) else [judge]
+  named = "; ".join(f"{f.name}: {_source(f)}" for f in functions)
+  weights = (f"; weighted {','.join(map(str, judge.weights))}"
+             if isinstance(judge, RewardFunctions) else "")
+  return f"--reward_fn={named}{weights}"
+
+
+# --- a reward function tried before any work -----------------------------------------------------
+
+_REHEARSAL = 4  # records of the data each reward function is tried on, every response of each
+
+
+def rehearse(cfg, records: Sequence | None, what: str = "training record") -> None:
+  """Calls the reward functions of `cfg` (--reward_fn, or the embedded task's reward) on every
+  response of the first `_REHEARSAL` `records` (preference pairs or unpaired examples, as the
+  data gave them; `what` names them in a message), before any compile or sampling: a function that raises or returns what is
+  not a finite number (None allowed where several functions share the judging) is the
+  JudgeError it would be mid-run, naming the function, the record and the value. A reward
+  model is not tried (it scores on the mesh, compiled)."""
+  if cfg.eval.judge or not records:
+    return
+  judge = load(cfg, None, None, None)
+  if judge is None:
+    return
+  score = judge.each if isinstance(judge, RewardFunctions) else judge.score
+  for i, rec in enumerate(list(records)[:_REHEARSAL]):
+    sides = (rec.chosen, rec.rejected) if hasattr(rec, "rejected") else (rec.completion,)
+    score(records_of(rec.prompt, [formats.response_text(s) for s in sides]),
+          what=f"{what} {i}, tried before training: response")
 
 
 def accuracy(judge: Judge, records: Sequence[Record]) -> float | None:

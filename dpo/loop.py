@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from dpo import algorithms, autotune, chat, checkpoint, cli, curves, evaluate, formats
-from dpo import identity, packing, prepare, task
+from dpo import identity, judges, packing, prepare, task
 from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -405,12 +405,21 @@ def run(cfg, mesh=None, init_params=None,
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out, cfg.run.stages, algorithms.ALGORITHMS)
   _write_flags(cfg, writer)
-  cfg, params = ((cfg, init_params) if init_params is not None
-                 else initial_params(cfg, jax.random.fold_in(jax.random.key(cfg.run.seed), 0), mesh))
+  init = lambda c: ((c, init_params) if init_params is not None else
+                    initial_params(c, jax.random.fold_in(jax.random.key(c.run.seed), 0), mesh))
+  # The data is read before a random init compiles, so the reward functions are tried on it
+  # first; an hf: import (no compile) comes first, as its config.json sizes the model.
+  imported = cfg.checkpoint.init_from.startswith("hf:") and init_params is None
+  if imported:
+    cfg, params = init(cfg)
+  data = Data(cfg)
+  judges.rehearse(cfg, *((data.train_records, "training record") if data.train_records else
+                         (data.held_records, "held-out record")))
+  if not imported:
+    cfg, params = init(cfg)
   if writer.enabled:
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
-  data = Data(cfg)
   pid, nproc = sharding.process_batch_block(mesh, cfg.optim.global_batch_size)
   logging.info("model: %.2fM parameters, mesh %s, %d processes (this one loads batch block "
                "%d of %d)", transformer.num_params(params) / 1e6, dict(mesh.shape),

@@ -263,7 +263,7 @@ def test_a_run_judged_by_its_own_reward_model(tmp_path):
   cfg = _small(stage="rm,sft,dpo", rm_split=0.5, judge="rm", output_dir=out)
   summary = loop.run(cfg)
   rm_dir = os.path.join(out, "checkpoints", "rm_model")
-  assert summary["judge"] == f"reward model {rm_dir}"
+  assert summary["judge"].startswith("reward model rm (sha256 ")  # no output path
   for k in ("win_rate", "lc_win_rate", "policy_reward", "reference_reward", "reward_gain",
             "judge_accuracy"):
     assert isinstance(summary[k], float), k
@@ -299,3 +299,122 @@ def test_embedded_task_is_judged_by_its_true_reward_by_default():
   assert judge.score([PreferenceRecord("p", " great coffee, rude staff, warm bread.", "")]) == [
       task.true_reward(" great coffee, rude staff, warm bread.")]
   assert judges.load(cfg.replace(train_data="x.jsonl"), _mesh(), None, None) is None
+
+
+# --- what a judge is: its content in the fingerprint, no path in the metrics ----------------------
+
+def _fake_rm(path, value):
+  """A reward-model checkpoint (the rm stage's meta) whose one array holds `value`."""
+  from dpo import checkpoint
+  mesh = _mesh()
+  tree = {"score": jax.device_put(np.full((4, 1), value, np.float32),
+                                  jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
+  checkpoint.shutil.rmtree(path, ignore_errors=True)
+  checkpoint.save(str(path), tree, {"kind": "params", "stage": "rm", "model": {}})
+
+
+def _judge_fields(cfg):
+  """The judge field of the fingerprint of each stage trained on the judge's labels."""
+  from dpo.algorithms import grpo, iterative_dpo, online_dpo
+  return {a.name: a.hyperparameters(cfg)["judge"]
+          for a in (online_dpo.ONLINE_DPO, grpo.GRPO, iterative_dpo.ITERATIVE_DPO)}
+
+
+def test_a_judge_replaced_at_the_same_path_changes_the_fingerprint(tmp_path):
+  """A reward-model checkpoint by its manifest's checksums, an hf: folder by its weights and
+  tokenizer, a --reward_fn by its source file: another judge at the same path or under the same
+  name is another fingerprint, refused on resume in one line naming the flag; the same judge
+  at another path is the same."""
+  from dpo import checkpoint
+  base = configs.DEFAULT.replace(stage="sft,online_dpo", output_dir=str(tmp_path / "run"))
+  refusal = lambda old, new: checkpoint.Manager.check_identity_of(
+      "ck", {"fingerprint": {"judge": old}}, {"fingerprint": {"judge": new}})
+  # A reward-model checkpoint, replaced by another.
+  rm_dir = tmp_path / "rm_model"
+  _fake_rm(rm_dir, 1.0)
+  first = _judge_fields(base.replace(judge=str(rm_dir)))
+  _fake_rm(tmp_path / "moved", 1.0)
+  assert _judge_fields(base.replace(judge=str(tmp_path / "moved"))) == first
+  _fake_rm(rm_dir, 2.0)
+  second = _judge_fields(base.replace(judge=str(rm_dir)))
+  assert all(first[k] != second[k] for k in first) and str(tmp_path) not in str(first)
+  with pytest.raises(checkpoint.CheckpointError, match=r"judge: '--judge=DIR: reward-model "
+                     r"checkpoint sha256 .*use a fresh --output_dir") as e:
+    refusal(first["online_dpo"], second["online_dpo"])
+  assert "\n" not in str(e.value)
+  # An hf: folder: its weights, then its tokenizer.
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  for name, text in (("config.json", "{}"), ("model.safetensors", "weights"),
+                     ("tokenizer.json", "{}")):
+    (hf_dir / name).write_text(text)
+  hf = lambda: _judge_fields(base.replace(judge=f"hf:{hf_dir}"))["online_dpo"]
+  before = hf()
+  (hf_dir / "model.safetensors").write_text("other weights")
+  after_weights = hf()
+  (hf_dir / "tokenizer.json").write_text('{"other": 1}')
+  assert len({before, after_weights, hf()}) == 3 and before.startswith("--judge=hf:DIR: ")
+  # A reward function whose module's source changed.
+  module = tmp_path / "judge_module_fp.py"
+  module.write_text("def reward(prompt, completion):\n  return 1.0\n")
+  sys.path.insert(0, str(tmp_path))
+  try:
+    fn = lambda: _judge_fields(base.replace(reward_fn="judge_module_fp:reward"))
+    one = fn()
+    module.write_text("def reward(prompt, completion):\n  return 2.0\n")
+    two = fn()
+  finally:
+    sys.path.remove(str(tmp_path))
+  assert all(one[k] != two[k] for k in one)
+  assert one["grpo"].startswith("--reward_fn=judge_module_fp:reward: source sha256 ")
+  # The library's own functions are the fingerprint's code field (a change is logged there).
+  assert _judge_fields(base)["online_dpo"] == "--reward_fn=dpo.task:reward: library source"
+
+
+def test_the_judge_in_the_metrics_names_no_output_path(tmp_path):
+  """--judge=rm in two equal runs in two folders: the same words in eval/judge (the summary's
+  judge), naming the judge and its content, never the folder."""
+  import dataclasses
+  from dpo import chat, checkpoint
+  from models import transformer
+  mesh = _mesh()
+  described = []
+  for run in ("a", "b"):
+    cfg = _small(stage="sft,rm,dpo", judge="rm", output_dir=str(tmp_path / run))
+    data = loop.Data(cfg)
+    model = dataclasses.replace(cfg.model)
+    params = transformer.init(model, jax.random.key(0), mesh)
+    params["score"] = jax.device_put(np.ones((model.d_model, 1), np.float32),
+                                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    checkpoint.save_params(os.path.join(cfg.run.output_dir, "checkpoints", "rm_model"), params,
+                           model, stage="rm", reads={
+                               "tokenizer": data.tok.fingerprint(),
+                               "chat_template": chat.template_fingerprint(data.template)})
+    described.append(judges.describe(judges.load(cfg, mesh, data.tok, data.template)))
+  assert described[0] == described[1]
+  assert described[0].startswith("reward model rm (sha256 ") and str(tmp_path) not in described[0]
+
+
+# --- a reward function's failure: one line, before any work ----------------------------------------
+
+def raising(prompt, completion):
+  raise RuntimeError("judge crashed")
+
+
+NOT_A_FUNCTION = 3
+
+
+def test_a_reward_function_that_raises_is_one_line_naming_it_and_the_record():
+  judge = judges.FunctionJudge("tests.test_judges:raising")
+  with pytest.raises(judges.JudgeError) as e:
+    judge.score([PreferenceRecord("Write a review of the cafe:", "c", "c")])
+  assert str(e.value) == ("--reward_fn=tests.test_judges:raising: raised RuntimeError: judge "
+                          "crashed on record 0 (prompt 'Write a review of the cafe:')")
+
+
+def test_a_reward_function_that_is_not_callable_is_named_so():
+  with pytest.raises(judges.JudgeError) as e:
+    judges.FunctionJudge("tests.test_judges:NOT_A_FUNCTION")
+  assert str(e.value) == ("--reward_fn=tests.test_judges:NOT_A_FUNCTION: "
+                          "tests.test_judges.NOT_A_FUNCTION is 3 (int), not a function of "
+                          "(prompt, response)")

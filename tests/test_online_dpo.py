@@ -187,3 +187,79 @@ def test_chosen_pairs_and_loss_equal_trls_online_dpo(penalty):
   assert stats["objective/scores_margin"] == pytest.approx(float((pick(r) - other(r)).mean()),
                                                            rel=1e-5)
   assert stats["val/contain_eos_token"] == pytest.approx(float(ended.mean()))
+
+
+# --- the judge: what it is, and its failures before any work ------------------------------------
+
+def raising_reward(prompt, completion):
+  raise RuntimeError("judge crashed")
+
+
+def string_reward(prompt, completion):
+  return "high"
+
+
+def nan_reward(prompt, completion):
+  return float("nan")
+
+
+@pytest.mark.parametrize("fn,says", [
+    ("raising_reward", "raised RuntimeError: judge crashed on training record 0, tried before "
+                       "training: response 0 (prompt "),
+    ("string_reward", "returned 'high' (str) for training record 0, tried before training: "
+                      "response 0 (prompt "),
+    ("nan_reward", "returned nan (float) for training record 0, tried before training: "
+                   "response 0 (prompt "),
+])
+def test_a_failing_reward_function_is_refused_before_any_compile(tmp_path, monkeypatch, fn, says):
+  """Tried on the data's first records before the model is built (nothing compiled or sampled):
+  one line naming the function, the record, its prompt and the value."""
+  def built(*_):
+    raise AssertionError("the model was built before the reward function was tried")
+  monkeypatch.setattr(loop, "initial_params", built)
+  with pytest.raises(judges.JudgeError) as e:
+    loop.run(_cfg(tmp_path / "run", reward_fn=f"tests.test_online_dpo:{fn}"))
+  message = str(e.value)
+  assert message.startswith(f"--reward_fn=tests.test_online_dpo:{fn}: {says}"), message
+  assert "\n" not in message and len(message) < 300
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_launch_says_a_raising_reward_function_in_one_line(tmp_path):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  (tmp_path / "crashing_judge.py").write_text(
+      "def reward(prompt, completion):\n  raise RuntimeError('judge crashed')\n")
+  cmd = [sys.executable, "launch.py", "--stage=sft,online_dpo",
+         "--reward_fn=crashing_judge:reward", f"--output_dir={tmp_path / 'run'}"]
+  r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(tmp_path)})
+  assert r.returncode == 2, r.stderr[-2000:]
+  errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+  assert len(errors) == 1 and "raised RuntimeError: judge crashed on training record 0" in \
+      errors[0], r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_onto_a_changed_reward_function_is_refused(tmp_path, monkeypatch):
+  """Killed after online step 3; the --reward_fn module's source edited; the same command is
+  refused in one line naming the flag, the checkpoint left as it was; restored, it resumes."""
+  module = tmp_path / "judge_module_resume.py"
+  source = "def reward(prompt, completion):\n  return float(len(completion))\n"
+  module.write_text(source)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  cfg = _cfg(tmp_path / "run", reward_fn="judge_module_resume:reward")
+  with pytest.raises(SimulatedCrash):
+    loop.run(cfg, extra_hooks={"online_dpo": [Crash(3)]})
+  module.write_text(source.replace("len(completion)", "-len(completion)"))
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    loop.run(cfg)
+  message = str(e.value)
+  assert "\n" not in message and "refusing to resume it" in message
+  assert "judge: '--reward_fn=judge_module_resume:reward: source sha256 " in message
+  assert "use a fresh --output_dir" in message
+  module.write_text(source)
+  loop.run(cfg)
+  assert os.path.isdir(tmp_path / "run" / "checkpoints" / "policy")

@@ -201,5 +201,5 @@ GRPO = algorithms.register(algorithms.Algorithm(
     name="grpo", step=grpo_step, batch=lambda host: host, step_config=step_config, run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "online",
                                                           "grpo")),
-                                 "judge": judges.source(cfg)},
+                                 "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=5, steps_flag="--grpo_steps"))

@@ -274,5 +274,5 @@ ITERATIVE_DPO = algorithms.register(algorithms.Algorithm(
     step_config=step_config, run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "loss", "reference",
                                                           "guard", "online", "iterative")),
-                                 "judge": judges.source(cfg)},
+                                 "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=7, steps_flag="--iterative_rounds"))

@@ -191,5 +191,5 @@ ONLINE_DPO = algorithms.register(algorithms.Algorithm(
     run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "loss", "reference",
                                                           "guard", "online")),
-                                 "judge": judges.source(cfg)},
+                                 "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=4, steps_flag="--online_steps"))
