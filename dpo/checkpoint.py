@@ -21,7 +21,9 @@ Restoring verifies the manifest first (every file present, sizes and checksums e
 unchanged), then reads with missing chunks as errors, never as zeros. A `Manager` that finds its
 newest step damaged warns once, naming it and the damage, moves it to `<dir>.damaged`, and falls
 back to the newest intact step (or the fresh start when none is left). A checkpoint this process
-may not read is not damaged: `Unreadable` names the path and leaves it where it is.
+may not read is not damaged: `Unreadable` names the path and leaves it where it is; so is one a
+save must replace or a cleanup remove that this process may not (checked before anything is
+renamed or removed). A leftover `.tmp`, `.old` or `.deleted` is removed with a warning naming it.
 
 Before writing, the free space of the filesystem is checked against the arrays' size; running
 out anyway (another writer) removes the half-written `.tmp` and raises `DiskFull`, one line naming
@@ -79,6 +81,32 @@ def _unreadable(path: str, e: OSError) -> Unreadable:
   what = e.filename if e.filename and os.fspath(e.filename) != path else "the directory"
   return Unreadable(f"{path}: permission denied reading {os.fspath(what)} (as uid {os.geteuid()}); "
                     f"left in place: give this user read access (chmod -R u+rX) and rerun")
+
+
+def _unremovable(path: str, e: OSError) -> Unreadable:
+  what = e.filename if e.filename and os.fspath(e.filename) != path else "the directory"
+  return Unreadable(f"{path}: permission denied on {os.fspath(what)} (as uid {os.geteuid()}), "
+                    f"which this save must replace or remove; left in place: give this user "
+                    f"access (chmod -R u+rwX) and rerun")
+
+
+def _check_removable(path: str) -> None:
+  """Raises `Unreadable` naming `path` when this process could not remove it whole (a directory
+  it may not list or change, as after chmod 000); checked before a replace, delete or cleanup
+  renames or removes anything, so a denial leaves every copy where it was."""
+  if not os.path.isdir(path) or os.path.islink(path):
+    return
+  stack = [path]
+  try:
+    while stack:
+      d = stack.pop()
+      names = os.listdir(d)
+      if not os.access(d, os.W_OK | os.X_OK):
+        raise PermissionError(13, "Permission denied", d)
+      stack += [f for f in (os.path.join(d, n) for n in names)
+                if os.path.isdir(f) and not os.path.islink(f)]
+  except PermissionError as e:
+    raise _unremovable(path, e) from None
 
 
 def _names(directory: str) -> list[str]:
@@ -164,6 +192,8 @@ def _remove(path: str) -> None:
   if not os.path.exists(path):
     return
   gone = path + ".deleted"
+  _check_removable(path)
+  _check_removable(gone)
   _discard(gone)
   os.rename(path, gone)
   _fsync_dir(os.path.dirname(path))
@@ -175,6 +205,8 @@ def _flip(tmp: str, path: str) -> None:
   `<path>.old`, rename `tmp`, remove the old copy): `path` is at every instant absent, the old
   checkpoint or the new one, and while it is absent `tmp` is complete (`recover` rolls forward)."""
   old = path + ".old"
+  _check_removable(path)
+  _check_removable(old)
   _discard(old)
   if os.path.exists(path):
     os.rename(path, old)
@@ -183,19 +215,32 @@ def _flip(tmp: str, path: str) -> None:
   _discard(old)
 
 
+# What each leftover beside a checkpoint is, for the warning that removes it.
+_LEFTOVERS = {".tmp": "the partial copy of an interrupted save",
+              ".old": "the old copy an interrupted replace left (the new one is whole)",
+              ".deleted": "the rest of an interrupted delete"}
+
+
 def recover(path: str) -> None:
   """Finishes an interrupted save or replace of `path` (process 0, while nothing writes it): a
   complete `<path>.tmp` with no `path` is flipped in; leftovers of finished or abandoned
-  operations (an incomplete .tmp, .old, .deleted) are removed; a file under one of those names
-  (no save writes one) is removed with a warning naming it."""
+  operations (an incomplete .tmp, .old, .deleted) are removed with a warning naming each (a
+  file under one of those names, which no save writes, too); one this process may not remove
+  is `Unreadable`, and nothing is removed."""
   tmp = path + ".tmp"
   if not os.path.exists(path) and os.path.isfile(os.path.join(tmp, MANIFEST)):
     logging.warning("checkpoint: completing the interrupted save of %s", path)
     _flip(tmp, path)
-  for leftover in (path + suffix for suffix in (".tmp", ".old", ".deleted")):
-    if os.path.lexists(leftover) and not os.path.isdir(leftover):
+  leftovers = [path + suffix for suffix in _LEFTOVERS if os.path.lexists(path + suffix)]
+  for leftover in leftovers:
+    _check_removable(leftover)
+  for leftover in leftovers:
+    if not os.path.isdir(leftover):
       logging.warning("checkpoint: removing %s, a file where only a checkpoint's temporary "
                       "directory belongs (%d bytes)", leftover, os.lstat(leftover).st_size)
+    else:
+      logging.warning("checkpoint: removing %s, %s", leftover,
+                      _LEFTOVERS[leftover[len(path):]])
     _discard(leftover)
 
 
@@ -330,6 +375,7 @@ def save(path: str, tree, meta: dict, keep: int = 0, kept: int = 0) -> str:
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     recover(path)
+    _check_removable(path)  # a copy it may not replace stops the save before any work
     _discard(tmp)  # left by a save that was killed before it committed
     _check_space(path, need, keep, kept)
     os.makedirs(os.path.join(tmp, "arrays"))
@@ -613,6 +659,7 @@ def move_aside(path: str) -> None:
   barrier(f"ckpt-damaged:{path}")
   if jax.process_index() == 0:
     aside = path + ".damaged"
+    _check_removable(aside)
     _discard(aside)
     os.rename(path, aside)
     _fsync_dir(os.path.dirname(path))

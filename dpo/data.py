@@ -209,10 +209,23 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def denied(path: str, e: PermissionError) -> DataError:
+  """A file this process may not read: one line naming it, the user, and the way out."""
+  return DataError(f"{os.fspath(e.filename or path)}: permission denied reading it (as uid "
+                   f"{os.geteuid()}); left in place: give this user read access (chmod u+r) "
+                   f"and rerun")
+
+
 def file_sha256(path: str) -> str:
-  """sha256 of a file's content, hashed once per version of the file (its size and mtime)."""
-  st = os.stat(path)
-  return _sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+  """sha256 of a file's content, hashed once per version of the file (its size and mtime); a
+  file this process may not read is a DataError naming it."""
+  try:
+    st = os.stat(path)
+    if not os.access(path, os.R_OK):  # a cached digest must not hide it (root reads anyway)
+      raise PermissionError(13, "Permission denied", path)
+    return _sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+  except PermissionError as e:
+    raise denied(path, e) from None
 
 
 def source_digest(value: str) -> str:
@@ -285,7 +298,10 @@ def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]], see
 # --- reading ----------------------------------------------------------------------------------
 
 def _open(path: str) -> io.BufferedIOBase:
-  f = open(path, "rb")
+  try:
+    f = open(path, "rb")
+  except PermissionError as e:
+    raise denied(path, e) from None
   if f.peek(2)[:2] == b"\x1f\x8b":
     return gzip.GzipFile(fileobj=f)
   return f
@@ -313,8 +329,11 @@ def _first_char(path: str) -> bytes:
 def _kind(path: str) -> str:
   """A file's kind from its magic bytes: "parquet", "arrow stream" (IPC stream, as save_to_disk
   writes it), "arrow file" (IPC file) or "json" (JSONL or a JSON array, maybe gzipped)."""
-  with open(path, "rb") as f:
-    head = f.read(6)
+  try:
+    with open(path, "rb") as f:
+      head = f.read(6)
+  except PermissionError as e:
+    raise denied(path, e) from None
   if head[:4] == b"PAR1":
     return "parquet"
   if head == b"ARROW1":

@@ -396,6 +396,15 @@ def _permissions_bind() -> bool:
       os.chmod(d, 0o700)
 
 
+def permission_cases():
+  """A test's two cases of a denied read: simulated (runs as root too) and a real chmod 000
+  (skipped where it does not bind)."""
+  return [pytest.param(False, id="simulated"),
+          pytest.param(True, id="chmod 000", marks=pytest.mark.skipif(
+              not _permissions_bind(), reason=f"uid {os.geteuid()} (root) reads a chmod 000 "
+                                              f"file; the simulated case runs instead"))]
+
+
 @pytest.mark.skipif(not _permissions_bind(), reason=f"uid {os.geteuid()} (root) reads a chmod "
                     f"000 directory; test_unreadable_checkpoint_is_an_error_left_in_place "
                     f"simulates the denial instead")
@@ -410,6 +419,37 @@ def test_chmod_000_checkpoint_is_an_error_left_in_place(tmp_path):
     finally:
       os.chmod(path, 0o755)
   _unreadable_step_is_an_error_left_in_place(tmp_path, deny)
+
+
+def test_a_leftover_old_copy_is_removed_with_a_warning_or_refused_when_unremovable(
+    tmp_path, monkeypatch, caplog):
+  """A replace killed after its flip leaves `<dir>.old`: the next save removes it, naming it in
+  a warning. One this process may not remove (chmod 000, simulated so root sees it too) stops
+  the save in one line naming it, and nothing is renamed or removed."""
+  mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
+  path = checkpoint.save(str(tmp_path / "export"), _tree(mesh, 1), {"kind": "params"})
+  old = path + ".old"
+  os.makedirs(os.path.join(old, "arrays"))
+  with caplog.at_level(logging.WARNING):
+    checkpoint.save(path, _tree(mesh, 2), {"kind": "params"})
+  assert not os.path.exists(old)
+  assert any(old in r.getMessage() and "interrupted replace" in r.getMessage()
+             for r in caplog.records if r.levelno == logging.WARNING), caplog.text
+  os.makedirs(os.path.join(old, "arrays"))
+  before = checkpoint.digest(path)
+  with monkeypatch.context() as m:
+    _deny(m, old)
+    with pytest.raises(checkpoint.Unreadable) as e:
+      checkpoint.save(path, _tree(mesh, 3), {"kind": "params"})
+  assert str(e.value).startswith(old + ": permission denied") and "\n" not in str(e.value)
+  assert "left in place" in str(e.value)
+  assert os.path.isdir(os.path.join(old, "arrays")) and checkpoint.digest(path) == before
+  with monkeypatch.context() as m:  # the checkpoint itself: not replaced, not renamed
+    _deny(m, path)
+    with pytest.raises(checkpoint.Unreadable, match="export: permission denied"):
+      checkpoint.save(path, _tree(mesh, 3), {"kind": "params"})
+  # (the removable leftover went first, with its warning)
+  assert checkpoint.digest(path) == before and sorted(os.listdir(tmp_path)) == ["export"]
 
 
 def test_free_space_check_counts_the_kept_checkpoints(tmp_path, monkeypatch):
@@ -590,6 +630,29 @@ def test_rebuilt_sft_model_keeps_the_metrics_history(tmp_path, reference_run, ca
   assert f"dropped {dropped_sft} records of stage sft" in caplog.text
 
 
+@pytest.mark.slow
+def test_a_copied_in_sft_model_rebuilt_keeps_every_later_record(tmp_path, reference_run,
+                                                                caplog):
+  """An SFT model copied in from another run (as docs/online.md does; its SFT records are not
+  in this folder), DPO run on it, then the SFT model damaged: the rerun rebuilds it, writing
+  the SFT records into their section, and keeps every DPO record: the file ends as the
+  uninterrupted run's, nothing lost or duplicated."""
+  import shutil
+  out = tmp_path / "run"
+  os.makedirs(out / "checkpoints")
+  shutil.copytree(reference_run / "checkpoints" / "sft_model", out / "checkpoints" / "sft_model")
+  loop.run(tiny_cfg(out))
+  first = records(out)
+  assert first and not any(r["stage"] == "sft" for r in first)
+  os.remove(_chunk(out / "checkpoints" / "sft_model", "embed"))
+  checkpoint._VERIFIED.clear()  # the rerun is a new process: nothing verified yet
+  with caplog.at_level(logging.INFO):
+    loop.run(tiny_cfg(out))
+  assert "sft_model is damaged" in caplog.text
+  assert records(out) == records(reference_run)
+  assert [r for r in records(out) if r["stage"] != "sft"] == first
+
+
 def test_metrics_sections_follow_the_recipe(tmp_path, caplog):
   """The stage order is the recipe's, whatever its stages are named: a first stage run again
   writes into its own section, before the second's records, which a rewind of the first keeps;
@@ -609,7 +672,7 @@ def test_metrics_sections_follow_the_recipe(tmp_path, caplog):
   w.write(rec("warmup", 2))
   assert names() == [("warmup", 1), ("warmup", 2), ("eval", 0), ("align", 1), ("eval", 1)]
   assert w.count == 2
-  w.rewind(4, "align step 1", "align")  # the second resumes: its final evaluation runs again
+  w.rewind(2, "align step 1", "align")  # the second resumes: its final evaluation runs again
   assert names() == [("warmup", 1), ("warmup", 2), ("eval", 0), ("align", 1)]
   w.rewind_stage("warmup")  # the first starts afresh; the second's records stay
   assert names() == [("eval", 0), ("align", 1)] and (w.count, w.later) == (0, 2)

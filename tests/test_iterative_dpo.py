@@ -17,6 +17,7 @@ from dpo.algorithms import iterative_dpo, online_dpo
 from models import sharding
 from faults import Crash, SimulatedCrash
 from test_online_dpo import assert_tree_bitwise
+from test_checkpoint import permission_cases
 from test_workspace import _documented_paths, _metric_keys, _rows, _section, _written
 
 
@@ -171,3 +172,39 @@ def test_a_crashed_run_resumes_bitwise_reusing_the_rounds_file(tmp_path, monkeyp
   assert_tree_bitwise(checkpoint.load_params(str(cut / "checkpoints" / "policy"), cfg.model, mesh),
                       checkpoint.load_params(str(whole / "checkpoints" / "policy"), cfg.model,
                                              mesh))
+
+
+@pytest.mark.parametrize("real_chmod", permission_cases())
+@pytest.mark.slow
+def test_an_unreadable_round_file_stops_the_resume_in_one_line(tmp_path, monkeypatch,
+                                                               real_chmod):
+  """A crash in round 1; round_1.jsonl then unreadable (chmod 000, or simulated where root reads
+  through it): the rerun stops with one line naming the file; the file and the checkpoints stay
+  as they were."""
+  import builtins
+  from dpo import data
+  out = tmp_path / "cut"
+  with pytest.raises(SimulatedCrash):
+    loop.run(_cfg(out), extra_hooks={"iterative_dpo": [Crash(4)]})
+  round_1 = out / "iterative" / "round_1.jsonl"
+  text, steps = round_1.read_bytes(), sorted(os.listdir(out / "checkpoints" / "iterative_dpo"))
+  if real_chmod:
+    os.chmod(round_1, 0)
+  else:
+    real_open, real_access = builtins.open, os.access
+    denied = lambda p: isinstance(p, (str, os.PathLike)) and os.path.abspath(p) == str(round_1)
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", os.fspath(p))) if denied(p) else
+        real_open(p, *a, **k))
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: not denied(p) and
+                        real_access(p, mode, **k))
+  try:
+    with pytest.raises(data.DataError) as e:
+      loop.run(_cfg(out))
+  finally:
+    os.chmod(round_1, 0o644)
+    monkeypatch.undo()
+  message = str(e.value)
+  assert message.startswith(f"{round_1}: permission denied reading it") and "\n" not in message
+  assert round_1.read_bytes() == text
+  assert sorted(os.listdir(out / "checkpoints" / "iterative_dpo")) == steps

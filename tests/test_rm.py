@@ -25,6 +25,7 @@ trl_rm = pytest.importorskip("trl.trainer.reward_trainer")
 from dpo import batches, train  # noqa: E402
 from dpo.algorithms import rm  # noqa: E402
 from models import hf, sharding  # noqa: E402
+from test_checkpoint import permission_cases  # noqa: E402
 
 B, T, PROMPT, V, PAD = 6, 14, 3, 64, 0
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -489,3 +490,53 @@ def test_the_rm_stage_fingerprints_what_it_reads():
   assert "learning_rate" not in hp and "rm_steps" not in hp
   assert rm.RM.hyperparameters(configs.DEFAULT.replace(learning_rate=1.0)) == hp
   assert rm.RM.hyperparameters(configs.DEFAULT.replace(rm_split=0.5, stage="rm,dpo")) != hp
+
+
+def _deny_each(real_chmod: bool):
+  """A context manager that makes a path unreadable: a real chmod 000, or (where permissions do
+  not bind, as for root) the denial simulated (tests/test_checkpoint.py's `_deny`)."""
+  import contextlib
+  from test_checkpoint import _deny
+
+  @contextlib.contextmanager
+  def deny(path, monkeypatch):
+    if real_chmod:
+      os.chmod(path, 0)
+      try:
+        yield
+      finally:
+        os.chmod(path, 0o755)
+    else:
+      with monkeypatch.context() as m:
+        _deny(m, path)
+        yield
+  return deny
+
+
+@pytest.mark.parametrize("real_chmod", permission_cases())
+def test_an_unreadable_reward_model_stops_the_rerun_in_one_line(tmp_path, monkeypatch,
+                                                                real_chmod):
+  """checkpoints/rm_model this process may not read or replace: the rerun, which saves it again,
+  stops with one line naming it; nothing is renamed (no rm_model.old) or removed; readable
+  again, the rerun finishes."""
+  import configs
+  from dpo import checkpoint, loop
+  out = tmp_path / "run"
+  cfg = configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+      task_train_pairs=32, task_sft_examples=16, task_eval_pairs=0, task_eval_prompts=0,
+      global_batch_size=8, rm_steps=4, log_every=1, checkpoint_every=2, stage="rm",
+      output_dir=str(out))
+  loop.run(cfg)
+  rm_model = out / "checkpoints" / "rm_model"
+  digest, listing = checkpoint.digest(str(rm_model)), sorted(os.listdir(out / "checkpoints"))
+  with _deny_each(real_chmod)(rm_model, monkeypatch):
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      loop.run(cfg)
+    assert sorted(os.listdir(out / "checkpoints")) == listing
+  message = str(e.value)
+  assert message.startswith(f"{rm_model}: permission denied") and "\n" not in message
+  assert "left in place" in message
+  assert checkpoint.digest(str(rm_model)) == digest
+  loop.run(cfg)
+  assert sorted(os.listdir(out / "checkpoints")) == listing
