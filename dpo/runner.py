@@ -99,8 +99,10 @@ class MetricsWriter:
 
   The file is a log that a resume rewinds, in sections, one per stage of the recipe (`recipe`,
   the run's `--stage`, in order; `sections` says which record is whose). Each checkpoint records
-  how many records its stage's section and those before it held when it was saved (`count`),
-  and resuming from it keeps exactly those and every later stage's section (`rewind`), so
+  how many records its stage's own section held when it was saved (`own`), and resuming from it
+  keeps those, every earlier stage's section as it is now and every later stage's (`rewind`):
+  an earlier stage rebuilt with more or fewer records than the file held (its model copied in
+  from another run, whose records are not here) moves nothing of the later ones. So
   records that a resumed or rolled-back run writes again replace the old ones instead of
   duplicating them, and a stage run again to rebuild its export (a damaged SFT model) writes
   into its own section, before the later stages' records, which stay. Dropped records are
@@ -114,6 +116,7 @@ class MetricsWriter:
     self.path = os.path.join(output_dir, "metrics.jsonl")
     self.recipe, self.stages = tuple(recipe), {*stages, *recipe}
     self.count = 0  # records through the section being written (process 0)
+    self.before = 0  # records of earlier stages' sections, before it
     self.later = 0  # records of later stages' sections, after it
     self.listeners: list = []  # called with each record once it is in the file (tracking.Mirror)
     if not self.enabled:
@@ -217,18 +220,24 @@ class MetricsWriter:
                    "s" * (dropped != 1), stage, why)
     self.count, self.later = len(through), len(later)
 
-  def rewind(self, count: int, what: str, stage: str) -> None:
-    """Keeps the first `count` records of `stage`'s section and those before it (the file as it
-    was when `what`, a checkpoint of `stage`, was saved) and every later stage's section (an
+  @property
+  def own(self) -> int:
+    """Records of the section being written (a checkpoint records it: `rewind`'s `own`)."""
+    return self.count - self.before
+
+  def rewind(self, own: int, what: str, stage: str) -> None:
+    """Keeps the first `own` records of `stage`'s section (its section as it was when `what`, a
+    checkpoint of `stage`, was saved), every earlier stage's section and every later one's (an
     SFT stage run again to rebuild its export leaves the DPO stage's records to it)."""
     if not self.enabled:
       return
-    lines, before, own, later = self._sections(stage)
-    if len(before + own) < count:
-      logging.warning("%s has %d records but %s was saved after %d; the missing ones are not "
-                      "rewritten", self.path, len(before + own), what, count)
-    self._keep(lines, (before + own)[:count], later, stage,
+    lines, before, mine, later = self._sections(stage)
+    if len(mine) < own:
+      logging.warning("%s has %d records of stage %s but %s was saved after %d; the missing "
+                      "ones are not rewritten", self.path, len(mine), stage, what, own)
+    self._keep(lines, before + mine[:own], later, stage,
                f"written after {what} (its later steps run again)")
+    self.before = len(before)
 
   def rewind_stage(self, stage: str) -> None:
     """Drops `stage`'s section (a stage that starts afresh); the others stay."""
@@ -236,6 +245,7 @@ class MetricsWriter:
       return
     lines, before, _, later = self._sections(stage)
     self._keep(lines, before, later, stage, "(the stage starts afresh)")
+    self.before = len(before)
 
 
 @dataclasses.dataclass
@@ -261,7 +271,6 @@ class Stage:
   rollbacks: int = 0
   tokens: int = 0        # non-padding tokens up to the step being read, all processes
   _dispatched: int = 0   # the same, up to the last dispatched step
-  _fresh_records: int = 0  # metrics.jsonl records before this stage's first step
   _frozen0: Any = None     # the frozen part at the stage's fresh start (TR-DPO moves it)
 
   def run(self):
@@ -303,7 +312,8 @@ class Stage:
   def snapshot(self) -> dict:
     """The checkpoint meta of the current position (the state is saved beside it)."""
     meta = {"stage": self.name, "loader": self.loader.state(), "rollbacks": self.rollbacks,
-            "steps": self.steps, "metrics_records": self.writer.count}
+            "steps": self.steps, "metrics_records": self.writer.count,
+            "metrics_stage_records": self.writer.own}
     states = {}
     for h in self.hooks:
       state = h.state_dict()
@@ -354,14 +364,13 @@ class Stage:
       meta = {"loader": {"epoch": 0, "index": 0}}
       if resumed:
         self.writer.rewind_stage(self.name)
-        self._fresh_records = self.writer.count
       else:
-        self.writer.rewind(self._fresh_records, f"the start of stage {self.name}", self.name)
+        self.writer.rewind(0, f"the start of stage {self.name}", self.name)
     else:
       self.state = state["state"] if carriers else state
       for h in carriers:
         h.load_arrays(self, state["hooks"][type(h).__name__])
-      self.writer.rewind(meta["metrics_records"], self.ckpts.path(step), self.name)
+      self.writer.rewind(self._own_records(meta), self.ckpts.path(step), self.name)
     self.loader.restore(meta["loader"])
     for h in self.hooks:
       h.load_state_dict(self.hook_meta(meta, h))
@@ -374,6 +383,17 @@ class Stage:
                      step, self.steps)
       for h in self.hooks:
         h.start(self)
+
+  def _own_records(self, meta: dict) -> int:
+    """The records of this stage's section when the checkpoint `meta` was saved; a checkpoint
+    written before it recorded them holds the count through its section, less the earlier
+    sections as they are now (right unless an earlier stage was rebuilt since)."""
+    if "metrics_stage_records" in meta:
+      return meta["metrics_stage_records"]
+    if not self.writer.enabled:
+      return 0
+    _, before, _, _ = self.writer._sections(self.name)
+    return max(meta["metrics_records"] - len(before), 0)
 
   def _check_length(self, step: int, meta: dict) -> None:
     """--steps below a checkpoint is refused; above the run's earlier --steps, logged."""

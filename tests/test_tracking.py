@@ -76,7 +76,7 @@ def test_mirror_forwards_every_record_the_writer_appends(tmp_path):
   for r in records:
     writer.write(r)
   # A rollback rewinds the file to a checkpoint and writes the replayed steps again.
-  writer.rewind(2, "step 2", "dpo")
+  writer.rewind(1, "step 2", "dpo")  # the dpo section's first record
   resumed = {"stage": "dpo", "step": 3, "loss": 0.6}
   writer.write(resumed)
   mirror.close()
