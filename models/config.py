@@ -95,6 +95,10 @@ class ModelConfig:
   compute_dtype: str = option("float32", "Matmul dtype: float32 or bfloat16 (params stay float32).")
   remat: bool = option(False, "Rematerialize each layer in the backward pass (saves activations; "
                        "needs scan_unroll=1).")
+  remat_policy: str = option("nothing", "With --remat, what each layer keeps for the backward: "
+                             "nothing (the whole layer runs again) or dots (the weight matmuls' "
+                             "outputs, [tokens, width] each; only the elementwise work and "
+                             "attention run again).")
   prefix_sharing: bool = option(True, "DPO: one row per pair, prompt | chosen | rejected, so the "
                                 "prompt is computed once per model (dpo/packing.py); off where the "
                                 "pair rows do not share a prompt (logged).")
@@ -168,6 +172,7 @@ class ModelConfig:
           matmul_backward=one_of(("autodiff", "explicit")), sliding_window=NONNEG,
           sliding_pattern=at_least(1), scan_unroll=at_least(1), attention_block=NONNEG,
           logits_chunk=NONNEG, attention=one_of(("auto", "xla", "pallas")),
+          remat_policy=one_of(("nothing", "dots")),
           attention_tile=(lambda v: v > 0 and v % 128 == 0, "a positive multiple of 128"))
     check(self.attention != "pallas" or not self.attention_block,
           f"--attention_block={self.attention_block}: applies to --attention=xla; the pallas "
@@ -181,6 +186,8 @@ class ModelConfig:
           f"--remat=True: must go with --scan_unroll=1, not {self.scan_unroll}: it recomputes "
           f"each layer inside the layer scan, and unrolled layers keep the activations it would "
           f"free")
+    check(self.remat or self.remat_policy == "nothing",
+          f"--remat_policy={self.remat_policy}: applies with --remat=True")
     check(not self.logits_chunk or self.vocab_size % self.logits_chunk == 0,
           f"--logits_chunk={self.logits_chunk}: must be 0 or a divisor of "
           f"--vocab_size={self.vocab_size}")

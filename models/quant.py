@@ -101,7 +101,7 @@ def quantize_nf4(w: jax.Array, n_lead: int) -> NF4Weight:
   return NF4Weight(packed.astype(jnp.uint8), absmax.astype(jnp.float32), tuple(shape))
 
 
-def _targets(specs) -> dict:
+def targets(specs) -> dict:
   """{path: (n_lead, ParamSpec)} of the matrices that get quantized."""
   out = {}
   for name, s in specs["layers"].items():
@@ -110,13 +110,13 @@ def _targets(specs) -> dict:
   return out
 
 
-def _quantize_one(mode: str, w, n_lead: int, spec):
+def quantize_one(mode: str, w, n_lead: int, spec):
   if mode == "int8":
     return quantize_int8(w, n_lead, spec.fan_in)
   return quantize_nf4(w, n_lead)
 
 
-def _sharding(mode: str, mesh: Mesh, n_lead: int, spec, qw):
+def quantized_sharding(mode: str, mesh: Mesh, n_lead: int, spec, qw):
   if mode == "int8":
     return Int8Weight(sharding.named(mesh, spec.axes, qw.q.shape),
                       sharding.named(mesh, spec.axes, qw.scale.shape))
@@ -127,10 +127,10 @@ def _sharding(mode: str, mesh: Mesh, n_lead: int, spec, qw):
 
 def _quantize_tree(specs, mode: str, tree):
   out = {**tree, "layers": dict(tree["layers"])}
-  for path, (n_lead, spec) in _targets(specs).items():
+  for path, (n_lead, spec) in targets(specs).items():
     parent = out if len(path) == 1 else out["layers"]
     leaf = tree[path[0]] if len(path) == 1 else tree["layers"][path[1]]
-    parent[path[-1]] = _quantize_one(mode, leaf, n_lead, spec)
+    parent[path[-1]] = quantize_one(mode, leaf, n_lead, spec)
   return out
 
 
@@ -145,10 +145,10 @@ def quantize_params(specs, mode: str, params, mesh: Mesh):
   shapes = jax.eval_shape(quantize, params)
   out_sh = jax.tree.map(lambda x: x.sharding, params)
   out_sh = {**out_sh, "layers": dict(out_sh["layers"])}
-  for path, (n_lead, spec) in _targets(specs).items():
+  for path, (n_lead, spec) in targets(specs).items():
     parent = out_sh if len(path) == 1 else out_sh["layers"]
     leaf = shapes[path[0]] if len(path) == 1 else shapes["layers"][path[1]]
-    parent[path[-1]] = _sharding(mode, mesh, n_lead, spec, leaf)
+    parent[path[-1]] = quantized_sharding(mode, mesh, n_lead, spec, leaf)
   return jax.jit(quantize, out_shardings=out_sh)(params)
 
 

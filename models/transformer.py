@@ -120,6 +120,44 @@ def init(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
   return fn(key)
 
 
+def init_base(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
+  """A random frozen base as --base_quant stores it, born so. With int8 / nf4 each per-layer
+  matrix is drawn and quantized one layer at a time inside one jit (`lax.map` over the layers),
+  so no float32 copy of a stacked matrix ever exists (an 8B model's is 28 GiB): layer l of a
+  matrix is drawn from fold_in(the matrix's key, l), the same distribution as `init`'s (whose
+  values it does not repeat). The other leaves are `init`'s, value for value."""
+  if cfg.base_quant == "none":
+    return init(cfg, key, mesh)
+  return quantized_init(cfg, mesh)(key)
+
+
+def quantized_init(cfg: ModelConfig, mesh: Mesh):
+  """`init_base`'s jitted function of the key (int8 / nf4), for its memory analysis."""
+  specs = param_specs(cfg)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+  quantized = quant.targets(specs)
+  names = [tuple(p.key for p in path) for path, _ in leaves]
+
+  def build(key):
+    out = []
+    for name, (_, spec), k in zip(names, leaves, jax.random.split(key, len(leaves))):
+      if name not in quantized:
+        out.append(_init_one(spec, k, cfg.init_std))
+        continue
+      one = spec._replace(shape=spec.shape[1:])
+      draw = lambda i, k=k, one=one, spec=spec: quant.quantize_one(
+          cfg.base_quant, _init_one(one, jax.random.fold_in(k, i), cfg.init_std), 0, spec)
+      out.append(jax.lax.map(draw, jnp.arange(spec.shape[0])))
+    return treedef.unflatten(out)
+
+  shapes = jax.tree.leaves(jax.eval_shape(build, jax.random.key(0)), is_leaf=quant.is_quantized)
+  out_shardings = [
+      quant.quantized_sharding(cfg.base_quant, mesh, 1, spec, shape) if name in quantized
+      else sharding.named(mesh, spec.axes, spec.shape)
+      for name, (_, spec), shape in zip(names, leaves, shapes)]
+  return jax.jit(build, out_shardings=treedef.unflatten(out_shardings))
+
+
 # --- forward -------------------------------------------------------------------------------------
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
@@ -437,6 +475,13 @@ def _flash_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, slots: Slots, wi
   return run(q_BTKGk, k_BTKk, v_BTKk, slots.segment, slots.branch, jnp.asarray(window, jnp.int32))
 
 
+# --remat_policy: what a rematerialised layer keeps for its backward. dots keeps the outputs of
+# contractions without batch dimensions: the weight matmuls (and LoRA factors), not attention.
+_REMAT_POLICIES: dict[str, Callable] = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 _ACTIVATIONS: dict[str, Callable] = {
     "silu": jax.nn.silu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -546,7 +591,7 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
     return sharding.constrain(x, _ACT_RESID), None
 
   if cfg.remat:
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat_policy])
   lora_layers = {} if adapter is None or adapter.lora is None else adapter.lora["layers"]
   xs = (params["layers"], lora_layers, jnp.arange(cfg.n_layers), jnp.asarray(local_L))
   x_BTD, _ = jax.lax.scan(body, x_BTD, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))

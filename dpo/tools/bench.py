@@ -70,8 +70,8 @@ from models import quant, sharding, transformer
 FLAGS = flags.FLAGS
 
 
-def matmul_peak(n: int, reps: int = 20) -> float:
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+def matmul_peak(n: int, reps: int = 20, dtype=jnp.float32) -> float:
+  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
   f = jax.jit(lambda x, y: x @ y)
   f(a, a).block_until_ready()
   best = math.inf
@@ -82,6 +82,31 @@ def matmul_peak(n: int, reps: int = 20) -> float:
     out.block_until_ready()
     best = min(best, (time.perf_counter() - t) / reps)
   return 2 * n ** 3 / best
+
+
+# Nominal dense bfloat16 peaks per chip (the vendor's figures: Cloud TPU system architecture
+# pages), over which the bench reports model FLOP utilisation (MFU) on an accelerator.
+NOMINAL_PEAK = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+                "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12}
+
+
+def probe(matmul_size: int) -> dict:
+  """What the workers will run on, measured in a process of its own (a TPU can be held by one
+  process at a time, so the parent never opens it): platform, device kind and count, the
+  measured matmul peak (float32 --matmul_size^3 on a CPU; bfloat16 8192^3 on an accelerator)
+  and the peak the utilisations divide by (a CPU's measured one; an accelerator's nominal)."""
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    peak = matmul_peak(matmul_size)
+    return {"platform": "cpu", "kind": autotune.cpu_model(), "devices": jax.device_count(),
+            "matmul": f"float32 {matmul_size}^3", "measured": peak, "peak": peak}
+  if device.device_kind not in NOMINAL_PEAK:
+    raise ValueError(f"no nominal peak known for {device.device_kind!r}; known: "
+                     f"{', '.join(sorted(NOMINAL_PEAK))}")
+  return {"platform": device.platform, "kind": device.device_kind,
+          "devices": jax.device_count(), "matmul": "bfloat16 8192^3",
+          "measured": matmul_peak(8192, dtype=jnp.bfloat16),
+          "peak": NOMINAL_PEAK[device.device_kind] * jax.device_count()}
 
 
 def _layer_matrix_params(m) -> int:
@@ -152,8 +177,8 @@ def time_config(cfg) -> dict:
   mesh = sharding.make_mesh(cfg.mesh.mesh)
   pairs = cfg.optim.global_batch_size
   key = jax.random.key(cfg.run.seed)
-  base = quant.quantize_params(transformer.param_specs(cfg.model), cfg.model.base_quant,
-                               transformer.init(cfg.model, jax.random.fold_in(key, 0), mesh), mesh)
+  # Born quantized with --base_quant (never a whole float32 copy: an 8B base would not fit).
+  base = transformer.init_base(cfg.model, jax.random.fold_in(key, 0), mesh)
   spec = train.StepConfig.dpo(cfg)
   opt, _ = spec.optimizer()
   frozen = train.initial_frozen(base)
@@ -267,6 +292,56 @@ def _plain_applies(cfg) -> bool:
           and cfg.lora.lora_rank in (0, ref.lora.lora_rank) and cfg.loss == ref.loss)
 
 
+def _plain_command(cfg, info: dict):
+  """variant -> the plain JAX step's command beside ours, or None where none applies: on a CPU
+  `plain_jax_dpo.py` on the bench-small workload; on an accelerator
+  `plain_jax_dpo_at_scale.py` when it has the config's shape (its SHAPES table), at
+  --plain_pairs pairs with or without per-layer remat (--plain_remat)."""
+  if info["platform"] == "cpu":
+    script = os.path.join(FLAGS.plain_dir, "plain_jax_dpo.py")
+    if not (os.path.exists(script) and _plain_applies(cfg)):
+      return None
+    return lambda v: [sys.executable, script, "--variant", v]
+  script = os.path.join(FLAGS.plain_dir, "plain_jax_dpo_at_scale.py")
+  if not os.path.exists(script) or FLAGS.workload != "bench-small":
+    return None
+  module = importlib.util.module_from_spec(
+      spec := importlib.util.spec_from_file_location("plain_at_scale", script))
+  spec.loader.exec_module(module)
+  m = cfg.model
+  shape = (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.mlp_dim)
+  names = [name for name, s in module.SHAPES.items() if tuple(s) == shape]
+  if not names:
+    return None
+  return lambda v: [sys.executable, script, f"--shape={names[0]}", f"--variant={v}",
+                    f"--pairs={FLAGS.plain_pairs or cfg.optim.global_batch_size}",
+                    f"--prompt={cfg.data.max_prompt_length}",
+                    f"--completion={cfg.data.max_target_length}", f"--steps={FLAGS.timed_steps}",
+                    f"--dtype={m.compute_dtype}", f"--peak_tflops={info['peak'] / 1e12:g}",
+                    *(["--remat"] if FLAGS.plain_remat else [])]
+
+
+def _run_plain(cmd: list[str], out: str) -> dict:
+  """The plain step's figures in the bench-small plain step's keys; a plain step that does not
+  fit (at scale) is a row that says so, not a failed bench."""
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  if done.returncode != 0:
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    if "--shape" not in " ".join(cmd):
+      raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")
+    oom = [x for x in lines if "RESOURCE_EXHAUSTED" in x or "out of memory" in x.lower()]
+    return {"failed": (oom or lines or ["no output"])[-1][:300]}
+  with open(out) as f:
+    res = json.load(f)
+  if "step_s" not in res:  # bench-small's plain step
+    return res
+  tokens = 2 * res["pairs"] * res["T"]
+  return {"median_step_s": res["step_s"], "pairs": res["pairs"],
+          "tokens_per_s": tokens / res["step_s"], "losses": [None],
+          "model_gflop_per_step": res["model_tflops"] * res["step_s"] * 1e3,
+          "temp_bytes": res["temp_gib"] * 2 ** 30}
+
+
 def _run(cmd: list[str], out: str, what: str, ours: bool = True) -> dict:
   """Run one worker; ours run as launch.py's process does (`hostmem.reexec_with_huge_pages`),
   the plain step in this command's environment as it is."""
@@ -284,7 +359,7 @@ def _run(cmd: list[str], out: str, what: str, ours: bool = True) -> dict:
 def _tool_argv() -> list[str]:
   """This command's config flags, to pass on to the worker processes."""
   own = ("--variants", "--layouts", "--query_block", "--plain_dir", "--worker_json",
-         "--worker_tune_only",
+         "--worker_tune_only", "--worker_probe", "--plain_pairs", "--plain_remat",
          "--matmul_size", "--rounds_of_processes")
   return [a for a in sys.argv[1:] if not a.startswith(own)]
 
@@ -301,10 +376,10 @@ def _layout_flags(cfg, layout: str) -> list[str]:
           f"--attention_block={block}"]
 
 
-def _run_processes(cfg, variants: list[str], plain_script: str | None) -> tuple[dict, dict]:
+def _run_processes(cfg, variants: list[str], plain) -> tuple[dict, dict]:
   """({(variant, layout): [figures of each round]}, {(variant, layout): its tuning}): every
-  layout of every variant in its own process, with the plain JAX step (`plain_script`, when
-  given) as one more per variant. With --autotune=on each layout's choice is made first, in a
+  layout of every variant in its own process, with the plain JAX step (`plain(variant)`, its
+  command, when given) as one more per variant. With --autotune=on each layout's choice is made first, in a
   process of its own (`--worker_tune_only`: measured, or read from the cache), so the timed
   processes find it cached and their peak RSS is the step's, not the tuning's (every
   candidate's compiled step and temporary buffers)."""
@@ -316,42 +391,52 @@ def _run_processes(cfg, variants: list[str], plain_script: str | None) -> tuple[
       jobs = [(layout, [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(),
                         f"--lora_rank={cfg.lora.lora_rank if v == 'lora' else 0}",
                         *_layout_flags(cfg, layout)]) for layout in FLAGS.layouts]
-      if plain_script:
-        jobs.append(("plain JAX", [sys.executable, plain_script, "--variant", v]))
+      if plain:
+        jobs.append(("plain JAX", plain(v)))
       for layout, cmd in jobs:
         out = os.path.join(tmp, f"{v}_{layout.replace(' ', '_')}_{r}.json")
         if r == 0 and layout != "plain JAX" and cfg.run.autotune == "on":
           tune = [*cmd, f"--worker_json={out}.tune", "--worker_tune_only"]
           tunings[(v, layout)] = _run(tune, f"{out}.tune", " ".join(tune))
-        cmd = cmd + (["--out", out] if layout == "plain JAX" else [f"--worker_json={out}"])
-        results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd),
-                                                        ours=layout != "plain JAX"))
+        if layout == "plain JAX":
+          results.setdefault((v, layout), []).append(_run_plain(cmd + ["--out", out], out))
+          continue
+        cmd = cmd + [f"--worker_json={out}"]
+        results.setdefault((v, layout), []).append(_run(cmd, out, " ".join(cmd)))
   return results, tunings
 
 
 def _print_table(cfg, variants: list[str], results: dict, plain: bool, peak: float) -> None:
   """One row per variant and layout: the median round's rate, utilisations, memory, ratios."""
-  print(f"workload {FLAGS.workload}, {cfg.optim.global_batch_size} pairs per step")
+  print(f"workload {FLAGS.workload}, {cfg.optim.global_batch_size} pairs per step (ours)")
   print(f"{'variant':<8} {'layout':<10} {'slots':>6} {'fill':>5} {'step s':>7} {'pairs/s':>8} "
         f"{'tokens/s':>8} {'exec GF':>8} {'exec util':>9} {'model util':>10} {'temp MiB':>8} "
         f"{'RSS MiB':>8} "
         f"{'loss@1':>9} {'x plain':>7} {'x unshared':>10}")
   fmt = lambda x, f: "-" if x is None else f.format(x)
+  batch = cfg.optim.global_batch_size
   for v in variants:
-    rate = {}
+    rate, pairs = {}, {}
     for layout, rs in results.items():
-      if layout[0] == v:
+      ok = [x for x in rs if "failed" not in x]
+      if layout[0] == v and ok:
         key = "median_step_s" if layout[1] == "plain JAX" else "step_time"
-        rate[layout[1]] = cfg.optim.global_batch_size / statistics.median(x[key] for x in rs)
+        pairs[layout[1]] = ok[0].get("pairs", batch)
+        rate[layout[1]] = pairs[layout[1]] / statistics.median(x[key] for x in ok)
     for layout in FLAGS.layouts + (["plain JAX"] if plain else []):
       rs = results[(v, layout)]
+      if layout not in rate:
+        print(f"{'LoRA' if v == 'lora' else 'full FT':<8} {layout:<10} {rs[0]['failed']}")
+        continue
       if layout == "plain JAX":
-        row = {"executed_flops": None, "temp_bytes": None, "first_loss": rs[0]["losses"][0],
+        rs = [x for x in rs if "failed" not in x]
+        row = {"executed_flops": None, "temp_bytes": rs[0].get("temp_bytes"),
+               "first_loss": rs[0]["losses"][0],
                "model_flops": rs[0]["model_gflop_per_step"] * 1e9,
                "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs)}
       else:
         row = {**rs[0], "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs)}
-      step_time = cfg.optim.global_batch_size / rate[layout]
+      step_time = pairs[layout] / rate[layout]
       exec_util = None if row["executed_flops"] is None else row["executed_flops"] / step_time / peak
       print(f"{'LoRA' if v == 'lora' else 'full FT':<8} {layout:<10} "
             f"{fmt(row.get('slots'), '{:6d}'):>6} {fmt(row.get('fill'), '{:5.0%}'):>5} "
@@ -361,7 +446,8 @@ def _print_table(cfg, variants: list[str], results: dict, plain: bool, peak: flo
             f"{fmt(exec_util and 100 * exec_util, '{:8.1f}%'):>9} "
             f"{100 * row['model_flops'] / step_time / peak:9.1f}% "
             f"{fmt(row['temp_bytes'] and row['temp_bytes'] / 2 ** 20, '{:8.0f}'):>8} "
-            f"{max(x['peak_rss_mib'] for x in rs):8.0f} {row['first_loss']:9.6f} "
+            f"{fmt(max((x['peak_rss_mib'] for x in rs if 'peak_rss_mib' in x), default=None), '{:8.0f}'):>8} "
+            f"{fmt(row['first_loss'], '{:9.6f}'):>9} "
             f"{fmt(rate.get('plain JAX') and rate[layout] / rate['plain JAX'], '{:6.2f}x'):>7} "
             f"{fmt(rate.get('unshared') and rate[layout] / rate['unshared'], '{:9.2f}x'):>10}")
 
@@ -391,11 +477,19 @@ def main(argv):
                          "`tokenizers` package: pip install -e '.[hf]'")
   if FLAGS.workload == "hh-rlhf" and FLAGS.global_batch_size is None:
     FLAGS.global_batch_size = 16  # enough pairs a step for packing to pack
+  if not (FLAGS.worker_json or FLAGS.worker_probe):
+    # This process only starts the workers: an accelerator (one process at a time can hold a
+    # TPU) is left to them.
+    jax.config.update("jax_platforms", "cpu")
   hostmem.trim_after_compiles()  # as a run's process does (launch.py)
   cfg = cli.from_flags()
   if FLAGS.worker_tune_only and not (FLAGS.worker_json and cfg.run.autotune == "on"):
     raise app.UsageError("--worker_tune_only makes a --worker_json process's --autotune choice: "
                          "give both, with --autotune=on")
+  if FLAGS.worker_probe:
+    with open(FLAGS.worker_probe, "w") as f:
+      json.dump(probe(FLAGS.matmul_size), f)
+    return
   if FLAGS.worker_json:
     with open(FLAGS.worker_json, "w") as f:
       json.dump(time_config(cfg), f)
@@ -403,21 +497,26 @@ def main(argv):
   variants = [v for v in FLAGS.variants if v != "full" or cfg.model.base_quant == "none"]
   if len(variants) < len(FLAGS.variants):
     print(f"no full fine-tuning variant: --base_quant={cfg.model.base_quant} needs LoRA")
-  plain_script = os.path.join(FLAGS.plain_dir, "plain_jax_dpo.py")
-  plain = os.path.exists(plain_script) and _plain_applies(cfg)
-  peak = matmul_peak(FLAGS.matmul_size)
-  print(f"CPU: {autotune.cpu_model()}; devices: {jax.device_count()} x "
-        f"{jax.devices()[0].platform}; float32 "
-        f"{FLAGS.matmul_size}^3 matmul peak {peak / 1e9:.1f} GFLOP/s; plain JAX step: "
-        f"{plain_script if plain else 'not run (absent, or not the bench-small workload)'}")
+  out = os.path.join(tempfile.mkdtemp(prefix="dpo_bench_"), "probe.json")
+  cmd = [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(), f"--worker_probe={out}"]
+  info = _run(cmd, out, " ".join(cmd))
+  peak = info["peak"]
+  plain = _plain_command(cfg, info)
+  print(f"CPU: {autotune.cpu_model()}; devices: {info['devices']} x {info['platform']} "
+        f"({info['kind']}); {info['matmul']} matmul peak {info['measured'] / 1e12:.3f} TFLOP/s"
+        f"{'' if info['platform'] == 'cpu' else f', nominal {peak / 1e12:.0f} TFLOP/s'}; the "
+        f"utilisations are over the {'measured' if info['platform'] == 'cpu' else 'nominal'} "
+        f"peak; plain JAX step: "
+        f"{' '.join(plain('lora')[1:]) if plain else 'not run (absent, or another shape)'}")
   tunables = hostmem.environment()["GLIBC_TUNABLES"]
   print(f"our processes: GLIBC_TUNABLES={tunables} (as launch.py runs; dpo/hostmem.py); the plain "
         f"step: GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
-  results, tunings = _run_processes(cfg, variants, plain_script if plain else None)
-  _print_table(cfg, variants, results, plain, peak)
+  results, tunings = _run_processes(cfg, variants, plain)
+  _print_table(cfg, variants, results, plain is not None, peak)
   for (v, layout), rs in results.items():
     if layout == "plain JAX":
-      print(f"{v} plain JAX: processes " + ", ".join(f"{r['median_step_s']:.3f} s" for r in rs))
+      print(f"{v} plain JAX: processes " + ", ".join(
+          r["failed"] if "failed" in r else f"{r['median_step_s']:.3f} s" for r in rs))
       continue
     print(f"{v} {layout}: {', '.join(sorted({x['setting'] for x in rs}))}")
     tuning = tunings.get((v, layout))
@@ -467,6 +566,12 @@ if __name__ == "__main__":
                       "tokenizer.json that tokenises --hh_data.")
   flags.DEFINE_string("worker_json", "", "Internal: time this one configuration in this "
                       "process and write its figures here.")
+  flags.DEFINE_string("worker_probe", "", "Internal: write what the workers run on (platform, "
+                      "device kind, matmul peak) here and exit.")
+  flags.DEFINE_integer("plain_pairs", 0, "On an accelerator: pairs a step of the plain step "
+                       "at scale (its best batch that fits); 0 = the config's.", lower_bound=0)
+  flags.DEFINE_bool("plain_remat", True, "On an accelerator: the plain step at scale with "
+                    "per-layer remat (without it, it does not fit at a real shape).")
   flags.DEFINE_bool("worker_tune_only", False, "Internal: with --worker_json, only make this "
                     "configuration's --autotune choice (measured, or read from the cache) and "
                     "write it with this process's peak RSS.")
