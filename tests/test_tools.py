@@ -159,12 +159,14 @@ def test_bench_prints_measured_seconds_only_where_it_measured(tmp_path, monkeypa
 @pytest.mark.slow
 def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_step(tool_output):
   lines = tool_output("bench")
-  assert lines[0].startswith(f"CPU: {autotune.cpu_model()}; devices: 1 x cpu; float32 128^3 "
-                             "matmul peak")
+  # The platform comes from a probe process (the parent never opens an accelerator).
+  assert lines[0].startswith(f"CPU: {autotune.cpu_model()}; devices: 1 x cpu "
+                             f"({autotune.cpu_model()}); float32 128^3 matmul peak ")
+  assert "the utilisations are over the measured peak" in lines[0]
   assert "plain JAX step: not run" in lines[0]  # a tiny model is not the plain step's workload
   # Our workers run as launch.py's process does (dpo/hostmem.py), the plain step as given.
   assert lines[1].startswith("our processes: GLIBC_TUNABLES=") and hostmem.HUGE_PAGES in lines[1]
-  assert lines[2] == "workload bench-small, 4 pairs per step"
+  assert lines[2] == "workload bench-small, 4 pairs per step (ours)"
   assert lines[3].split() == ["variant", "layout", "slots", "fill", "step", "s", "pairs/s",
                               "tokens/s", "exec", "GF", "exec", "util", "model", "util", "temp",
                               "MiB", "RSS", "MiB", "loss@1", "x", "plain", "x", "unshared"]
@@ -203,6 +205,21 @@ def test_bench_prints_a_row_per_variant_and_layout_with_loss_log2_at_the_first_s
   assert [int(r[2]) for r in rows] == [128, 96, 96, 128, 96, 96]
   for v in (0, 3):
     assert float(rows[v][7]) > float(rows[v + 1][7]) > float(rows[v + 2][7])
+
+
+def test_bench_probe_and_a_plain_step_that_does_not_fit(tmp_path):
+  """The probe reads a CPU's measured peak as the one the utilisations divide by; a plain step at
+  scale that runs out of memory is a row saying so, not a failed bench (a TPU's limit)."""
+  info = bench.probe(64)
+  assert info["platform"] == "cpu" and info["peak"] == info["measured"] > 0
+  script = tmp_path / "plain_jax_dpo_at_scale.py"
+  script.write_text("import sys\nprint('jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out "
+                    "of memory on HBM (21.9G)', file=sys.stderr)\nsys.exit(1)\n")
+  row = bench._run_plain([sys.executable, str(script), "--shape=llama3.2-1b"], "unused")
+  assert row == {"failed": "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory "
+                           "on HBM (21.9G)"}
+  with pytest.raises(RuntimeError, match="exited 1"):  # bench-small's plain step must run
+    bench._run_plain([sys.executable, str(script), "--variant", "lora"], "unused")
 
 
 def test_bench_cpu_use_is_per_step_and_reads_steal_where_linux_counts_it():
