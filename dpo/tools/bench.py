@@ -498,7 +498,8 @@ def main(argv):
   if len(variants) < len(FLAGS.variants):
     print(f"no full fine-tuning variant: --base_quant={cfg.model.base_quant} needs LoRA")
   out = os.path.join(tempfile.mkdtemp(prefix="dpo_bench_"), "probe.json")
-  cmd = [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(), f"--worker_probe={out}"]
+  cmd = [sys.executable, "-m", "dpo.tools.bench", *_tool_argv(), f"--worker_probe={out}",
+         f"--matmul_size={FLAGS.matmul_size}"]
   info = _run(cmd, out, " ".join(cmd))
   peak = info["peak"]
   plain = _plain_command(cfg, info)
