@@ -186,6 +186,9 @@ class ModelConfig:
           f"--remat=True: must go with --scan_unroll=1, not {self.scan_unroll}: it recomputes "
           f"each layer inside the layer scan, and unrolled layers keep the activations it would "
           f"free")
+    check(self.attention != "xla" or self.attention_tile == 512,
+          f"--attention_tile={self.attention_tile}: the Pallas kernel's tile; --attention=xla "
+          "never reads it")
     check(self.remat or self.remat_policy == "nothing",
           f"--remat_policy={self.remat_policy}: applies with --remat=True")
     check(not self.logits_chunk or self.vocab_size % self.logits_chunk == 0,

@@ -469,7 +469,7 @@ def _flash_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, slots: Slots, wi
   kv_spec = spec(_ACT_KV, k_BTKk)
   row_spec = spec(("batch", "seq"), slots.segment)
   branch_spec = None if slots.branch is None else row_spec
-  run = jax.shard_map(lambda q, k, v, s, b, w: kernel(q, k, v, s, b, w), mesh=mesh,
+  run = jax.shard_map(kernel, mesh=mesh,
                       in_specs=(q_spec, kv_spec, kv_spec, row_spec, branch_spec, P()),
                       out_specs=q_spec, check_vma=False)
   return run(q_BTKGk, k_BTKk, v_BTKk, slots.segment, slots.branch, jnp.asarray(window, jnp.int32))

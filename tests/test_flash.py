@@ -162,3 +162,7 @@ def test_platform_picks_the_kernel_and_config_rules():
     ModelConfig(attention="pallas", attention_block=64)
   with pytest.raises(ValueError, match="attention_tile"):
     ModelConfig(attention_tile=100)
+  with pytest.raises(ValueError, match="--attention_tile=256: the Pallas kernel's tile"):
+    ModelConfig(attention="xla", attention_tile=256)
+  with pytest.raises(ValueError, match="--remat_policy=dots: applies with --remat=True"):
+    ModelConfig(remat_policy="dots")
