@@ -8,6 +8,7 @@ the rules say.
 
 import ast
 import json
+import importlib.util
 import math
 import os
 import subprocess
@@ -267,6 +268,22 @@ def test_compile_check_takes_config_flags(tool_output):
   assert "batch 2 pairs x 2 x 16 tokens" in lines[0]
   assert lines[-2].startswith("estimate per device: frozen ")
   assert lines[-1].startswith("compiler per device: arguments ")
+
+
+def test_compile_check_names_a_tpu_slice_it_cannot_describe_in_one_line():
+  """--topology compiles for a TPU slice ahead of time where libtpu is; on a CPU-only install it
+  says so in one line, and refuses --fake_devices beside it."""
+  if importlib.util.find_spec("libtpu") is not None:
+    pytest.skip("libtpu is installed: the slice can be described here")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  run = lambda *args: subprocess.run([sys.executable, "-m", "dpo.tools.compile_check",
+                                      "--config=llama3-8b", *args], cwd=ROOT, env=env,
+                                     capture_output=True, text=True, timeout=300)
+  done = run("--topology=v5e-16")
+  assert done.returncode != 0 and "Traceback" not in done.stderr
+  assert "--topology=v5e-16: cannot describe the TPU slice v5e:4x4 here" in done.stderr
+  done = run("--topology=v4-8", "--fake_devices=4")
+  assert done.returncode != 0 and "--fake_devices: give it or --topology, not both" in done.stderr
 
 
 def test_base_memory_prints_the_real_size_presets(tool_output):

@@ -2,6 +2,11 @@
 
     python -m dpo.tools.compile_check --config=llama3-8b --mesh=fsdp:8
     python -m dpo.tools.compile_check --config=llama3-8b --mesh=fsdp:4,tensor:2 --fake_devices=8
+    python -m dpo.tools.compile_check --config=llama3-8b --topology=v5e-16 --mesh=fsdp:-1  # TPU host
+
+With --topology the step is compiled ahead of time for a TPU slice that need not be attached
+(`jax.experimental.topologies`; needs libtpu, so on a TPU host): the memory is then what the
+TPU compiler reports one chip of that slice holds, the attention the Pallas kernel's.
 
 No weights are allocated: parameters, LoRA factors, optimizer state and the batch are
 `jax.ShapeDtypeStruct`s carrying the shardings training would use, and the step a run jits
@@ -86,18 +91,49 @@ def memory_report(compiled) -> dict[str, int]:
   return out
 
 
+# TPU slices by their Cloud TPU names: the topology libtpu's compiler takes, the chip
+# configuration and the chips a host holds (as MaxText's accelerator_to_spec_map names them).
+TOPOLOGIES = {
+    "v4-8": ("v4:2x2x1", "megacore", (2, 2, 1)),
+    "v5e-16": ("v5e:4x4", "default", (2, 2, 1)),
+    "v5e-256": ("v5e:16x16", "default", (2, 2, 1)),
+}
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU slice that need not be attached, to compile for ahead of time."""
+  from jax.experimental import topologies
+  topology, chip_config, per_host = TOPOLOGIES[name]
+  try:
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu",
+                                        chip_config_name=chip_config,
+                                        chips_per_host_bounds=per_host, num_slices=1).devices
+  except Exception as e:  # no libtpu here, or this libtpu does not know the slice
+    raise app.UsageError(f"--topology={name}: cannot describe the TPU slice {topology} here "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         "run on a host with libtpu (jax[tpu])") from None
+
+
 def main(argv) -> None:
   del argv
-  if FLAGS.fake_devices:  # before anything touches a device
+  devices = None
+  if FLAGS.topology:
+    if FLAGS["fake_devices"].present:
+      raise app.UsageError("--fake_devices: give it or --topology, not both")
+    devices = topology_devices(FLAGS.topology)
+  elif FLAGS.fake_devices:  # before anything touches a device
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", FLAGS.fake_devices)
   cfg = cli.from_flags()
-  mesh = sharding.make_mesh(cfg.mesh.mesh)
+  mesh = sharding.make_mesh(cfg.mesh.mesh, devices)
   seq_len = cfg.data.max_prompt_length + cfg.data.max_target_length
   est = train.memory_estimate(train.StepConfig.dpo(cfg), mesh)
   specs = transformer.param_specs(cfg.model)
   n = transformer.num_params(transformer.abstract(specs))
-  print(f"config {FLAGS.config}: {n / 1e9:.2f}B parameters, mesh {dict(mesh.shape)}, "
+  target = (f"{FLAGS.topology} ({len(devices)} x {devices[0].device_kind}, ahead of time)"
+            if devices else f"{jax.device_count()} x {jax.devices()[0].platform}")
+  print(f"config {FLAGS.config}: {n / 1e9:.2f}B parameters, compiled for {target}, "
+        f"mesh {dict(mesh.shape)}, "
         f"batch {cfg.optim.global_batch_size} pairs x 2 x {seq_len} tokens, "
         f"compute {cfg.model.compute_dtype}, remat {cfg.model.remat}, "
         f"LoRA rank {cfg.lora.lora_rank}")
@@ -113,4 +149,6 @@ def main(argv) -> None:
 if __name__ == "__main__":
   cli.define_flags()
   flags.DEFINE_integer("fake_devices", 8, "Fake CPU devices to compile for (0: use real devices).")
+  flags.DEFINE_enum("topology", "", ["", *TOPOLOGIES], "A TPU slice to compile for ahead of "
+                    "time instead (needs libtpu: a TPU host), not with --fake_devices.")
   app.run(main)
