@@ -7,8 +7,8 @@ the rules say.
 """
 
 import ast
-import json
 import importlib.util
+import json
 import math
 import os
 import subprocess
