@@ -104,6 +104,14 @@ def _clamp(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
+def _id_specs(spec: Spec, q_map, kv_map) -> list:
+  """Block specs of the four `_Ids` arrays: a query tile's column of ids (q_map), a key tile's
+  row (kv_map)."""
+  column = pl.BlockSpec((1, spec.block_q, LANES), q_map)
+  row = pl.BlockSpec((1, SUBLANES, spec.block_k), kv_map)
+  return [column, column, row, row]
+
+
 # --- the tile math shared by the three kernels -------------------------------------------------
 
 def _scores(q, k, spec: Spec):
@@ -206,10 +214,7 @@ def _forward(q, k, v, ids: _Ids, window, spec: Spec):
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(B, H, n_q, n_k),
           in_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
-                    pl.BlockSpec((1, 1, bk, d), kv_map),
-                    pl.BlockSpec((1, bq, LANES), q_ids), pl.BlockSpec((1, bq, LANES), q_ids),
-                    pl.BlockSpec((1, SUBLANES, bk), kv_ids),
-                    pl.BlockSpec((1, SUBLANES, bk), kv_ids)],
+                    pl.BlockSpec((1, 1, bk, d), kv_map), *_id_specs(spec, q_ids, kv_ids)],
           out_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bq, LANES), q_map)],
           scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
                           pltpu.VMEM((bq, LANES), jnp.float32),
@@ -306,10 +311,8 @@ def _backward(q, k, v, o, lse, do, ids: _Ids, window, spec: Spec):
                     pl.BlockSpec((1, 1, bk, d), kv_map), pl.BlockSpec((1, 1, bq, d), q_map),
                     pl.BlockSpec((1, 1, bq, LANES), q_map),
                     pl.BlockSpec((1, 1, bq, LANES), q_map),
-                    pl.BlockSpec((1, bq, LANES), lambda b, h, i, j, w: (b, i, 0)),
-                    pl.BlockSpec((1, bq, LANES), lambda b, h, i, j, w: (b, i, 0)),
-                    pl.BlockSpec((1, SUBLANES, bk), lambda b, h, i, j, w: (b, 0, kv_block(i, j, w))),
-                    pl.BlockSpec((1, SUBLANES, bk), lambda b, h, i, j, w: (b, 0, kv_block(i, j, w)))],
+                    *_id_specs(spec, lambda b, h, i, j, w: (b, i, 0),
+                               lambda b, h, i, j, w: (b, 0, kv_block(i, j, w)))],
           out_specs=pl.BlockSpec((1, 1, bq, d), q_map),
           scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -330,10 +333,8 @@ def _backward(q, k, v, o, lse, do, ids: _Ids, window, spec: Spec):
                     pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, bq, d), qh_map),
                     pl.BlockSpec((1, 1, bq, LANES), qh_map),
                     pl.BlockSpec((1, 1, bq, LANES), qh_map),
-                    pl.BlockSpec((1, bq, LANES), lambda b, kh, j, g, i, w: (b, q_block(j, i, w), 0)),
-                    pl.BlockSpec((1, bq, LANES), lambda b, kh, j, g, i, w: (b, q_block(j, i, w), 0)),
-                    pl.BlockSpec((1, SUBLANES, bk), lambda b, kh, j, g, i, w: (b, 0, j)),
-                    pl.BlockSpec((1, SUBLANES, bk), lambda b, kh, j, g, i, w: (b, 0, j))],
+                    *_id_specs(spec, lambda b, kh, j, g, i, w: (b, q_block(j, i, w), 0),
+                               lambda b, kh, j, g, i, w: (b, 0, j))],
           out_specs=[pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, bk, d), k_map)],
           scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],

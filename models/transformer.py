@@ -459,8 +459,9 @@ def _flash_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, slots: Slots, wi
   """`_attend` under `attention_mask(slots, slots, window)` by the Pallas kernel (models/flash.py),
   which never holds more than a tile of scores. Under a mesh it runs per shard (`shard_map`):
   rows split as the batch, kv heads as the tensor axis; a row's slots are never split."""
-  kernel = functools.partial(flash.attention, scale=1.0 / math.sqrt(cfg.query_scale or cfg.head_dim),
-                             softcap=cfg.attn_softcap, block=cfg.attention_tile)
+  scale = 1.0 / math.sqrt(cfg.query_scale or cfg.head_dim)
+  kernel = functools.partial(flash.attention, scale=scale, softcap=cfg.attn_softcap,
+                             block=cfg.attention_tile)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or mesh.size == 1:
     return kernel(q_BTKGk, k_BTKk, v_BTKk, slots.segment, slots.branch, window)

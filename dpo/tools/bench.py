@@ -26,7 +26,11 @@ rows come from `packing.shared_prefix` and packed rows from `packing.Packer`, as
 one batch packed into the fewest rows that hold it). The hh-rlhf workload takes 16 pairs a step
 unless --global_batch_size says otherwise, so packing has pairs to pack.
 
-Two utilisations, both over the float32 --matmul_size^3 matmul peak measured in the parent:
+A probe process reads the platform first (the parent never opens a device: one process at a time
+can hold a TPU). On an accelerator the plain step is `plain_jax_dpo_at_scale.py` at the
+config's shape (--plain_pairs, --plain_remat), and the utilisations divide by the chip's nominal
+bfloat16 peak (MFU; `NOMINAL_PEAK`). On a CPU, two utilisations, both over the float32
+--matmul_size^3 matmul peak the probe measures:
   * model: the nominal FLOPs of shared/BENCHMARKS.md, the same for every layout and system,
         6 * N * T + 12 * n_layers * seq_len^2 * d_model * sequences
     (N the layer matrices plus the LM head, T the pair tokens, sequences = 2 * pairs);
@@ -379,9 +383,9 @@ def _layout_flags(cfg, layout: str) -> list[str]:
 def _run_processes(cfg, variants: list[str], plain) -> tuple[dict, dict]:
   """({(variant, layout): [figures of each round]}, {(variant, layout): its tuning}): every
   layout of every variant in its own process, with the plain JAX step (`plain(variant)`, its
-  command, when given) as one more per variant. With --autotune=on each layout's choice is made first, in a
-  process of its own (`--worker_tune_only`: measured, or read from the cache), so the timed
-  processes find it cached and their peak RSS is the step's, not the tuning's (every
+  command, when given) as one more per variant. With --autotune=on each layout's choice is made
+  first, in a process of its own (`--worker_tune_only`: measured, or read from the cache), so
+  the timed processes find it cached and their peak RSS is the step's, not the tuning's (every
   candidate's compiled step and temporary buffers)."""
   tmp = tempfile.mkdtemp(prefix="dpo_bench_")
   results: dict[tuple[str, str], list[dict]] = {}
@@ -437,6 +441,7 @@ def _print_table(cfg, variants: list[str], results: dict, plain: bool, peak: flo
       else:
         row = {**rs[0], "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs)}
       step_time = pairs[layout] / rate[layout]
+      rss = max((x["peak_rss_mib"] for x in rs if "peak_rss_mib" in x), default=None)
       exec_util = None if row["executed_flops"] is None else row["executed_flops"] / step_time / peak
       print(f"{'LoRA' if v == 'lora' else 'full FT':<8} {layout:<10} "
             f"{fmt(row.get('slots'), '{:6d}'):>6} {fmt(row.get('fill'), '{:5.0%}'):>5} "
@@ -446,7 +451,7 @@ def _print_table(cfg, variants: list[str], results: dict, plain: bool, peak: flo
             f"{fmt(exec_util and 100 * exec_util, '{:8.1f}%'):>9} "
             f"{100 * row['model_flops'] / step_time / peak:9.1f}% "
             f"{fmt(row['temp_bytes'] and row['temp_bytes'] / 2 ** 20, '{:8.0f}'):>8} "
-            f"{fmt(max((x['peak_rss_mib'] for x in rs if 'peak_rss_mib' in x), default=None), '{:8.0f}'):>8} "
+            f"{fmt(rss, '{:8.0f}'):>8} "
             f"{fmt(row['first_loss'], '{:9.6f}'):>9} "
             f"{fmt(rate.get('plain JAX') and rate[layout] / rate['plain JAX'], '{:6.2f}x'):>7} "
             f"{fmt(rate.get('unshared') and rate[layout] / rate['unshared'], '{:9.2f}x'):>10}")

@@ -2,7 +2,7 @@
 
     python -m dpo.tools.compile_check --config=llama3-8b --mesh=fsdp:8
     python -m dpo.tools.compile_check --config=llama3-8b --mesh=fsdp:4,tensor:2 --fake_devices=8
-    python -m dpo.tools.compile_check --config=llama3-8b --topology=v5e-16 --mesh=fsdp:-1  # TPU host
+    python -m dpo.tools.compile_check --config=llama3-8b --topology=v5e-16 --mesh=fsdp:-1
 
 With --topology the step is compiled ahead of time for a TPU slice that need not be attached
 (`jax.experimental.topologies`; needs libtpu, so on a TPU host): the memory is then what the
