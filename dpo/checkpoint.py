@@ -90,40 +90,61 @@ def _unremovable(path: str, e: OSError) -> Unreadable:
                     f"access (chmod -R u+rwX) and rerun")
 
 
-def _check_removable(path: str) -> None:
+def _check_removable(path: str, overwrite: bool = False) -> None:
   """Raises `Unreadable` naming `path` when this process could not remove it whole (a directory
-  it may not list or change, as after chmod 000); checked before a replace, delete or cleanup
-  renames or removes anything, so a denial leaves every copy where it was."""
-  if not os.path.isdir(path) or os.path.islink(path):
+  it may not list or change, as after chmod 000) or, with `overwrite` (a folder written in
+  place, through a link too), rewrite each of its files; checked before a replace, delete or
+  cleanup renames or removes anything, so a denial leaves every copy where it was."""
+  if not os.path.isdir(path) or (os.path.islink(path) and not overwrite):
     return
   stack = [path]
   try:
     while stack:
       d = stack.pop()
-      names = os.listdir(d)
+      names = [os.path.join(d, n) for n in os.listdir(d)]
       if not os.access(d, os.W_OK | os.X_OK):
         raise PermissionError(13, "Permission denied", d)
-      stack += [f for f in (os.path.join(d, n) for n in names)
-                if os.path.isdir(f) and not os.path.islink(f)]
+      locked = [f for f in names if overwrite and os.path.isfile(f) and not os.access(f, os.W_OK)]
+      if locked:
+        raise PermissionError(13, "Permission denied", locked[0])
+      stack += [f for f in names if os.path.isdir(f) and not os.path.islink(f)]
   except PermissionError as e:
     raise _unremovable(path, e) from None
 
 
-def _names(directory: str) -> list[str]:
-  """os.listdir of a stage's checkpoint directory; a permission error raises `Unreadable`."""
+def check_writable(path: str) -> None:
+  """Raises `Unreadable` naming `path` when this process could not write a folder there in
+  place (an export: its files rewritten, none removed): a directory in it that it may not list
+  or change, a file it may not rewrite, or, where there is no folder yet, the nearest existing
+  parent it may not create one in. Called before anything is written, so a denial leaves the
+  folder as it was."""
+  path = os.path.abspath(path)
+  parent = path
+  while not os.path.lexists(parent):
+    parent = os.path.dirname(parent)
+  if parent == path:
+    _check_removable(path, overwrite=True)
+  elif os.path.isdir(parent) and not os.access(parent, os.W_OK | os.X_OK):
+    raise _unremovable(path, PermissionError(13, "Permission denied", parent))
+
+
+def listdir(directory: str) -> list[str]:
+  """os.listdir of a stage's checkpoint directory (or a Hugging Face folder); a permission error
+  raises `Unreadable` naming it."""
   try:
     return os.listdir(directory)
   except PermissionError as e:
     raise _unreadable(directory, e) from None
 
 
-def _is_file(path: str, checkpoint: str) -> bool:
-  """os.path.isfile, except that a permission error raises `Unreadable` instead of reading as
-  absence (an intact checkpoint behind chmod 000 must not be moved aside as damaged)."""
+def is_file(path: str, folder: str) -> bool:
+  """os.path.isfile, except that a permission error raises `Unreadable` naming `folder` instead
+  of reading as absence (an intact checkpoint behind chmod 000 must not be moved aside as
+  damaged, nor a Hugging Face folder called empty)."""
   try:
     return stat.S_ISREG(os.stat(path).st_mode)
   except PermissionError as e:
-    raise _unreadable(checkpoint, e) from None
+    raise _unreadable(folder, e) from None
   except (FileNotFoundError, NotADirectoryError):
     return False
 
@@ -271,14 +292,14 @@ def read_meta(path: str) -> dict:
     if os.path.lexists(path):
       raise Damaged(f"{path}: a file, not a checkpoint directory")
     raise CheckpointError(f"{path}: not a complete checkpoint (no such directory)")
-  if not _is_file(os.path.join(path, MANIFEST), path):
+  if not is_file(os.path.join(path, MANIFEST), path):
     what = ("an interrupted save leaves only a .tmp directory" if path.endswith(".tmp") else
             "a save writes it last; this one was interrupted, damaged, or predates checksums")
     raise Damaged(f"{path}: not a complete checkpoint (no {MANIFEST}; {what})")
   manifest = _read_json(path, MANIFEST)
   if manifest.get("format") != FORMAT or not isinstance(manifest.get("leaves"), list):
     raise Damaged(f"{path}: {MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT}")
-  if not _is_file(os.path.join(path, META), path):
+  if not is_file(os.path.join(path, META), path):
     raise Damaged(f"{path}: {META} is missing")
   try:
     meta_sha = _sha256(os.path.join(path, META))
@@ -305,7 +326,7 @@ def verify(path: str) -> dict:
   for leaf in meta["leaves"]:
     for rel, (size, digest) in leaf["files"].items():
       f, what = os.path.join(path, rel), f"{rel} (of leaf {leaf['path']})"
-      if not _is_file(f, path):
+      if not is_file(f, path):
         raise Damaged(f"{path}: {what} is missing")
       if os.path.getsize(f) != size:
         raise Damaged(f"{path}: {what} has {os.path.getsize(f)} bytes, the manifest recorded "
@@ -494,13 +515,18 @@ def _no_weights(meta: dict) -> str:
 def check_model_source(flag: str, source: str) -> None:
   """Refuses, before any work, a model source (`--init_from`) that cannot give full weights: a
   missing path, a checkpoint without them (a LoRA training state), a Hugging Face folder (`hf:`)
-  without config.json. One CheckpointError line naming `--flag=source` and the file."""
+  without config.json or that this process may not read (`Unreadable`). One CheckpointError
+  line naming `--flag=source` and the file."""
   kind, _, folder = source.partition(":")
   if kind == "hf":
     config = os.path.join(folder, "config.json")
+    try:
+      has_config = is_file(config, folder)
+    except Unreadable as e:
+      raise Unreadable(f"--{flag}={source}: {str(e).removeprefix(folder + ': ')}") from None
     if not os.path.isdir(folder):
       why = f"{folder} is not a folder" if os.path.lexists(folder) else f"no such folder {folder}"
-    elif not os.path.isfile(config):
+    elif not has_config:
       why = f"{config} is missing (a Hugging Face model folder holds config.json and *.safetensors)"
     else:
       return
@@ -551,7 +577,7 @@ class Manager:
     self.identity = json.loads(json.dumps(identity or {}))  # as meta.json reads back
     self.info = dict(info or {})
     if jax.process_index() == 0 and os.path.isdir(self.directory):
-      for name in _names(self.directory):
+      for name in listdir(self.directory):
         m = re.match(r"^(step_\d{8})(\.tmp|\.old|\.deleted)?$", name)
         if m:
           recover(os.path.join(self.directory, m.group(1)))
@@ -564,7 +590,7 @@ class Manager:
     """Steps with a step_N directory, complete or not."""
     if not os.path.isdir(self.directory):
       return []
-    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, _names(self.directory)) if m)
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, listdir(self.directory)) if m)
 
   def steps(self) -> list[int]:
     """Committed steps (manifest present; `restore_latest` verifies their contents)."""

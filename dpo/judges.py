@@ -30,7 +30,7 @@ source file), for the fingerprint of a stage its labels train (dpo/identity.py).
 from __future__ import annotations
 
 import dataclasses
-import glob
+import fnmatch
 import hashlib
 import importlib
 import inspect
@@ -243,15 +243,21 @@ Judge = FunctionJudge | RewardFunctions | RewardModelJudge
 
 
 def _check_hf_folder(path: str) -> None:
+  """A folder this process may not read is one line naming it, never taken for a missing file."""
   from models import hf
   flag = f"--judge=hf:{path}"
-  if not os.path.isfile(os.path.join(path, "config.json")):
+  try:
+    has = {name: checkpoint.is_file(os.path.join(path, name), path)
+           for name in ("config.json", "tokenizer.json")}
+  except checkpoint.Unreadable as e:
+    raise JudgeError(f"{flag}: {str(e).removeprefix(path + ': ')}") from None
+  if not has["config.json"]:
     raise JudgeError(f"{flag}: {path} has no config.json (a transformers "
                      f"*ForSequenceClassification folder)")
   if not hf.is_reward_model(path):
     raise JudgeError(f"{flag}: config.json names no *ForSequenceClassification; a judge is a "
                      f"reward model (one label, score.weight)")
-  if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+  if not has["tokenizer.json"]:
     raise JudgeError(f"{flag}: {path} has no tokenizer (tokenizer.json); a judge reads text "
                      f"with its own tokenizer")
 
@@ -387,13 +393,18 @@ _HF_FILES = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config
 
 
 def _hf_digest(flag: str, path: str) -> str:
-  """sha256 over the names and contents of the folder's `_HF_FILES`."""
+  """sha256 over the names and contents of the folder's `_HF_FILES` (listed so that a folder
+  this process may not read is an error, not a digest of nothing)."""
   h = hashlib.sha256()
-  for f in sorted({f for pattern in _HF_FILES for f in glob.glob(os.path.join(path, pattern))}):
-    try:
-      h.update(f"{os.path.basename(f)}:{data_lib.file_sha256(f)}\n".encode())
-    except (OSError, data_lib.DataError) as e:
-      raise JudgeError(f"{flag}: {_short(str(e), 200, repr_=False)}") from None
+  try:
+    names = sorted(n for n in checkpoint.listdir(path) if not n.startswith(".") and
+                   any(fnmatch.fnmatchcase(n, p) for p in _HF_FILES))  # what glob matches
+    for name in names:
+      h.update(f"{name}:{data_lib.file_sha256(os.path.join(path, name))}\n".encode())
+  except (data_lib.DataError, checkpoint.Unreadable) as e:  # one line naming the file, whole
+    raise JudgeError(f"{flag}: {str(e).removeprefix(path + ': ')}") from None
+  except OSError as e:
+    raise JudgeError(f"{flag}: {_short(str(e), 200, repr_=False)}") from None
   return h.hexdigest()
 
 

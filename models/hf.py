@@ -25,7 +25,6 @@ models/archs.py ARCHITECTURES; the projections' names are the LoRA targets' modu
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import math
 import os
@@ -80,22 +79,41 @@ class LazyTensor:
     return out if dtype is None else out.astype(dtype)
 
 
+def _read_json(path: str) -> Any:
+  """A JSON file of a folder; one that is missing, that this process may not read or that is
+  not JSON raises HFError naming it."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise HFError(f"{path}: cannot read ({e})") from None
+
+
 class SafetensorsDir:
-  """Every tensor of a checkpoint directory, by name; `get` returns a `LazyTensor`."""
+  """Every tensor of a checkpoint directory, by name; `get` returns a `LazyTensor`. A folder or
+  file this process may not read raises HFError naming it (safetensors' own error calls it
+  missing)."""
 
   def __init__(self, directory: str):
     self.dir = directory
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index):
-      with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-      files = [os.path.join(directory, x) for x in files]
+    try:
+      names = os.listdir(directory)
+    except OSError as e:
+      raise HFError(f"{directory}: cannot read ({e})") from None
+    if "model.safetensors.index.json" in names:
+      index = _read_json(os.path.join(directory, "model.safetensors.index.json"))
+      files = [os.path.join(directory, x) for x in sorted(set(index["weight_map"].values()))]
     else:
-      files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+      files = sorted(os.path.join(directory, n) for n in names
+                     if n.endswith(".safetensors") and not n.startswith("."))
     if not files:
       raise HFError(f"{directory}: no *.safetensors files")
     self.entries: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for path in files:
+      try:
+        open(path, "rb").close()
+      except OSError as e:
+        raise HFError(f"{path}: cannot read ({e})") from None
       with _safe_open(path) as f:
         for name in f.keys():
           sl = f.get_slice(name)
@@ -341,12 +359,7 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bo
   config.json's field or the missing / misshapen tensor.
   """
   where = os.path.join(directory, "config.json")
-  try:
-    with open(where) as f:
-      hf = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise HFError(f"{where}: cannot read ({e})") from None
-  cfg = config_from_hf(hf, where, base)
+  cfg = config_from_hf(_read_json(where), where, base)
   files = SafetensorsDir(directory)
   specs = transformer.param_specs(cfg)
   if reward:  # a sequence classifier has `score` in place of the LM head
@@ -404,11 +417,7 @@ def load_score(directory: str, cfg: ModelConfig, mesh: Mesh) -> jax.Array:
 
 def is_reward_model(directory: str) -> bool:
   """Whether config.json names a `*ForSequenceClassification` (read by `load(reward=True)`)."""
-  try:
-    with open(os.path.join(directory, "config.json")) as f:
-      names = json.load(f).get("architectures") or []
-  except (OSError, json.JSONDecodeError) as e:
-    raise HFError(f"{os.path.join(directory, 'config.json')}: cannot read ({e})") from None
+  names = _read_json(os.path.join(directory, "config.json")).get("architectures") or []
   return any(str(n).endswith("ForSequenceClassification") for n in names)
 
 
@@ -416,8 +425,7 @@ def source_config(init_from: str) -> dict | None:
   """The config.json of an `hf:DIR` init, to carry token ids etc. into an export."""
   if not init_from.startswith("hf:"):
     return None
-  with open(os.path.join(init_from[3:], "config.json")) as f:
-    return json.load(f)
+  return _read_json(os.path.join(init_from[3:], "config.json"))
 
 
 # --- export --------------------------------------------------------------------------------------

@@ -405,6 +405,26 @@ def permission_cases():
                                               f"file; the simulated case runs instead"))]
 
 
+def deny_each(real_chmod: bool):
+  """A context manager that makes a folder unreadable and unwritable: a real chmod 000, or
+  (where permissions do not bind, as for root) the denial simulated (`_deny`)."""
+  import contextlib
+
+  @contextlib.contextmanager
+  def deny(path, monkeypatch):
+    if real_chmod:
+      os.chmod(path, 0)
+      try:
+        yield
+      finally:
+        os.chmod(path, 0o755)
+    else:
+      with monkeypatch.context() as m:
+        _deny(m, path)
+        yield
+  return deny
+
+
 @pytest.mark.skipif(not _permissions_bind(), reason=f"uid {os.geteuid()} (root) reads a chmod "
                     f"000 directory; test_unreadable_checkpoint_is_an_error_left_in_place "
                     f"simulates the denial instead")

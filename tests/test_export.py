@@ -3,7 +3,8 @@ with a Hugging Face tokenizer folder, SFT then DPO with LoRA, exports a folder t
 and PEFT load with no edits. Checked with transformers and PEFT themselves: the tokenizer renders
 the chat template the data was trained with, base + adapter gives the merged model's logits
 within 1e-4 (the base is the SFT model, not the original checkpoint), `generate` stops at the
-end-of-turn id, and a quantized base is stated as dequantized in the export's metadata.
+end-of-turn id, and a quantized base is stated as dequantized in the export's metadata. A
+folder the run may not write stops it in one line naming the folder, nothing in it written.
 """
 
 import json
@@ -19,6 +20,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import configs  # noqa: E402
 from dpo import loop  # noqa: E402
+from test_checkpoint import deny_each, permission_cases, tiny_cfg  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -119,3 +121,27 @@ def test_export_loads_in_transformers_and_peft(tmp_path, base_quant):
     meta = f.metadata()
   assert meta["dpo_jax_base_quant"] == base_quant
   assert ("dequantized" in meta.get("dpo_jax_note", "")) == (base_quant != "none")
+
+
+@pytest.mark.parametrize("real_chmod", permission_cases())
+@pytest.mark.slow
+def test_an_export_folder_it_may_not_write_stops_the_run_in_one_line(tmp_path, monkeypatch,
+                                                                      real_chmod):
+  """--export_hf naming a folder this process may not write (an earlier export behind chmod
+  000, or the denial simulated where root writes through it): the run stops in one line naming
+  it; nothing in it is written, renamed or removed; writable again, the rerun exports."""
+  from dpo import checkpoint
+  export = tmp_path / "export"
+  export.mkdir()
+  (export / "config.json").write_text("{}")  # an earlier export's
+  cfg = tiny_cfg(tmp_path / "run", stage="dpo", steps=2, export_hf=str(export))
+  with deny_each(real_chmod)(export, monkeypatch):
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      loop.run(cfg)
+  message = str(e.value)
+  assert message.startswith(f"{export}: permission denied") and "\n" not in message
+  assert "left in place" in message
+  assert os.listdir(export) == ["config.json"] and (export / "config.json").read_text() == "{}"
+  assert sorted(os.listdir(tmp_path)) == ["export", "run"]
+  loop.run(cfg)
+  assert {"config.json", "model.safetensors"} <= set(os.listdir(export))

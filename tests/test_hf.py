@@ -25,6 +25,7 @@ import configs  # noqa: E402
 from dpo import logprobs  # noqa: E402
 from dpo.batches import Rows  # noqa: E402
 from models import archs, hf, lora as lora_lib, sharding, transformer  # noqa: E402
+from test_checkpoint import deny_each, permission_cases  # noqa: E402
 
 V, T = 96, 10
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -250,6 +251,31 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path, mesh):
   json.dump(cfg, open(tmp_path / "m" / "config.json", "w"))
   with pytest.raises(hf.HFError, match=r"config\.json: model_type 'gpt2' is not supported"):
     hf.load(str(tmp_path / "m"), mesh)
+
+
+@pytest.mark.parametrize("real_chmod", permission_cases())
+def test_a_folder_it_may_not_read_is_one_line_naming_it(llama_dir, tmp_path, mesh, monkeypatch,
+                                                        real_chmod):
+  """--init_from=hf:DIR behind chmod 000 (or the denial simulated where root reads through it):
+  the check before any work and the import each stop in one line naming the folder's file,
+  never "config.json is missing"; the folder stays as it was."""
+  from dpo import checkpoint
+  d = tmp_path / "m"
+  shutil.copytree(llama_dir, d)
+  files = {name: (d / name).read_bytes() for name in os.listdir(d)}
+  with deny_each(real_chmod)(d, monkeypatch):
+    with pytest.raises(checkpoint.Unreadable) as e:
+      checkpoint.check_model_source("init_from", f"hf:{d}")
+    assert str(e.value).startswith(f"--init_from=hf:{d}: permission denied reading {d}/")
+    with pytest.raises(hf.HFError) as e2:
+      hf.load(str(d), mesh)
+    assert str(e2.value).startswith(f"{d}/config.json: cannot read (")
+    assert "Permission denied" in str(e2.value)
+    with pytest.raises(hf.HFError, match="Permission denied"):  # what an export carries over
+      hf.source_config(f"hf:{d}")
+  for message in (str(e.value), str(e2.value)):
+    assert "\n" not in message
+  assert {name: (d / name).read_bytes() for name in os.listdir(d)} == files
 
 
 def test_sharded_checkpoint_and_bfloat16(llama_dir, tmp_path, mesh):

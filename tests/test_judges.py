@@ -19,6 +19,7 @@ from dpo import evaluate, judges, loop, task
 from dpo.data import PreferenceRecord
 from dpo.formats import ChatRecord, Message
 from models import sharding
+from test_checkpoint import deny_each, permission_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = os.path.join(ROOT, "..", "shared", "data", "tokenizers", "gpt2", "tokenizer.json")
@@ -418,3 +419,28 @@ def test_a_reward_function_that_is_not_callable_is_named_so():
   assert str(e.value) == ("--reward_fn=tests.test_judges:NOT_A_FUNCTION: "
                           "tests.test_judges.NOT_A_FUNCTION is 3 (int), not a function of "
                           "(prompt, response)")
+
+
+@pytest.mark.parametrize("real_chmod", permission_cases())
+def test_a_judge_folder_it_may_not_read_is_one_line_naming_it(tmp_path, monkeypatch, real_chmod):
+  """--judge=hf:DIR behind chmod 000 (or the denial simulated where root reads through it): the
+  check before any work, the fingerprint and the load each stop in one line naming the folder,
+  never "has no config.json" nor a digest of no files; the folder stays as it was."""
+  d = tmp_path / "judge"
+  d.mkdir()
+  files = {"config.json": json.dumps({"architectures": ["LlamaForSequenceClassification"]}),
+           "model.safetensors": "weights", "tokenizer.json": "{}"}
+  for name, text in files.items():
+    (d / name).write_text(text)
+  cfg = configs.DEFAULT.replace(judge=f"hf:{d}", stage="sft,online_dpo")
+  judges.check(cfg)
+  readable = judges.fingerprint(cfg)
+  with deny_each(real_chmod)(d, monkeypatch):
+    for call in (judges.check, judges.fingerprint, lambda c: judges.load(c, None, None, None)):
+      with pytest.raises(judges.JudgeError) as e:
+        call(cfg)
+      message = str(e.value)
+      assert message.startswith(f"--judge=hf:{d}: permission denied reading ")
+      assert "\n" not in message and "left in place" in message
+  assert {name: (d / name).read_text() for name in files} == files
+  assert judges.fingerprint(cfg) == readable

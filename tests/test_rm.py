@@ -25,7 +25,7 @@ trl_rm = pytest.importorskip("trl.trainer.reward_trainer")
 from dpo import batches, train  # noqa: E402
 from dpo.algorithms import rm  # noqa: E402
 from models import hf, sharding  # noqa: E402
-from test_checkpoint import permission_cases  # noqa: E402
+from test_checkpoint import deny_each, permission_cases, tiny_cfg  # noqa: E402
 
 B, T, PROMPT, V, PAD = 6, 14, 3, 64, 0
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -492,27 +492,6 @@ def test_the_rm_stage_fingerprints_what_it_reads():
   assert rm.RM.hyperparameters(configs.DEFAULT.replace(rm_split=0.5, stage="rm,dpo")) != hp
 
 
-def _deny_each(real_chmod: bool):
-  """A context manager that makes a path unreadable: a real chmod 000, or (where permissions do
-  not bind, as for root) the denial simulated (tests/test_checkpoint.py's `_deny`)."""
-  import contextlib
-  from test_checkpoint import _deny
-
-  @contextlib.contextmanager
-  def deny(path, monkeypatch):
-    if real_chmod:
-      os.chmod(path, 0)
-      try:
-        yield
-      finally:
-        os.chmod(path, 0o755)
-    else:
-      with monkeypatch.context() as m:
-        _deny(m, path)
-        yield
-  return deny
-
-
 @pytest.mark.parametrize("real_chmod", permission_cases())
 def test_an_unreadable_reward_model_stops_the_rerun_in_one_line(tmp_path, monkeypatch,
                                                                 real_chmod):
@@ -530,7 +509,7 @@ def test_an_unreadable_reward_model_stops_the_rerun_in_one_line(tmp_path, monkey
   loop.run(cfg)
   rm_model = out / "checkpoints" / "rm_model"
   digest, listing = checkpoint.digest(str(rm_model)), sorted(os.listdir(out / "checkpoints"))
-  with _deny_each(real_chmod)(rm_model, monkeypatch):
+  with deny_each(real_chmod)(rm_model, monkeypatch):
     with pytest.raises(checkpoint.CheckpointError) as e:
       loop.run(cfg)
     assert sorted(os.listdir(out / "checkpoints")) == listing
@@ -540,3 +519,28 @@ def test_an_unreadable_reward_model_stops_the_rerun_in_one_line(tmp_path, monkey
   assert checkpoint.digest(str(rm_model)) == digest
   loop.run(cfg)
   assert sorted(os.listdir(out / "checkpoints")) == listing
+
+
+@pytest.mark.parametrize("real_chmod", permission_cases())
+@pytest.mark.slow
+def test_an_export_folder_it_may_not_write_stops_the_run_in_one_line(tmp_path, monkeypatch,
+                                                                      real_chmod):
+  """--export_rm_hf naming a folder this process may not write (an earlier export's adapter/
+  behind chmod 000, or the denial simulated where root writes through it): the run stops in one
+  line naming the folder before writing any of it; nothing is renamed or removed; writable
+  again, the rerun exports."""
+  from dpo import checkpoint, loop
+  export = tmp_path / "export"
+  (export / "adapter").mkdir(parents=True)
+  (export / "config.json").write_text("{}")  # an earlier export's
+  cfg = tiny_cfg(tmp_path / "run", stage="rm", rm_steps=2, export_rm_hf=str(export))
+  with deny_each(real_chmod)(export / "adapter", monkeypatch):
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      loop.run(cfg)
+  message = str(e.value)
+  assert message.startswith(f"{export}: permission denied on {export / 'adapter'}")
+  assert "\n" not in message and "left in place" in message
+  assert sorted(os.listdir(export)) == ["adapter", "config.json"]
+  assert (export / "config.json").read_text() == "{}" and not os.listdir(export / "adapter")
+  loop.run(cfg)
+  assert {"config.json", "model.safetensors"} <= set(os.listdir(export))

@@ -218,10 +218,14 @@ def _export_hf(c, weights: evaluate.Weights, step: int, data, started_from: str)
   template the data was rendered with) and generation_config.json (stopping at every
   end-of-turn id). With LoRA, `adapter/` holds the PEFT adapter; its base is the `hf:` folder
   the DPO stage started from (`started_from`, its Model.path), else the DPO stage's base (the
-  SFT model, a random base, or a quantized base dequantized), exported as `base/` beside it."""
+  SFT model, a random base, or a quantized base dequantized), exported as `base/` beside it.
+  A folder this process may not write stops the run before anything is written
+  (`checkpoint.Unreadable`, one line naming it)."""
   params, lora = weights
   quantized = c.model.base_quant != "none"
   out_hf, init_from = c.checkpoint.export_hf, c.checkpoint.init_from
+  if jax.process_index() == 0:  # the process that writes it
+    checkpoint.check_writable(out_hf)
   from models import hf
   tok, template = data.tok, data.template
   info = {"step": str(step), "stage": c.run.stage, "init_from": init_from,

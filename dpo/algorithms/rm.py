@@ -212,9 +212,13 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
 def _export_hf(c, params, data, started_from: str) -> None:
   """--export_rm_hf: the reward model as a transformers *ForSequenceClassification folder, with
   the tokenizer and the chat template the pairs were rendered with (a Hugging Face tokenizer;
-  the byte tokenizer has no such form, which is logged)."""
+  the byte tokenizer has no such form, which is logged). A folder this process may not write
+  (its adapter/ and base/ too) stops the run before anything is written (`checkpoint.Unreadable`,
+  one line naming it)."""
   from models import hf
   out, tok, template = c.reward.export_rm_hf, data.tok, data.template
+  if jax.process_index() == 0:  # the process that writes it
+    checkpoint.check_writable(out)
   hf.save_reward_model(out, c.model, params, tok.pad_id,
                        hf.SaveOptions(hf.source_config(started_from)))
   if isinstance(tok, tokenizer_lib.HFTokenizer):
