@@ -315,7 +315,11 @@ def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
       raise ValueError(f"--init_from={src}: a *ForSequenceClassification (a reward model) has "
                        f"no LM head; only --stage=rm starts from it, not --stage="
                        f"{cfg.run.stage}")
-    model_cfg, params = hf.load(path, mesh, cfg.model, reward=reward)
+    # A base that stays frozen from the start (no sft stage) is read straight into
+    # --base_quant's format, one layer at a time: an 8B float32 copy would not fit one chip.
+    frozen = "sft" not in cfg.run.stages
+    model_cfg, params = hf.load(path, mesh, cfg.model, reward=reward,
+                                quantize=cfg.model.base_quant if frozen else "none")
     logging.info("imported %s%s (%s) from %s", model_cfg.arch, " reward model" if reward else "",
                  src, path)
     return dataclasses.replace(cfg, model=model_cfg), params

@@ -32,6 +32,7 @@ import shutil
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
@@ -350,10 +351,14 @@ def _read_block(tensor: np.ndarray, shape, fan_in: int, slices) -> np.ndarray:
   return sub[np.ix_(o_flat - olo, i_flat - ilo)].T.reshape(block_shape)
 
 
-def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bool = False):
+def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bool = False,
+         quantize: str = "none"):
   """(ModelConfig, params) from a Hugging Face directory, each array born in its sharding.
 
   `base` supplies the fields config.json does not decide (compute_dtype, remat, base_quant).
+  With `quantize` (int8 / nf4: a frozen base, models/quant.py) the per-layer matrices are read
+  and quantized one layer at a time, so no stacked float32 matrix ever exists on the devices
+  (an 8B model's are 28 GiB); the result equals `quant.quantize_params` of the float import.
   With `reward` the folder is a one-label `*ForSequenceClassification`: no LM head is read
   and the params hold the head `score` [D, 1] (`load_score`). Raises HFError naming
   config.json's field or the missing / misshapen tensor.
@@ -392,7 +397,24 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bo
     sh = transformer.shardings(spec, mesh)
     return jax.make_array_from_callback(spec.shape, sh, callback)
 
-  flat = {path: build(*p) for path, p in plan.items()}
+  def build_quantized(spec, layer_names):
+    one = spec._replace(shape=spec.shape[1:], axes=spec.axes[1:])
+    quantize_layer = jax.jit(lambda w: quant.quantize_one(quantize, w, 0, spec))
+    pieces = []
+    for name in layer_names:
+      read = lambda index, name=name: _read_block(
+          files.get(name), one.shape, spec.fan_in,
+          tuple(index) + (slice(None),) * (len(one.shape) - len(index))).astype(np.float32)
+      pieces.append(quantize_layer(jax.make_array_from_callback(
+          one.shape, transformer.shardings(one, mesh), read)))
+    stack = lambda *layers: jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    stacked = jax.eval_shape(stack, *pieces)
+    return jax.jit(stack, out_shardings=quant.quantized_sharding(
+        quantize, mesh, 1, spec, stacked))(*pieces)
+
+  quantized = quant.targets(specs) if quantize != "none" else {}
+  flat = {path: build_quantized(p[0], p[2]) if path in quantized else build(*p)
+          for path, p in plan.items()}
   params = {k: flat[(k,)] for k in specs if k != "layers"}
   params["layers"] = {k: flat[("layers", k)] for k in specs["layers"]}
   if reward:

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 import configs  # noqa: E402
 from dpo import logprobs  # noqa: E402
 from dpo.batches import Rows  # noqa: E402
-from models import archs, hf, lora as lora_lib, sharding, transformer  # noqa: E402
+from models import archs, hf, lora as lora_lib, quant, sharding, transformer  # noqa: E402
 from test_checkpoint import deny_each, permission_cases  # noqa: E402
 
 V, T = 96, 10
@@ -293,3 +293,16 @@ def test_sharded_checkpoint_and_bfloat16(llama_dir, tmp_path, mesh):
   np.testing.assert_array_equal(got, want)
   np.testing.assert_allclose(np.asarray(params2["embed"]), np.asarray(params["embed"]),
                              rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_import_straight_into_a_quantized_base(llama_dir, mesh, mode):
+  """hf.load(quantize=...) reads and quantizes one layer at a time, on a data x fsdp x tensor
+  mesh: the same arrays (values, dtypes, shardings) as quantizing the float import."""
+  cfg, floats = hf.load(str(llama_dir), mesh)
+  want = quant.quantize_params(transformer.param_specs(cfg), mode, floats, mesh)
+  cfg2, got = hf.load(str(llama_dir), mesh, quantize=mode)
+  assert cfg2 == cfg and jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert (a.dtype, a.sharding) == (b.dtype, b.sharding)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
