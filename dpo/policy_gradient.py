@@ -140,23 +140,37 @@ def _nanstd(x: jax.Array, axis=None) -> jax.Array:
   return jnp.sqrt(jnp.where(count > 1, var * count / jnp.maximum(count - 1, 1), jnp.nan))
 
 
-def group_advantages(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:
-  """[B, G] advantages of G completions per prompt (Shao et al. 2024, §4.1.2 outcome
-  supervision): reward minus its group's mean, divided by std + 1e-4 with the std (unbiased)
-  of the group ("group"), of the whole batch ("batch", Lite PPO, arXiv:2508.08221), or not at all
-  ("none", Dr. GRPO). NaN rewards (unscorable) are left out of means and stds and get 0, as does
-  every completion of a group with one scorable member (its std is NaN in TRL too)."""
+def reward_std(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:
+  """The reward std TRL's `std_rewards` holds, broadcastable to [B, G]: the batch's with
+  "batch", else each group's (with "none" TRL divides by none, and reads it only for
+  `frac_reward_zero_std`); unbiased, over the scorable rewards (NaN for fewer than two); 0 for a
+  single reward (one completion a group, or one in the batch), as TRL's zeros."""
   check(scale_rewards in SCALE_REWARDS,
         f"--scale_rewards={scale_rewards!r}: must be {one_of(SCALE_REWARDS)[1]}")
   B, G = rewards_BG.shape
+  if scale_rewards == "batch":
+    return _nanstd(rewards_BG) if B * G > 1 else jnp.zeros((1, 1), rewards_BG.dtype)
+  return _nanstd(rewards_BG, axis=1) if G > 1 else jnp.zeros((B, 1), rewards_BG.dtype)
+
+
+def group_advantages(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:
+  """[B, G] advantages of G completions per prompt (Shao et al. 2024, §4.1.2 outcome
+  supervision): reward minus its group's mean, divided by `reward_std` + 1e-4, the std (unbiased)
+  of the group ("group") or of the whole batch ("batch", Lite PPO, arXiv:2508.08221), or not at
+  all ("none", Dr. GRPO). NaN rewards (unscorable) are left out of means and stds and get 0, as
+  does every completion of a group with one scorable member (its std is NaN in TRL too)."""
   advantages = rewards_BG - jnp.nanmean(rewards_BG, axis=1, keepdims=True)
-  if scale_rewards == "group" and G > 1:
-    advantages = advantages / (_nanstd(rewards_BG, axis=1) + STD_EPS)
-  elif scale_rewards == "batch" and B * G > 1:
-    advantages = advantages / (_nanstd(rewards_BG) + STD_EPS)
-  elif scale_rewards != "none":  # one reward: TRL's std is 0
-    advantages = advantages / STD_EPS
+  if scale_rewards != "none":
+    advantages = advantages / (reward_std(rewards_BG, scale_rewards) + STD_EPS)
   return jnp.nan_to_num(advantages, nan=0.0)
+
+
+def frac_reward_zero_std(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:
+  """TRL's logged `frac_reward_zero_std`: the fraction of the completions whose `reward_std` is
+  0 (torch.isclose's tolerance; a NaN std is not 0). Under "batch" that is the batch's std, so it
+  is 0 or 1: one tied group among others logs 0, not its share of the groups."""
+  std_BG = jnp.broadcast_to(reward_std(rewards_BG, scale_rewards), rewards_BG.shape)
+  return jnp.isclose(std_BG, 0.0).mean()
 
 
 # --- the loss -------------------------------------------------------------------------------------

@@ -4,11 +4,13 @@ from the judge's rewards, a bitwise resume after a crash, and the settings it re
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import configs
 from dpo import checkpoint, loop
+from dpo import policy_gradient as pg
 from dpo.algorithms import grpo
 from faults import Crash, SimulatedCrash
 from models import sharding
@@ -37,18 +39,26 @@ def _records(out, stage="grpo"):
 @pytest.mark.slow
 def test_generation_batches_are_reused_for_num_iterations_updates(tmp_path, monkeypatch):
   """Samples are drawn at steps 1, 3, 5 (num_iterations 2) for 16 / 4 prompts, 4 each; each
-  batch's advantages are its rewards less their group's mean over the group's std; the first
-  update of a batch is on-policy (no clipping), and the policy moves."""
-  batches = []
-  generation = grpo.Generated.generation
+  batch's advantages are its rewards less their group's mean over the batch's std
+  (--scale_rewards=batch), and its frac_reward_zero_std reads that std, as TRL's (tied groups
+  among untied ones log 0); the first update of a batch is on-policy (no clipping), and the
+  policy moves."""
+  batches, rewards = [], []
+  generation, rewarded = grpo.Generated.generation, grpo.Generated.rewarded
 
   def recording(self, *args):
     out = generation(self, *args)
     batches.append(out[0])
     return out
 
+  def recording_rewards(self, *args):
+    out = rewarded(self, *args)
+    rewards.append(out[0].reshape(4, 4).T)  # [prompt, sample]
+    return out
+
   monkeypatch.setattr(grpo.Generated, "generation", recording)
-  loop.run(_cfg(tmp_path / "run"))
+  monkeypatch.setattr(grpo.Generated, "rewarded", recording_rewards)
+  loop.run(_cfg(tmp_path / "run", scale_rewards="batch"))
   assert len(batches) == 3
   for b in batches:
     assert b.rows.tokens.shape[0] == 16 and b.ref_logps is not None
@@ -61,6 +71,11 @@ def test_generation_batches_are_reused_for_num_iterations_updates(tmp_path, monk
   assert any(r["grad_norm"] > 0 for r in steps)
   assert {"reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
           "completions/clipped_ratio", "kl", "loss", "time/train_s"} <= set(steps[0])
+  # Each generation batch's frac_reward_zero_std, at its first step, as TRL's
+  # (tests/test_grpo_trl.py); some group is tied, so each group's std would log more than 0.
+  frac = lambda r_BG: float(pg.frac_reward_zero_std(jnp.asarray(r_BG, jnp.float32), "batch"))
+  assert [r["frac_reward_zero_std"] for r in steps[::2]] == [frac(r_BG) for r_BG in rewards]
+  assert any((r_BG == r_BG[:, :1]).all(1).any() for r_BG in rewards)
 
 
 @pytest.mark.slow

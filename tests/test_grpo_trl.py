@@ -6,12 +6,15 @@ with `object.__new__` and the attributes `_compute_loss` reads, as tests/test_lo
 for DPO; its `_get_per_token_logps_and_entropies` (the model's forward) is replaced by one that
 returns the given log-probs as a leaf tensor, so TRL's own code computes the loss, its metrics
 and, by torch autograd, the gradient with respect to the log-probs, which jax.grad of ours must
-equal. The advantages are checked against TRL's formula (inline in
-`_generate_and_score_completions`, not a function TRL factors out) with TRL's own `nanstd`.
+equal. The weighted rewards, advantages and reward metrics are TRL's own lines of
+`_generate_and_score_completions` (inline there, not a function TRL factors out), compiled from
+the installed source and run on the rewards of each function.
 """
 
 import collections
 import dataclasses
+import inspect
+import textwrap
 import types
 
 import jax
@@ -21,7 +24,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 trl_grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
-from trl.trainer.utils import nanstd  # noqa: E402
 
 from dpo import policy_gradient as pg  # noqa: E402
 
@@ -244,33 +246,38 @@ def test_missing_inputs_are_one_line_errors():
 
 # --- rewards and advantages -----------------------------------------------------------------------
 
-def trl_advantages(rewards_N, scale_rewards, num_generations):
-  """TRL 1.16 trl/trainer/grpo_trainer.py, `_generate_and_score_completions`, the
-  multi_objective_aggregation == "sum_then_normalize" branch and the nan_to_num after it
-  (lines 2761-2788 and 2810 of the installed file), from the summed rewards on: written out with
-  torch ops and TRL's own `nanstd`, because TRL does not factor it into a function."""
-  rewards = rewards_N.clone()
-  mean_grouped = torch.nanmean(rewards.view(-1, num_generations), dim=1)
-  mean_grouped = mean_grouped.repeat_interleave(num_generations, dim=0)
-  if scale_rewards in ["group", "none"]:
-    if num_generations > 1:
-      std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations, 0)
-    else:
-      std = torch.zeros_like(rewards)
-  elif scale_rewards == "batch":
-    std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-  advantages = rewards - mean_grouped
-  if scale_rewards != "none":
-    advantages = advantages / (std + 1e-4)
-  return torch.nan_to_num(advantages, nan=0.0)
+def _trl_reward_lines():
+  """TRL 1.16 `GRPOTrainer._generate_and_score_completions`, from `unscorable_mask = ...` to the
+  line that logs `frac_reward_zero_std`: the weighted sum of the reward functions, the group
+  advantages (multi_objective_aggregation "sum_then_normalize"), their nan_to_num and the logged
+  reward metrics, compiled from the installed source (TRL does not factor them into a function)."""
+  lines = inspect.getsource(trl_grpo_trainer.GRPOTrainer._generate_and_score_completions)
+  lines = lines.splitlines()
+  first = next(i for i, l in enumerate(lines) if "unscorable_mask = torch.isnan" in l)
+  last = next(i for i, l in enumerate(lines) if '["frac_reward_zero_std"].append' in l)
+  return compile(textwrap.dedent("\n".join(lines[first:last + 1])), trl_grpo_trainer.__file__,
+                 "exec")
 
 
-def trl_weighted_rewards(rewards_NF, weights):
-  """The same function's lines 2759-2764: nansum of the weighted functions, NaN where all are NaN."""
-  unscorable = torch.isnan(rewards_NF).all(dim=1)
-  rewards = (rewards_NF * torch.tensor(weights).unsqueeze(0)).nansum(dim=1)
-  rewards[unscorable] = torch.nan
-  return rewards
+TRL_REWARD_LINES = _trl_reward_lines()
+
+
+def trl_rewards(rewards_NF, weights, scale_rewards, num_generations):
+  """(rewards [N], advantages [N], logged metrics) of TRL's own lines on [N, F] rewards of each
+  reward function (NaN: the function returned None), one process, mode "train"."""
+  F = rewards_NF.shape[1]
+  trainer = types.SimpleNamespace(
+      multi_objective_aggregation="sum_then_normalize", scale_rewards=scale_rewards,
+      reward_weights=torch.tensor(list(weights or [1.0] * F), dtype=torch.float32),
+      reward_func_names=[f"f{i}" for i in range(F)],
+      accelerator=types.SimpleNamespace(process_index=0),
+      _metrics={"train": collections.defaultdict(list)})
+  scope = {**vars(trl_grpo_trainer), "self": trainer, "rewards_per_func": rewards_NF.clone(),
+           "num_generations": num_generations, "device": "cpu", "mode": "train",
+           "prompts": [None] * len(rewards_NF)}
+  exec(TRL_REWARD_LINES, scope)
+  metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+  return scope["rewards"].numpy(), scope["advantages"].numpy(), metrics
 
 
 def rewards_with_none(seed, groups=B, generations=G, functions=3):
@@ -285,10 +292,16 @@ def rewards_with_none(seed, groups=B, generations=G, functions=3):
   return r
 
 
+def _trl(r_BGF, weights, scale_rewards="group"):
+  """trl_rewards on [B, G, F] rewards (row-major: prompt b's G completions together, TRL's)."""
+  B_, G_, F = r_BGF.shape
+  return trl_rewards(torch.from_numpy(r_BGF.reshape(B_ * G_, F)), weights, scale_rewards, G_)
+
+
 @pytest.mark.parametrize("weights", [(), (1.0, 0.5, -2.0)])
 def test_weighted_rewards_equal_trl(weights):
   r = rewards_with_none(0)
-  want = trl_weighted_rewards(torch.from_numpy(r.reshape(N, -1)), weights or [1.0] * 3).numpy()
+  want = _trl(r, weights)[0]
   got = np.asarray(pg.weighted_rewards(jnp.asarray(r), weights)).reshape(N)
   np.testing.assert_allclose(got, want, **TOL)
   assert np.isnan(got[G - 1]) and np.isnan(want[G - 1])
@@ -297,12 +310,52 @@ def test_weighted_rewards_equal_trl(weights):
 @pytest.mark.parametrize("generations", [G, 1])
 @pytest.mark.parametrize("scale_rewards", pg.SCALE_REWARDS)
 def test_group_advantages_equal_trl(scale_rewards, generations):
-  r = pg.weighted_rewards(jnp.asarray(rewards_with_none(1, generations=generations)),
-                          (1.0, 0.5, 2.0))
-  want = trl_advantages(torch.from_numpy(np.array(r).reshape(-1)), scale_rewards, generations)
+  r_BGF, weights = rewards_with_none(1, generations=generations), (1.0, 0.5, 2.0)
+  want = _trl(r_BGF, weights, scale_rewards)[1]
+  r = pg.weighted_rewards(jnp.asarray(r_BGF), weights)
   got = np.asarray(pg.group_advantages(r, scale_rewards)).reshape(-1)
-  np.testing.assert_allclose(got, want.numpy(), **TOL)
+  np.testing.assert_allclose(got, want, **TOL)
   assert np.isfinite(got).all()
+
+
+def _tied_rewards():
+  """[4, 4, 3] rewards of several functions: group 2 tied (the same rewards for each of its
+  completions), group 1 with one scorable completion (its std NaN), None elsewhere."""
+  r = rewards_with_none(3)
+  r[2] = np.array([0.5, 1.0, -1.0], np.float32)
+  return r
+
+
+ZERO_STD_CASES = {
+    "one tied group of two": np.array([[[1.0], [1.0]], [[0.0], [2.0]]], np.float32),
+    "a tied group among others, None": _tied_rewards(),
+    "every reward tied": np.full((3, 2, 1), 0.7, np.float32),
+    "one completion a prompt": rewards_with_none(4, generations=1),
+}
+
+
+@pytest.mark.parametrize("scale_rewards", pg.SCALE_REWARDS)
+@pytest.mark.parametrize("case", ZERO_STD_CASES)
+def test_frac_reward_zero_std_equals_trl(case, scale_rewards):
+  """TRL logs the fraction of completions whose std_rewards is 0: the std it scaled by (the
+  batch's under batch), each group's under none."""
+  r_BGF = ZERO_STD_CASES[case]
+  want = _trl(r_BGF, (), scale_rewards)[2]["frac_reward_zero_std"]
+  got = pg.frac_reward_zero_std(pg.weighted_rewards(jnp.asarray(r_BGF)), scale_rewards)
+  assert float(got) == pytest.approx(want, abs=1e-7)
+
+
+def test_frac_reward_zero_std_under_batch_is_not_each_groups():
+  """One tied group of two among two: TRL logs 0.0 under batch scaling (the batch's std is not 0)
+  and 0.5 under group and none. Each group's std under batch scaling, the rule before, logs 0.5:
+  the oracle tells the two apart."""
+  r_BGF = ZERO_STD_CASES["one tied group of two"]
+  want = {s: _trl(r_BGF, (), s)[2]["frac_reward_zero_std"] for s in pg.SCALE_REWARDS}
+  assert want == {"group": 0.5, "batch": 0.0, "none": 0.5}
+  r_BG = pg.weighted_rewards(jnp.asarray(r_BGF))
+  each_groups = float(jnp.isclose(pg.reward_std(r_BG, "group"), 0.0).mean())
+  assert each_groups == 0.5 != want["batch"]
+  assert float(pg.frac_reward_zero_std(r_BG, "batch")) == want["batch"]
 
 
 def test_group_advantages_std_is_unbiased():

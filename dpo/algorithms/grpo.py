@@ -124,8 +124,8 @@ class Generated(online_dpo.Sampled):
     B = len(batch["tokens"])
     rewards, ended, info = self.rewarded(batch, comps)
     rewards_BG = rewards.reshape(G, B).T  # row b: prompt b's G completions
-    adv_BG = np.asarray(pg.group_advantages(jnp.asarray(rewards_BG, jnp.float32),
-                                            c.grpo.scale_rewards))
+    r_BG = jnp.asarray(rewards_BG, jnp.float32)
+    adv_BG = np.asarray(pg.group_advantages(r_BG, c.grpo.scale_rewards))
     prompts = [row[seg != 0] for row, seg in zip(batch["tokens"], batch["segment_ids"])] * G
     rows = online_dpo.data_lib._pack_rows([(list(p), list(x)) for p, x in zip(prompts, comps)],
                                           self.seq_len, self.tok.pad_id)
@@ -140,9 +140,8 @@ class Generated(online_dpo.Sampled):
       ref_params = frozen.params if frozen.ref_params is None else frozen.ref_params
       ref = sharding.to_host(score(ref_params, device_rows))
     lengths = np.array([len(x) for x in comps], np.float64)
-    std_BG = _nanstd(rewards_BG, axis=1)
     info = {**info, "reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
-            "frac_reward_zero_std": float(np.mean(np.isclose(std_BG, 0.0))),
+            "frac_reward_zero_std": float(pg.frac_reward_zero_std(r_BG, c.grpo.scale_rewards)),
             "completions/mean_length": float(lengths.mean()),
             "completions/clipped_ratio": float(1.0 - ended.mean())}
     flat = lambda a_BG: a_BG.T.reshape(-1)  # back to the rows' layout
@@ -162,12 +161,11 @@ class Generated(online_dpo.Sampled):
     return self.judge.combined(rewards_NF), ended, info
 
 
-def _nanstd(x: np.ndarray, axis=None):
+def _nanstd(x: np.ndarray) -> float:
   """TRL's nanstd: Bessel-corrected over the non-NaN values; NaN for fewer than two."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)
-    out = np.nanstd(x, axis=axis, ddof=1)
-  return float(out) if axis is None else out
+    return float(np.nanstd(x, ddof=1))
 
 
 def _nanmean(x: np.ndarray) -> float:
