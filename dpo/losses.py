@@ -417,12 +417,15 @@ def sft(lp: Logps, nll_per_pair):
   return nll, {"sft/nll": nll.mean()}
 
 
-def _simpo_margin(lp: Logps, simpo_beta, simpo_gamma, alpha=None) -> jax.Array:
+def _simpo_reward_margin(lp: Logps, simpo_beta, alpha=None) -> jax.Array:
+  """[B] r_w - r_l with SimPO's reward r = beta * AVERAGE log-prob (AlphaPO's: beta (1 - p^-alpha)
+  / alpha, p = exp(average)); the loss subtracts gamma from it, the logged margin does not (TRL's
+  CPOTrainer logs rewards/margins without gamma)."""
   nc, nr = _counts(lp)
   aw, al = lp.policy_chosen / nc, lp.policy_rejected / nr
-  if alpha is not None:  # AlphaPO's reward shape (1 - p^-alpha) / alpha, p = exp(average)
+  if alpha is not None:
     aw, al = (1 - _capped_exp(-alpha * aw)) / alpha, (1 - _capped_exp(-alpha * al)) / alpha
-  return simpo_beta * (aw - al) - simpo_gamma
+  return simpo_beta * (aw - al)
 
 
 @register("simpo", SIMPO_BETA, SIMPO_GAMMA, LABEL_SMOOTHING, reference=False, modifiers=(),
@@ -431,8 +434,9 @@ def _simpo_margin(lp: Logps, simpo_beta, simpo_gamma, alpha=None) -> jax.Array:
 def simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing):
   """SimPO (Meng et al. 2024, eq. 6): reward = beta * AVERAGE log-prob, no reference;
   -log sig(beta/|y_w| log pi(y_w) - beta/|y_l| log pi(y_l) - gamma) (label smoothing as cDPO)."""
-  margin = _simpo_margin(lp, simpo_beta, simpo_gamma)
-  return _smoothed_logistic(margin, label_smoothing), {"simpo/reward_margin": margin.mean()}
+  margin = _simpo_reward_margin(lp, simpo_beta)
+  return (_smoothed_logistic(margin - simpo_gamma, label_smoothing),
+          {"simpo/reward_margin": margin.mean()})
 
 
 @register("cpo_simpo", SIMPO_BETA, SIMPO_GAMMA, LABEL_SMOOTHING, CPO_ALPHA, NLL_PER_PAIR,
@@ -442,9 +446,9 @@ def simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing):
 def cpo_simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing, cpo_alpha, nll_per_pair):
   """SimPO with CPO's NLL term (Meng et al. 2024, eq. 6, plus Xu et al. 2024's L_NLL, as TRL's CPO
   trainer runs loss_type simpo): `simpo` + alpha * NLL(y_w)."""
-  margin = _simpo_margin(lp, simpo_beta, simpo_gamma)
+  margin = _simpo_reward_margin(lp, simpo_beta)
   nll = nll_chosen(lp, nll_per_pair)
-  return _smoothed_logistic(margin, label_smoothing) + cpo_alpha * nll, {
+  return _smoothed_logistic(margin - simpo_gamma, label_smoothing) + cpo_alpha * nll, {
       "simpo/reward_margin": margin.mean(), "cpo/nll": nll.mean()}
 
 
@@ -456,8 +460,9 @@ def alphapo(lp: Logps, simpo_beta, simpo_gamma, alphapo_alpha, label_smoothing):
   """AlphaPO (Gupta et al. 2025, "AlphaPO: Reward Shape Matters for LLM Alignment", arXiv:2501.03884): SimPO
   with the reward r = beta (1 - p^-alpha) / alpha, p = exp(AVERAGE log-prob):
   -log sig(r_w - r_l - gamma) (label smoothing as cDPO); alpha -> 0 is SimPO."""
-  margin = _simpo_margin(lp, simpo_beta, simpo_gamma, alphapo_alpha)
-  return _smoothed_logistic(margin, label_smoothing), {"alphapo/reward_margin": margin.mean()}
+  margin = _simpo_reward_margin(lp, simpo_beta, alphapo_alpha)
+  return (_smoothed_logistic(margin - simpo_gamma, label_smoothing),
+          {"alphapo/reward_margin": margin.mean()})
 
 
 @register("cpo", BETA, CPO_ALPHA, LABEL_SMOOTHING, NLL_PER_PAIR, reference=False, modifiers=(),

@@ -5,7 +5,8 @@ built with `object.__new__` and the attributes their loss methods read; a stub m
 the network: for DPOTrainer it returns the per-token log-probs (its fused LM head's output), for
 CPOTrainer and ORPOTrainer two-token logits whose log-softmax is exactly those log-probs, so
 TRL's own log-prob, length-averaging and cross-entropy code runs. Every case is equal to 1e-5,
-or a test says which deliberate difference it names and checks that difference exactly.
+or a test says which deliberate difference it names and checks that difference exactly. For
+SimPO, CPO-SimPO and AlphaPO the logged reward margin is compared too (TRL's rewards/margins).
 """
 
 import contextlib
@@ -60,13 +61,19 @@ def ours_logps(x, ld_alpha=1.0, ref_shift=0.0):
                       f(n[:, 1]), policy_chosen_full=f(x["pol"][:, 0].sum(-1)))
 
 
-def ours(x, ld_alpha=1.0, wpo=False, ref_shift=0.0, **cfg):
+def ours_metrics(x, ld_alpha=1.0, wpo=False, ref_shift=0.0, **cfg):
+  """(loss, the loss's own logged metrics) of losses.combined."""
   cfg = losses.LossConfig(ld_alpha=ld_alpha, wpo=wpo, **cfg)
   logw = None
   if wpo:
     n = np.maximum(x["mask"].sum(-1), 1.0)
     logw = jnp.asarray(((x["pol"] - x["sumsq"]) * x["mask"]).sum(-1) / n, jnp.float32)
-  return float(losses.combined(ours_logps(x, ld_alpha, ref_shift), cfg, logw)[0])
+  loss, metrics = losses.combined(ours_logps(x, ld_alpha, ref_shift), cfg, logw)
+  return float(loss), {k: float(v) for k, v in metrics.items()}
+
+
+def ours(x, **kw):
+  return ours_metrics(x, **kw)[0]
 
 
 # --- TRL's DPOTrainer -------------------------------------------------------------------------------
@@ -308,17 +315,37 @@ def _trainer(cls, **attrs):
   return t
 
 
-def trl_cpo_loss(x, loss_type, beta=0.1, label_smoothing=0.0, cpo_alpha=1.0, simpo_gamma=0.5,
-                 alpha=0.0):
+def trl_cpo(x, loss_type, beta=0.1, label_smoothing=0.0, cpo_alpha=1.0, simpo_gamma=0.5,
+            alpha=0.0):
+  """(loss, logged metrics) of TRL's CPOTrainer.get_batch_loss_metrics."""
   t = _trainer(CPOTrainer, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
                cpo_alpha=cpo_alpha, simpo_gamma=simpo_gamma, alpha=alpha)
   with torch.no_grad():
-    return float(t.get_batch_loss_metrics(_LogitsModel(x["pol"]), _pair_batch(x))[0])
+    loss, metrics = t.get_batch_loss_metrics(_LogitsModel(x["pol"]), _pair_batch(x))
+  return float(loss), metrics
+
+
+def _ref_free_metrics(x, **cfg):
+  return ours_metrics(dict(x, ref=np.zeros_like(x["ref"])), **cfg)
 
 
 def _ref_free(x, **cfg):
-  zero = dict(x, ref=np.zeros_like(x["ref"]))
-  return ours(zero, **cfg)
+  return _ref_free_metrics(x, **cfg)[0]
+
+
+MARGIN = {"cpo_simpo": "simpo/reward_margin", "simpo": "simpo/reward_margin",
+          "alphapo": "alphapo/reward_margin"}
+
+
+def check_simpo(x, loss_type, want, simpo_gamma, **cfg):
+  """Our loss and logged reward margin against TRL's (loss, metrics): the loss, and the margin
+  against TRL's rewards/margins, beta (r_w - r_l) without gamma. Negative control: the margin
+  less gamma (the rule before) misses TRL's by more than the tolerance."""
+  loss, metrics = _ref_free_metrics(x, loss_type=(loss_type,), simpo_gamma=simpo_gamma, **cfg)
+  check(loss, want[0])
+  margin, trl_margin = metrics[MARGIN[loss_type]], want[1]["rewards/margins"]
+  check(margin, trl_margin)
+  assert not np.isclose(margin - simpo_gamma, trl_margin, **TOL)
 
 
 @pytest.mark.parametrize("cpo_alpha", [0.0, 0.7])
@@ -329,27 +356,30 @@ def test_cpo_trainer(ours_type, trl_type, eps, cpo_alpha):
   x = make_inputs(700 + len(ours_type) + int(10 * eps))
   simpo = trl_type == "simpo"
   beta = 2.5 if simpo else 0.3
-  want = trl_cpo_loss(x, trl_type, beta=beta, label_smoothing=eps, cpo_alpha=cpo_alpha,
-                      simpo_gamma=1.2)
-  kw = dict(simpo_beta=beta, simpo_gamma=1.2) if simpo else dict(beta=beta)
+  want = trl_cpo(x, trl_type, beta=beta, label_smoothing=eps, cpo_alpha=cpo_alpha,
+                 simpo_gamma=1.2)
+  kw = dict(simpo_beta=beta) if simpo else dict(beta=beta)
   if eps:
     kw["label_smoothing"] = eps
-  check(_ref_free(x, loss_type=(ours_type,), cpo_alpha=cpo_alpha, **kw), want)
+  if simpo:
+    check_simpo(x, ours_type, want, 1.2, cpo_alpha=cpo_alpha, **kw)
+  else:
+    check(_ref_free(x, loss_type=(ours_type,), cpo_alpha=cpo_alpha, **kw), want[0])
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_simpo_is_cpo_simpo_without_nll(eps):
   x = make_inputs(710)
-  want = trl_cpo_loss(x, "simpo", beta=2.0, label_smoothing=eps, cpo_alpha=0.0, simpo_gamma=1.0)
-  check(_ref_free(x, loss_type=("simpo",), **({"label_smoothing": eps} if eps else {})), want)
+  want = trl_cpo(x, "simpo", beta=2.0, label_smoothing=eps, cpo_alpha=0.0, simpo_gamma=1.0)
+  check_simpo(x, "simpo", want, 1.0, **({"label_smoothing": eps} if eps else {}))
 
 
 @pytest.mark.parametrize("alpha", [0.25, 0.5, -0.3])
 def test_alphapo(alpha):
   """TRL's loss_type='alphapo' is simpo with cpo_alpha=0 and the reward shape alpha."""
   x = make_inputs(720)
-  want = trl_cpo_loss(x, "simpo", beta=2.0, cpo_alpha=0.0, simpo_gamma=0.8, alpha=alpha)
-  check(_ref_free(x, loss_type=("alphapo",), alphapo_alpha=alpha, simpo_gamma=0.8), want)
+  want = trl_cpo(x, "simpo", beta=2.0, cpo_alpha=0.0, simpo_gamma=0.8, alpha=alpha)
+  check_simpo(x, "alphapo", want, 0.8, alphapo_alpha=alpha)
 
 
 def trl_orpo_loss(x, lam):
