@@ -223,6 +223,14 @@ def test_bench_probe_and_a_plain_step_that_does_not_fit(tmp_path):
     bench._run_plain([sys.executable, str(script), "--variant", "lora"], "unused")
 
 
+def test_bench_refuses_the_accelerator_plain_step_flags_on_a_cpu():
+  done = subprocess.run([sys.executable, "-m", "dpo.tools.bench", "--plain_pairs=8"], cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode != 0 and "Traceback" not in done.stderr
+  assert "--plain_pairs: the plain step at scale runs on an accelerator only" in done.stderr
+
+
 def test_bench_cpu_use_is_per_step_and_reads_steal_where_linux_counts_it():
   start = bench._cpu_use()
   t = time.process_time()

@@ -507,6 +507,10 @@ def main(argv):
          f"--matmul_size={FLAGS.matmul_size}"]
   info = _run(cmd, out, " ".join(cmd))
   peak = info["peak"]
+  given = [f"--{n}" for n in ("plain_pairs", "plain_remat") if FLAGS[n].present]
+  if info["platform"] == "cpu" and given:
+    raise app.UsageError(f"{', '.join(given)}: the plain step at scale runs on an accelerator "
+                         "only; on a CPU the plain step is bench-small's")
   plain = _plain_command(cfg, info)
   print(f"CPU: {autotune.cpu_model()}; devices: {info['devices']} x {info['platform']} "
         f"({info['kind']}); {info['matmul']} matmul peak {info['measured'] / 1e12:.3f} TFLOP/s"
