@@ -277,8 +277,8 @@ def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch: PairBatc
 
   policy_params, adapter = trainable, None
   if spec.lora.enabled:
-    policy_params, adapter = frozen.params, transformer.Adapter(
-        trainable, spec.lora.scale, dropout_key, spec.lora.lora_dropout)
+    policy_params, adapter = frozen.params, transformer.Adapter.training(
+        trainable, spec.lora, dropout_key)
   pol = logprobs.pair_stats(spec.model, policy_params, batch, adapter, wpo=lc.wpo,
                             with_logits=ref is not None and ref.logits is not None,
                             score_slots=spec.score_slots)

@@ -221,6 +221,11 @@ class LoraConfig:
                           "copy).")
   lora_alpha: float = option(32.0, "LoRA alpha; the delta is scaled by alpha / rank.")
   lora_dropout: float = option(0.05, "Dropout on the LoRA input path during training.")
+  lora_dropout_rng: str = option("auto", "How the LoRA dropout masks are drawn: threefry (JAX's "
+                                 "default generator: the same masks on every platform and mesh), "
+                                 "rbg (the platform's own bit generator, seeded from the same "
+                                 "key: far cheaper on a TPU, docs/tpu.md; masks differ between "
+                                 "platforms) or auto (rbg on a TPU, threefry elsewhere).")
   lora_targets: tuple[str, ...] = option(("q", "v"), f"Projections that get adapters, from "
                                                      f"{LORA_TARGETS}.")
 
@@ -228,11 +233,20 @@ class LoraConfig:
     rules(self, lora_targets=each_of(LORA_TARGETS), lora_rank=NONNEG,
           lora_alpha=(lambda v: 0 < v < float("inf"),
                       "a finite number > 0 (the delta is scaled by alpha / rank)"),
-          lora_dropout=UNIT)
+          lora_dropout=UNIT, lora_dropout_rng=one_of(("auto", "threefry", "rbg")))
+    check(self.lora_dropout_rng == "auto" or (self.lora_rank > 0 and self.lora_dropout > 0),
+          f"--lora_dropout_rng={self.lora_dropout_rng}: no LoRA dropout reads it (give "
+          "--lora_rank > 0 and --lora_dropout > 0)")
 
   @property
   def enabled(self) -> bool:
     return self.lora_rank > 0
+
+  def dropout_rng_impl(self) -> str:
+    """--lora_dropout_rng with auto resolved for the backend this process computes on."""
+    if self.lora_dropout_rng != "auto":
+      return self.lora_dropout_rng
+    return "rbg" if jax.default_backend() == "tpu" else "threefry"
 
   @property
   def scale(self) -> float:

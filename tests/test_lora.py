@@ -108,6 +108,45 @@ def test_dropout_only_with_key(mesh1):
   np.testing.assert_array_equal(a, run(jax.random.key(3)))
 
 
+@pytest.mark.parametrize("rng", ["threefry", "rbg"])
+def test_dropout_masks_keep_rate_per_key_on_any_mesh(rng):
+  """Both mask generators keep 1 - rate of the slots (within 5 sigma of 2^20 draws), give the
+  same mask for the same key and another for another key, and the same mask whether or not the
+  masked array is sharded over 4 devices (as `dense` draws it inside a sharded step)."""
+  shape, rate = (16, 256, 256), 0.05
+  key = jax.random.key(7)
+  mask = np.asarray(transformer.keep_mask(key, rate, shape, rng))
+  n = mask.size
+  assert abs(mask.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n)
+  np.testing.assert_array_equal(mask, transformer.keep_mask(key, rate, shape, rng))
+  assert (mask != np.asarray(transformer.keep_mask(jax.random.key(8), rate, shape, rng))).mean() > 0.05
+  mesh = sharding.make_mesh("data:4", jax.devices()[:4])
+  spread = jax.sharding.NamedSharding(mesh, P("data"))
+  x = jax.device_put(jnp.ones(shape, jnp.float32), spread)
+  drop = jax.jit(lambda x, k: jnp.where(transformer.keep_mask(k, rate, x.shape, rng), x, 0.0),
+                 out_shardings=spread)
+  np.testing.assert_array_equal(np.asarray(drop(x, key)), mask.astype(np.float32))
+
+
+def test_rbg_masks_are_another_stream_and_auto_is_threefry_off_tpu():
+  """rbg draws other masks than threefry from the same key (so it is not threefry renamed), and
+  --lora_dropout_rng=auto keeps threefry on a CPU: the masks the rest of the suite checks."""
+  key, shape = jax.random.key(3), (64, 512)
+  a = np.asarray(transformer.keep_mask(key, 0.5, shape, "threefry"))
+  b = np.asarray(transformer.keep_mask(key, 0.5, shape, "rbg"))
+  assert 0.4 < (a != b).mean() < 0.6
+  assert LoraConfig().dropout_rng_impl() == ("rbg" if jax.default_backend() == "tpu"
+                                             else "threefry")
+  assert LoraConfig(lora_dropout_rng="rbg").dropout_rng_impl() == "rbg"
+
+
+def test_dropout_rng_without_dropout_refused():
+  with pytest.raises(ValueError, match="--lora_dropout_rng=rbg: no LoRA dropout reads it"):
+    LoraConfig(lora_dropout=0.0, lora_dropout_rng="rbg")
+  with pytest.raises(ValueError, match="--lora_dropout_rng"):
+    LoraConfig(lora_dropout_rng="philox")
+
+
 def test_factor_shardings_follow_base():
   mesh = sharding.make_mesh("fsdp:2,tensor:4", jax.devices()[:8])
   lora = lora_lib.init(CFG, ALL, jax.random.key(1), mesh)

@@ -293,17 +293,20 @@ def test_packed_dpo_steps_equal_unshared(packed_setup, full_ft, devices, blocks,
   _assert_same_steps(cfg, pairs, want, got, wrong)
 
 
-@pytest.mark.parametrize("devices,blocks,microbatches", [(1, 1, 1), (2, 2, 2)])
+@pytest.mark.parametrize("devices,blocks,microbatches,rng", [(1, 1, 1, "threefry"),
+                                                             (2, 2, 2, "threefry"),
+                                                             (2, 2, 2, "rbg")])
 @pytest.mark.slow
-def test_packed_dropout_masks_are_the_unpacked_rows(packed_setup, devices, blocks, microbatches):
+def test_packed_dropout_masks_are_the_unpacked_rows(packed_setup, devices, blocks, microbatches,
+                                                    rng):
   """With LoRA dropout on, three DPO steps on packed rows equal three on the unpacked
   shared-prefix rows: each packed slot takes the dropout mask of its pair's own row, so packing
-  (and the mesh, which sets it) does not change the masks."""
+  (and the mesh, which sets it) does not change the masks, with either mask generator."""
   pairs, shared, _, _ = packed_setup
   mesh = sharding.make_mesh(f"data:{devices}", jax.devices()[:devices])
   base = transformer.init(CFG.model, jax.random.key(0), mesh)
   cfg = CFG.replace(lora_dropout=0.3, global_batch_size=len(PACK_RECORDS),
-                    gradient_accumulation_steps=microbatches)
+                    gradient_accumulation_steps=microbatches, lora_dropout_rng=rng)
   rows = np.arange(len(PACK_RECORDS))
   _, _, out = _pack(shared, rows, blocks, microbatches, devices * microbatches)
   assert out["pair_valid"].shape[1] > 1

@@ -19,7 +19,7 @@ import pytest
 
 import configs
 from dpo import autotune, hostmem, train
-from dpo.tools import bench, compile_check
+from dpo.tools import bench, compile_check, profile
 from models import sharding, transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -229,6 +229,48 @@ def test_bench_refuses_the_accelerator_plain_step_flags_on_a_cpu():
                         text=True, timeout=300)
   assert done.returncode != 0 and "Traceback" not in done.stderr
   assert "--plain_pairs: the plain step at scale runs on an accelerator only" in done.stderr
+
+
+def test_bench_profile_sums_each_ops_own_time_and_the_tool_reads_it_back(tmp_path):
+  """A worker with --profile_dir traces its step after the timing: the compiled HLO and a table
+  of ops whose own times (enclosing loops less what ran inside them) sum to at most the traced
+  wall time; `python -m dpo.tools.profile DIR` prints the same table from the trace. Without a
+  worker the flag is refused in one line."""
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
+  out, prof = tmp_path / "w.json", tmp_path / "prof"
+  done = subprocess.run(
+      [sys.executable, "-m", "dpo.tools.bench", "--variants=lora", "--autotune=off",
+       "--timed_steps=1", "--warmup_steps=1", "--steps=4", f"--worker_json={out}",
+       f"--profile_dir={prof}", "--profile_steps=2"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  step_s = json.loads(out.read_text())["step_time"]
+  assert "HloModule" in (prof / "step.hlo.txt").read_text()
+  table = (prof / "top_ops.txt").read_text().splitlines()
+  assert table[0] == profile.HEADER and table[1].startswith("(all ops) | ")
+  whole_ms = float(table[1].split(" | ")[1])
+  ops = [line.split(" | ") for line in table[2:]]
+  assert len(ops) >= 10 and all(float(o[1]) <= whole_ms for o in ops)
+  # Own times do not count a nested op twice: all ops together ran within the two traced
+  # steps (with room for a slower step under the profiler).
+  assert 0 < whole_ms / 1e3 < 2 * 3 * step_s
+  again = subprocess.run([sys.executable, "-m", "dpo.tools.profile", str(prof)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0 and again.stdout.splitlines()[:2] == table[:2]
+  refused = subprocess.run([sys.executable, "-m", "dpo.tools.bench", f"--profile_dir={prof}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert refused.returncode != 0 and "Traceback" not in refused.stderr
+  assert "--profile_dir traces the step of one --worker_json process" in refused.stderr
+
+
+def test_profile_own_times_subtract_the_ops_inside():
+  """A loop op of 10 ns that ran two ops of 3 ns keeps 4 ns of its own; ops after it keep all."""
+  class E:
+    def __init__(self, name, start, dur):
+      self.name, self.start_ns, self.duration_ns, self.stats = name, start, dur, []
+  own = {n: t for n, t, _ in profile._self_times(
+      [E("while", 0, 10), E("a", 1, 3), E("b", 5, 3), E("c", 10, 2)])}
+  assert own == {"while": 4, "a": 3, "b": 3, "c": 2}
 
 
 def test_bench_cpu_use_is_per_step_and_reads_steal_where_linux_counts_it():

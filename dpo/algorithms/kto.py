@@ -115,7 +115,7 @@ def microbatch_loss(spec: train.StepConfig, frozen: train.Frozen, trainable, bat
   policy_params, adapter, plain = trainable, None, None
   if spec.lora.enabled:
     policy_params = frozen.params
-    adapter = transformer.Adapter(trainable, spec.lora.scale, dropout_key, spec.lora.lora_dropout)
+    adapter = transformer.Adapter.training(trainable, spec.lora, dropout_key)
     plain = transformer.Adapter(trainable, spec.lora.scale)  # no dropout: the z0 estimate
   seq = lambda params, rows, a: logprobs.sequence_logps(spec.model, params, rows, a)[0]
   stopped = lambda params, rows, a: jax.lax.stop_gradient(seq(params, rows, a))

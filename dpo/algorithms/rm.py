@@ -107,8 +107,8 @@ def microbatch_loss(spec: train.StepConfig, frozen, trainable, batch: PairBatch,
   on the frozen base `frozen.params`)."""
   params, adapter = trainable["body"], None
   if spec.lora.enabled:
-    params, adapter = frozen.params, transformer.Adapter(
-        trainable["body"], spec.lora.scale, dropout_key, spec.lora.lora_dropout)
+    params, adapter = frozen.params, transformer.Adapter.training(
+        trainable["body"], spec.lora, dropout_key)
   r_B2 = rewards(spec.model, params, trainable["score"], batch, adapter)
   return bradley_terry(r_B2, batch.margin, spec.reward.center_rewards_coefficient)
 

@@ -69,6 +69,7 @@ from absl import app, flags
 import configs
 from dpo import autotune, batches, cli, hostmem, logprobs, packing, prepare, train
 from dpo import tokenizer as tokenizer_lib
+from dpo.tools import profile
 from models import quant, sharding, transformer
 
 FLAGS = flags.FLAGS
@@ -226,7 +227,8 @@ def time_config(cfg) -> dict:
     cfg = cfg.replace(**tuning["choice"])
     spec = train.StepConfig.dpo(cfg)
   step = train.jit_step(train.dpo_step, spec, mesh, state, frozen)
-  mem = step.lower(state, frozen, batch).compile().memory_analysis()
+  compiled = step.lower(state, frozen, batch).compile()
+  mem = compiled.memory_analysis()
   rounds = []
   first_loss = None
   cpu = []
@@ -245,6 +247,21 @@ def time_config(cfg) -> dict:
     rounds.append(statistics.median(times))
     cpu.append(_cpu_use(start, FLAGS.timed_steps))
   step_time = statistics.median(rounds)
+  if FLAGS.profile_dir:  # after the timing, so the trace never changes a figure
+    os.makedirs(FLAGS.profile_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.profile_dir, "step.hlo.txt"), "w") as f:
+      f.write(compiled.as_text())
+    holder = [state]
+
+    def one_step():
+      holder[0], m = step(holder[0], frozen, batch)
+      jax.block_until_ready(m)
+
+    xplane = profile.trace(one_step, FLAGS.profile_steps, FLAGS.profile_dir)
+    lines = profile.table(profile.op_times(xplane))
+    with open(os.path.join(FLAGS.profile_dir, "top_ops.txt"), "w") as f:
+      f.write("\n".join(lines) + "\n")
+    print(f"{FLAGS.profile_steps} steps traced in {xplane}:", *lines, sep="\n")
   median_round = sorted(range(len(rounds)), key=rounds.__getitem__)[len(rounds) // 2]
   return {"lora": cfg.lora.enabled, "shared": cfg.model.prefix_sharing, "step_time": step_time,
           "pairs_per_s": pairs / step_time, "tokens_per_s": tokens / step_time,
@@ -491,6 +508,8 @@ def main(argv):
   if FLAGS.worker_tune_only and not (FLAGS.worker_json and cfg.run.autotune == "on"):
     raise app.UsageError("--worker_tune_only makes a --worker_json process's --autotune choice: "
                          "give both, with --autotune=on")
+  if FLAGS.profile_dir and not FLAGS.worker_json:
+    raise app.UsageError("--profile_dir traces the step of one --worker_json process: give both")
   if FLAGS.worker_probe:
     with open(FLAGS.worker_probe, "w") as f:
       json.dump(probe(FLAGS.matmul_size), f)
@@ -585,6 +604,10 @@ if __name__ == "__main__":
   flags.DEFINE_bool("worker_tune_only", False, "Internal: with --worker_json, only make this "
                     "configuration's --autotune choice (measured, or read from the cache) and "
                     "write it with this process's peak RSS.")
+  flags.DEFINE_string("profile_dir", "", "With --worker_json: after the timing, trace "
+                      "--profile_steps steps into this folder and print where the device time "
+                      "goes (dpo/tools/profile.py), with the compiled HLO beside it.")
+  flags.DEFINE_integer("profile_steps", 2, "Steps traced with --profile_dir.", lower_bound=1)
   flags.DEFINE_integer("timed_steps", 10, "Timed steps per round (after the warm-up steps).",
                        lower_bound=1)
   flags.DEFINE_integer("warmup_steps", 3, "Untimed steps per round (the first gives loss@1).",
