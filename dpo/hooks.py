@@ -47,10 +47,13 @@ class LogMetrics(Hook):
     eta = (now - self.t0) / max(step - self.first, 1) * (run.steps - step)
     m = to_python(metrics)
     if run.name == "dpo":
-      logging.info("dpo %5d/%d  loss %.4f  acc %.3f  margin %+.4f  kl %.4f  |g| %.3f  lr %.2e  "
+      # The exact token KL is a column only when the step computed it (--log_kl, --kl_max with
+      # the reference in the step): a figure not computed is left out, never printed as NaN.
+      kl = f"  kl {m['kl']:.4f}" if "kl" in m else ""
+      logging.info("dpo %5d/%d  loss %.4f  acc %.3f  margin %+.4f%s  |g| %.3f  lr %.2e  "
                    "skipped %d  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"],
-                   m["rewards/accuracies"], m["rewards/margins"], m.get("kl", float("nan")),
-                   m["grad_norm"], m["learning_rate"], m["skipped_steps"], tps, eta)
+                   m["rewards/accuracies"], m["rewards/margins"], kl, m["grad_norm"],
+                   m["learning_rate"], m["skipped_steps"], tps, eta)
     elif run.name == "rm":
       logging.info("rm %5d/%d  loss %.4f  acc %.3f  margin %+.4f  reward %+.3f  |g| %.3f  "
                    "lr %.2e  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"], m["accuracy"],

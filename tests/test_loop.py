@@ -168,3 +168,45 @@ def test_config_hash_is_the_runs_not_its_folders():
   assert sha(cfg.replace(output_dir="/tmp/b", data_cache_dir="/tmp/c", ref_cache_dir="/tmp/d")) \
       == sha(cfg)
   assert sha(cfg.replace(beta=0.2)) != sha(cfg) and sha(cfg.replace(seed=1)) != sha(cfg)
+
+
+# --- the log line -----------------------------------------------------------------------------
+
+def _dpo_lines(caplog) -> list[str]:
+  return [r.getMessage() for r in caplog.records if r.getMessage().startswith("dpo ")]
+
+
+@pytest.mark.slow
+def test_a_run_without_the_exact_kl_logs_no_nan_column(tmp_path, caplog):
+  """Without --log_kl / --kl_max the step computes no KL: the DPO log line has no kl column
+  (it printed `kl nan` on every line) and no figure reads nan."""
+  caplog.set_level("INFO")
+  cfg = configs.DEFAULT.replace(**TINY, output_dir=str(tmp_path / "run"), log_kl=False,
+                                kl_max=0.0, eval_every=0)
+  loop.run(cfg, mesh=sharding.make_mesh("data:1", jax.devices()[:1]))
+  lines = _dpo_lines(caplog)
+  assert [l.split()[1] for l in lines] == ["1/2", "2/2"], lines
+  records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+  assert not any("kl" in r for r in records if r["stage"] == "dpo")  # not computed
+  for line in lines:
+    assert "nan" not in line.lower() and " kl " not in line, line
+
+
+def test_the_dpo_log_line_shows_the_kl_only_when_the_step_computed_it(caplog):
+  """The column is the step's exact token KL where it is in the metrics, absent where not."""
+  import types
+  caplog.set_level("INFO")
+  written = []
+  run = types.SimpleNamespace(name="dpo", step=0, steps=2, tokens=0,
+                              writer=types.SimpleNamespace(write=written.append))
+  log = hooks.LogMetrics(1)
+  log.start(run)
+  step = {"loss": 0.69, "rewards/accuracies": 0.5, "rewards/margins": 0.01, "grad_norm": 1.0,
+          "learning_rate": 1e-4, "skipped_steps": 0}
+  log.metrics(run, 1, {**step, "kl": 0.0123})
+  log.metrics(run, 2, step)
+  with_kl, without = _dpo_lines(caplog)
+  assert "  kl 0.0123  " in with_kl and "margin +0.0100  kl 0.0123  |g| 1.000" in with_kl
+  assert " kl " not in without and "nan" not in without
+  assert "margin +0.0100  |g| 1.000" in without
+  assert "kl" in written[0] and "kl" not in written[1]
