@@ -96,9 +96,11 @@ class ModelConfig:
   remat: bool = option(False, "Rematerialize each layer in the backward pass (saves activations; "
                        "needs scan_unroll=1).")
   remat_policy: str = option("nothing", "With --remat, what each layer keeps for the backward: "
-                             "nothing (the whole layer runs again) or dots (the weight matmuls' "
+                             "nothing (the whole layer runs again), dots (the weight matmuls' "
                              "outputs, [tokens, width] each; only the elementwise work and "
-                             "attention run again).")
+                             "attention run again) or attention (the Pallas attention's output "
+                             "and log-sum-exp: the projections run again, the attention forward "
+                             "does not; needs the Pallas kernel).")
   prefix_sharing: bool = option(True, "DPO: one row per pair, prompt | chosen | rejected, so the "
                                 "prompt is computed once per model (dpo/packing.py); off where the "
                                 "pair rows do not share a prompt (logged).")
@@ -172,7 +174,7 @@ class ModelConfig:
           matmul_backward=one_of(("autodiff", "explicit")), sliding_window=NONNEG,
           sliding_pattern=at_least(1), scan_unroll=at_least(1), attention_block=NONNEG,
           logits_chunk=NONNEG, attention=one_of(("auto", "xla", "pallas")),
-          remat_policy=one_of(("nothing", "dots")),
+          remat_policy=one_of(("nothing", "dots", "attention")),
           attention_tile=(lambda v: v > 0 and v % 128 == 0, "a positive multiple of 128"))
     check(self.attention != "pallas" or not self.attention_block,
           f"--attention_block={self.attention_block}: applies to --attention=xla; the pallas "
@@ -191,6 +193,9 @@ class ModelConfig:
           "never reads it")
     check(self.remat or self.remat_policy == "nothing",
           f"--remat_policy={self.remat_policy}: applies with --remat=True")
+    check(self.remat_policy != "attention" or self.attention != "xla",
+          "--remat_policy=attention: keeps the Pallas attention's results; --attention=xla has "
+          "none")
     check(not self.logits_chunk or self.vocab_size % self.logits_chunk == 0,
           f"--logits_chunk={self.logits_chunk}: must be 0 or a divisor of "
           f"--vocab_size={self.vocab_size}")

@@ -25,10 +25,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 LANES, SUBLANES = 128, 8
+RESIDUALS = "flash_attention_out"  # the checkpoint name of the kernel's output and log-sum-exp
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(_MASKED - m) is 0, never NaN
 
 
@@ -350,6 +352,9 @@ def _flash(q, k, v, ids, window, spec):
 
 def _flash_fwd(q, k, v, ids, window, spec):
   o, lse = _forward(q, k, v, ids, window, spec)
+  # Named, so a remat policy can keep them (--remat_policy=attention): the backward then reads
+  # the forward kernel's results instead of running it again.
+  o, lse = checkpoint_name(o, RESIDUALS), checkpoint_name(lse, RESIDUALS)
   return o, (q, k, v, o, lse, ids, window)
 
 

@@ -504,9 +504,12 @@ def _flash_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, slots: Slots, wi
 
 # --remat_policy: what a rematerialised layer keeps for its backward. dots keeps the outputs of
 # contractions without batch dimensions: the weight matmuls (and LoRA factors), not attention.
+# attention keeps the Pallas kernel's output and log-sum-exp (models/flash.py), so the backward
+# runs the projections again but not the attention forward.
 _REMAT_POLICIES: dict[str, Callable] = {
     "nothing": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attention": jax.checkpoint_policies.save_only_these_names(flash.RESIDUALS),
 }
 
 _ACTIVATIONS: dict[str, Callable] = {
@@ -618,6 +621,11 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
     return sharding.constrain(x, _ACT_RESID), None
 
   if cfg.remat:
+    if cfg.remat_policy == "attention" and not use_flash:
+      raise ValueError("--remat_policy=attention: keeps the Pallas attention's results, and "
+                       f"this {jax.default_backend()} run's attention is XLA's "
+                       "(--attention=auto picks the kernel on a TPU): give --attention=pallas "
+                       "or another --remat_policy")
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat_policy])
   lora_layers = {} if adapter is None or adapter.lora is None else adapter.lora["layers"]
   xs = (params["layers"], lora_layers, jnp.arange(cfg.n_layers), jnp.asarray(local_L))

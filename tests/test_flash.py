@@ -6,7 +6,9 @@ compared at real query slots only: a padding slot sees no key, and the kernel gi
 the XLA path averages every value; no real slot depends on it.
 """
 
+import contextlib
 import dataclasses
+import io
 import math
 
 import jax
@@ -152,6 +154,39 @@ def test_model_with_the_kernel_equals_the_xla_model(mesh_spec):
   got = _model_grads(dataclasses.replace(CFG, attention="pallas"), mesh)
   tol = numerics.reorder_tol(150, depth=numerics.backprop_depth(CFG.n_layers))
   numerics.assert_close({"loss": (got[0], want[0], tol), "grads": (got[1], want[1], tol)})
+
+
+@pytest.mark.slow
+def test_remat_policy_attention_keeps_the_kernels_results_and_the_gradients():
+  """--remat_policy=attention: the backward reads the kernel's output and log-sum-exp that the
+  forward kept (they are among the layer's saved residuals, which --remat_policy=nothing keeps
+  none of), and the gradients equal the plain remat's. Off the kernel the policy is refused."""
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  cfg = dataclasses.replace(CFG, attention="pallas", remat=True)
+  want = _model_grads(cfg, mesh)
+  got = _model_grads(dataclasses.replace(cfg, remat_policy="attention"), mesh)
+  tol = numerics.reorder_tol(150, depth=numerics.backprop_depth(CFG.n_layers))
+  numerics.assert_close({"loss": (got[0], want[0], tol), "grads": (got[1], want[1], tol)})
+
+  q, k, v, _ = _inputs(2, 128, 2, 2, 16)
+  segment, branch = _rows(2, 128, branches=True)
+  layer = lambda q, k, v: jnp.sin(flash.attention(q, k, v, segment, branch, scale=0.25,
+                                                  block=128))
+
+  def saved(policy):  # jax.ad_checkpoint's printout: a line per residual the backward reads
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(layer, policy=policy), q, k, v)
+    return out.getvalue().splitlines()
+
+  kept = [w for w in saved(transformer._REMAT_POLICIES["attention"]) if flash.RESIDUALS in w]
+  assert len(kept) == 2  # the output [B, H, T, d] and the log-sum-exp [B, H, T]
+  assert not [w for w in saved(transformer._REMAT_POLICIES["nothing"]) if flash.RESIDUALS in w]
+  with pytest.raises(ValueError, match="--remat_policy=attention: keeps the Pallas attention's "
+                                       "results, and this cpu run's attention is XLA's"):
+    _model_grads(dataclasses.replace(cfg, attention="auto", remat_policy="attention"), mesh)
+  with pytest.raises(ValueError, match="--remat_policy=attention: .* --attention=xla has none"):
+    ModelConfig(attention="xla", remat=True, remat_policy="attention")
 
 
 def test_platform_picks_the_kernel_and_config_rules():
