@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import hf, sampler, sharding  # noqa: E402
+import configs  # noqa: E402
+from models import hf, sampler, sharding, transformer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PAD, N = 128, 0, 12
@@ -88,3 +89,33 @@ def test_tool_runs_end_to_end():
   assert any(line.startswith("ours / transformers' fastest (1 thread): ") for line in lines)
   assert "bucketed: 15 prompt lengths 3..17 padded to [8, 16, 24]: 3 executables compiled" \
       in done.stdout, done.stdout
+
+
+def test_preset_mode_times_ours_alone_with_the_decode_steps_traffic():
+  """--preset: our sampler alone on a preset's shape (what runs on a TPU host without torch):
+  a decode step's time, and its bytes (every weight but an untied embedding table, the whole
+  KV cache of prompt + new slots with its segment ids) over that time. Flags of the transformers side are refused."""
+  from dpo.tools import bench_sampler
+  cfg = configs.get_config("bench-small").model
+  params = jax.eval_shape(lambda: transformer.init(cfg, jax.random.key(0),
+                                                   sharding.make_mesh("data:1", jax.devices()[:1])))
+  weights, cache = bench_sampler.decode_bytes(cfg, params, batch=3, slots=40)
+  assert not cfg.tie_embeddings
+  assert weights == 4 * (sum(x.size for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.d_model)
+  item = jnp.dtype(cfg.compute_dtype).itemsize
+  kv = 2 * cfg.n_layers * 3 * cfg.n_kv_heads * 40 * cfg.head_dim * item
+  assert cache == kv + 3 * 40 * 4  # and the slots' int32 segment ids
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  run = lambda *args: subprocess.run(
+      [sys.executable, "-m", "dpo.tools.bench_sampler", "--preset=bench-small", *args], cwd=ROOT,
+      env=env, capture_output=True, text=True, timeout=300)
+  done = run("--batch=2", "--max_prompt_len=10", "--new_tokens=4", "--repeats=1")
+  assert done.returncode == 0, done.stderr[-3000:]
+  step = [line for line in done.stdout.splitlines() if line.startswith("ours: compile")]
+  assert len(step) == 1 and " ms a decode step, " in step[0], done.stdout
+  traffic = [line for line in done.stdout.splitlines() if line.startswith("a decode step reads")]
+  assert len(traffic) == 1 and "of KV cache (20 slots): " in traffic[0], done.stdout
+  refused = run("--threads=1", "--d_model=64")
+  assert refused.returncode != 0 and "Traceback" not in refused.stderr
+  assert "--threads, --d_model: --preset times our sampler alone" in refused.stderr

@@ -4,6 +4,7 @@ the ratio, and whether the greedy tokens are equal.
     python -m dpo.tools.bench_sampler                  # a random ~33M Llama (bench-small's shape)
     python -m dpo.tools.bench_sampler --batch=32
     python -m dpo.tools.bench_sampler --hf_dir=DIR     # a folder of models/archs.py's families
+    python -m dpo.tools.bench_sampler --preset=llama3.2-1b --batch=32   # ours alone (a TPU)
 
 Without `--hf_dir` a random-weight `LlamaForCausalLM` of the flags' size is built from a config
 object (transformers' own initialiser, `torch.manual_seed(--seed)`) and saved with
@@ -27,6 +28,13 @@ against each thread count and against transformers' fastest. tokens/s counts the
 run with one new token, which splits a call into the prefill (and first token) and the
 per-step decode time (the difference of two medians: noisy when the call is short).
 
+`--preset=NAME` times our sampler alone (no torch, as on a TPU host) on a preset's model shape
+(configs.py) with random weights in our own format, stored as a run stores them (float32) and
+computed in the preset's dtype, prefill and decode split as above. A decode step reads every
+weight matrix and the whole KV cache (its attention is over all `prompt + new` slots): their
+bytes over the step's time are its HBM bandwidth use, shown against the chip's nominal
+bandwidth (`NOMINAL_HBM`) on an accelerator.
+
 `--bucketed` then samples a batch of each prompt length 3..40 with `left_pad(multiple=8)` and
 counts the executables `generate` compiled for them (its jit cache): one per padded length, so
 no prompt length compiles its own.
@@ -44,10 +52,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+import configs
 from dpo import autotune
-from models import hf, sampler, sharding
+from models import hf, sampler, sharding, transformer
 
 FLAGS = flags.FLAGS
+
+# Nominal HBM bandwidth (bytes/s) by JAX device kind: the published chip figures.
+NOMINAL_HBM = {"TPU v5 lite": 819e9, "TPU v4": 1228e9, "TPU v5p": 2765e9, "TPU v6 lite": 1640e9}
 
 
 def random_llama(vocab_size: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int,
@@ -167,8 +179,67 @@ def _with_threads(fn, threads: int):
   return call
 
 
+def decode_bytes(cfg, params, batch: int, slots: int) -> tuple[int, int]:
+  """(weight bytes, KV-cache bytes) one decode step reads: every parameter but the embedding
+  table (a step gathers B of its rows; a tied table is read whole as the LM head), and the
+  keys and values of all `slots` cache slots of every layer."""
+  weights = transformer.nbytes(params)
+  if not cfg.tie_embeddings:
+    weights -= transformer.nbytes(params["embed"])
+  cache = jax.eval_shape(lambda: transformer.init_cache(cfg, batch, slots))
+  return weights, transformer.nbytes(cache)
+
+
+def preset_main() -> None:
+  """Our sampler alone on a preset's shape: tokens/s, prefill and decode step, HBM traffic."""
+  cfg = configs.get_config(FLAGS.preset).model
+  mesh = sharding.make_mesh("data:-1")
+  params = transformer.init(cfg, jax.random.key(FLAGS.seed), mesh)
+  rng = np.random.default_rng(FLAGS.seed)
+  prompts = random_prompts(rng, FLAGS.batch, (FLAGS.min_prompt_len, FLAGS.max_prompt_len),
+                           cfg.vocab_size, FLAGS.pad_id)
+  N = FLAGS.new_tokens
+  if N < 2:
+    raise app.UsageError("--preset: --new_tokens must be at least 2 (a decode step is the "
+                         "difference of N and 1 new tokens)")
+  device = jax.devices()[0]
+  print(f"{jax.device_count()} x {device.platform} ({device.device_kind}); CPU "
+        f"{autotune.cpu_model()}; jax {jax.__version__}")
+  print(f"model: {FLAGS.preset} shape, random, {transformer.num_params(params) / 1e9:.2f}B "
+        f"parameters stored float32, computed in {cfg.compute_dtype}; greedy; batch "
+        f"{FLAGS.batch}, prompts of {FLAGS.min_prompt_len}-{FLAGS.max_prompt_len} tokens, {N} "
+        f"new each")
+  calls = {n: ours_fn(cfg, params, prompts, greedy_config(n, cfg.vocab_size, FLAGS.pad_id))
+           for n in (N, 1)}
+  t = time.perf_counter()
+  calls[N]()
+  first = time.perf_counter() - t
+  calls[1]()
+  med = {n: statistics.median(v) for n, v in timed(calls, FLAGS.repeats).items()}
+  step = (med[N] - med[1]) / (N - 1)
+  print(f"ours: compile {first - med[N]:.2f} s; median {med[N]:.3f} s a call, "
+        f"{FLAGS.batch * N / med[N]:.1f} tokens/s (prefill included); prefill + first token "
+        f"{med[1] * 1e3:.1f} ms, then {step * 1e3:.2f} ms a decode step, "
+        f"{FLAGS.batch / step:.0f} tokens/s decoding")
+  padded = sampler.left_pad(prompts, FLAGS.pad_id, multiple=8)[0].shape[1]
+  weights, cache = decode_bytes(cfg, params, FLAGS.batch, padded + N)
+  rate = (weights + cache) / step
+  peak = NOMINAL_HBM.get(device.device_kind)
+  print(f"a decode step reads {weights / 2**30:.2f} GiB of weights and {cache / 2**30:.2f} GiB "
+        f"of KV cache ({padded + N} slots): {rate / 1e9:.0f} GB/s"
+        + ("" if peak is None else f", {rate / peak:.0%} of the chip's nominal "
+           f"{peak / 1e9:.0f} GB/s"))
+
+
 def main(argv):
   del argv
+  if FLAGS.preset:
+    given = [f"--{n}" for n in ("hf_dir", "threads", "vocab_size", "d_model", "n_layers",
+                                "n_heads", "n_kv_heads", "head_dim", "mlp_dim") if FLAGS[n].present]
+    if given:
+      raise app.UsageError(f"{', '.join(given)}: --preset times our sampler alone on the "
+                           "preset's shape; drop them")
+    return preset_main()
   import torch
   import transformers
   threads = _thread_counts()
@@ -252,6 +323,9 @@ def main(argv):
 if __name__ == "__main__":
   flags.DEFINE_string("hf_dir", "", "A Hugging Face folder of a family models.hf imports; "
                       "empty: a random Llama of the size flags below, in a temporary folder.")
+  flags.DEFINE_string("preset", "", "A preset's model shape (configs.py, e.g. llama3.2-1b), "
+                      "random weights: our sampler alone (no torch), its decode step's HBM "
+                      "bandwidth use.")
   flags.DEFINE_integer("vocab_size", 8192, "Random Llama: vocabulary.", lower_bound=2)
   flags.DEFINE_integer("d_model", 512, "Random Llama: hidden size.", lower_bound=1)
   flags.DEFINE_integer("n_layers", 8, "Random Llama: layers.", lower_bound=1)
