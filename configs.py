@@ -82,7 +82,9 @@ class DataConfig:
                              "hash).")
   data_cache_dir: str = option("", "Where tokenised data is cached; empty = "
                                "<output_dir>/data_cache, 'none' = no cache.")
-  max_prompt_length: int = option(512, "Prompt tokens kept (the end of the prompt is kept).")
+  max_prompt_length: int = option(512, "Prompt tokens kept: a conversation loses whole earlier "
+                                  "turns (system message and template framing kept), a text "
+                                  "prompt keeps its end.")
   max_target_length: int = option(512, "Completion tokens kept (the start is kept).")
   task_train_pairs: int = option(4096, "Embedded task: number of training preference pairs.")
   task_sft_examples: int = option(4096, "Embedded task: number of SFT demonstrations.")

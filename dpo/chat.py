@@ -31,6 +31,14 @@ the completion does not already end with it (see `dpo.data.encode_completion`). 
 template's BOS text is removed from the prompt the same way, and `JinjaTemplate.emits_bos` says
 whether the tokenizer should add the BOS id; its completions get no extra EOS (the template's
 end-of-turn text is what the model learns to stop on; `end_of_turn_ids` names those ids).
+
+A conversation whose rendered prompt is over --max_prompt_length loses whole earlier turns
+(`fit_prompt`): the leading system messages stay, the kept conversation starts at a later user
+message, and the template renders it again, framing and generation prompt included, so the
+prompt is what the template makes of the kept turns (tests/test_chat.py compares the ids with
+transformers' apply_chat_template of them). Only when the system message and the last user
+turn alone are over the budget is the start of that turn's text cut; `PromptCuts` counts and
+logs each kind, and the preview names each record's.
 """
 
 from __future__ import annotations
@@ -395,3 +403,117 @@ def render_sft(record: SFTExample, t: Template, where: str = "") -> SFTRecord:
     return SFTRecord(render_prompt(t, record.prompt), render_completion(t, record.completion))
   except ValueError as e:
     raise _refusal(where, e) from None
+
+
+# --- fitting a conversation's prompt to --max_prompt_length ---------------------------------
+
+LOST_TURNS, CUT_IN_TURN, CUT_TOKENS = "lost earlier turns", "cut inside a turn", "cut at tokens"
+
+
+def _prompt_renderer(t: Template) -> Callable[[Sequence[Message]], str]:
+  """The prompt text (no BOS) of a conversation's messages, as `render_record` writes it."""
+  if isinstance(t, JinjaTemplate):
+    return lambda messages: t.strip_bos(t.render(messages, True))
+  return lambda messages: render_prompt(t, messages)
+
+
+def _first_fit(n: int, fits: Callable[[int], bool]) -> int:
+  """The smallest i in [0, n) with fits(i), for a `fits` false then true; n when none is."""
+  lo, hi = 0, n
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if fits(mid):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
+
+
+def fit_prompt(prompt: Sequence[Message], t: Template, fits: Callable[[str], bool]
+               ) -> tuple[tuple[Message, ...], str]:
+  """(the prompt messages to render, how they were cut: "" when whole) for a prompt whose
+  rendering `fits` the budget once cut.
+
+  Whole earliest turns go first: the kept conversation starts at a later user message (the
+  fewest turns dropped that fit), after the leading system messages, which stay, and the
+  template renders it again with its framing and the generation prompt. When the system
+  messages and the last user turn (with what follows it) alone are over the budget, the start
+  of that turn's text is dropped too, the fewest characters that fit. When even its whole text
+  would go, nothing is cut here (CUT_TOKENS: `data.encode_prompt` keeps the rendering's end)."""
+  render = _prompt_renderer(t)
+  prompt = tuple(prompt)
+  if fits(render(prompt)):
+    return prompt, ""
+  lead = next((i for i, m in enumerate(prompt) if m.role not in _SYSTEM_ROLES), len(prompt))
+  system, rest = prompt[:lead], prompt[lead:]
+  starts = [i for i, m in enumerate(rest) if m.role == "user" and i > 0]
+  k = _first_fit(len(starts), lambda j: fits(render(system + rest[starts[j]:])))
+  if k < len(starts):
+    return system + rest[starts[k]:], f"{LOST_TURNS}: {starts[k]} of {len(rest)}"
+  dropped = starts[-1] if starts else 0
+  last = rest[dropped:]
+  if not last:
+    return prompt, f"{CUT_TOKENS}: the system message alone is over the budget"
+  text = last[0].content
+  cut = lambda c: system + (Message(last[0].role, text[c:]),) + last[1:]
+  c = _first_fit(len(text), lambda c: fits(render(cut(c))))
+  if c == len(text):
+    return prompt, (f"{CUT_TOKENS}: the system message and the last turn's framing alone are "
+                    f"over the budget")
+  lost = f"{LOST_TURNS}: {dropped} of {len(rest)}, then " if dropped else ""
+  return cut(c), f"{lost}{CUT_IN_TURN}: kept the last {len(text) - c} of {len(text)} characters"
+
+
+def fit_record(record: Record | SFTExample, text: PreferenceRecord | SFTRecord, t: Template,
+               budget, where: str = "") -> tuple[PreferenceRecord | SFTRecord, str]:
+  """(`text`, the record as `render_record` (a pair) or `render_sft` (an SFT example) rendered
+  it, fitted to `budget`, a `data.PromptBudget`; how its prompt was cut, "" when whole): a
+  conversation's prompt by `fit_prompt` and rendered again with its completions; a text prompt
+  as it is (`data.encode_prompt` keeps its end). A cut the template refuses raises DataError
+  naming `where`."""
+  if budget.fits(text.prompt):
+    return text, ""
+  if isinstance(record, (PreferenceRecord, SFTRecord)):
+    return text, f"{CUT_TOKENS}: a text prompt"
+  try:
+    kept, how = fit_prompt(record.prompt, t, budget.fits)
+  except ValueError as e:
+    raise _refusal(where, e) from None
+  render = render_record if isinstance(record, ChatRecord) else render_sft
+  return render(record._replace(prompt=kept), t, where), how
+
+
+class PromptCuts:
+  """How each prompt of a set was fitted to --max_prompt_length (`rows`: one entry a record, ""
+  when whole), counted by kind and logged with the first records of each."""
+
+  KINDS = (LOST_TURNS, CUT_IN_TURN, CUT_TOKENS)
+
+  def __init__(self, show: int = 3):
+    self.rows, self.show = [], show
+    self.where: dict[str, list[str]] = {k: [] for k in self.KINDS}
+    self.counts: dict[str, int] = {k: 0 for k in self.KINDS}
+
+  def add(self, where: str, how: str) -> None:
+    self.rows.append(how)
+    if how:
+      kind = next(k for k in reversed(self.KINDS) if k in how)  # the last, most severe cut
+      self.counts[kind] += 1
+      if len(self.where[kind]) < self.show:
+        self.where[kind].append(where)
+
+  def log(self, what: str, max_len: int) -> None:
+    if describe_cuts(self.counts):
+      first = "; ".join(f"{k}: {', '.join(w)}" for k, w in self.where.items() if w)
+      logging.warning("%s: %s (of %d; --max_prompt_length=%d; first: %s)", what,
+                      describe_cuts(self.counts), len(self.rows), max_len, first)
+
+
+def describe_cuts(counts: dict[str, int]) -> str:
+  """`PromptCuts.counts` in words, e.g. "12 prompts lost earlier turns, 1 cut inside a turn";
+  "" when none was cut."""
+  parts = [f"{n} {k}" for k, n in counts.items() if n]
+  if parts:
+    n, rest = parts[0].split(" ", 1)
+    parts[0] = f"{n} {'prompt' if n == '1' else 'prompts'} {rest}"
+  return ", ".join(parts)

@@ -26,7 +26,10 @@ Layout of a tokenized DPO example (one row per pair, axis P = 2 for chosen / rej
 
 Prompt and completion are tokenized separately and then concatenated, so no token ever spans the
 boundary. Truncation keeps BOS plus the *end* of the prompt and the *start* of the completion
-(the EOS is lost when a completion is cut), and every truncation is counted and reported.
+(the EOS is lost when a completion is cut), and every truncation is counted and reported. A
+conversation's prompt is fitted to its budget before it gets here (`chat.fit_record`: whole
+earlier turns dropped and the rest rendered again), so this cut reaches it only when its system
+message and last turn alone are over the budget.
 """
 
 from __future__ import annotations
@@ -494,6 +497,18 @@ class TruncationStats:
       logging.warning("%s: truncated %d of %d prompts (kept the end) and %d completions "
                       "(kept the start)", what, self.prompts_truncated, self.examples,
                       self.completions_truncated)
+
+
+class PromptBudget(NamedTuple):
+  """--max_prompt_length as `encode_prompt` counts it: the prompt's ids plus the BOS id it adds
+  (`add_bos`, and the tokenizer has one)."""
+  tok: object
+  max_len: int
+  add_bos: bool = True
+
+  def fits(self, prompt: str) -> bool:
+    bos = self.add_bos and self.tok.bos_id is not None
+    return bos + len(self.tok.encode(prompt)) <= self.max_len
 
 
 def encode_prompt(tok, prompt: str, max_len: int, stats: TruncationStats,

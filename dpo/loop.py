@@ -60,6 +60,7 @@ class Data:
     self.reports = []
     self.held_records = None  # the held-out pairs as read, one per held-out row
     self.train_records = None  # the training pairs as read (kept for an online stage's judge)
+    self.cuts = None  # how each training row's prompt was fitted to --max_prompt_length
     online = bool(cfg.online_stages)
     self.unpaired = self.unpaired_held = None  # unpaired --train_data: rows and `label`
     pair_flags = d.data_format != "auto" or d.chosen_field or d.rejected_field
@@ -112,7 +113,7 @@ class Data:
     prep = functools.partial(prepare.prepare_pairs, cache_dir=cache_dir)
     train_prep = prep(d.train_data, how, eval_split=d.eval_split, train_records=train_records)
     self.reports.append(train_prep.report)
-    self.train_records = train_prep.train_records
+    self.train_records, self.cuts = train_prep.train_records, train_prep.cuts
     if not d.eval_data:
       self.held_records = train_prep.held_records
       return train_prep.train, train_prep.held
@@ -143,7 +144,7 @@ class Data:
                               seed=cfg.run.seed, flag="train_data")
     prep = prepare.prepare_unpaired(d.train_data, how, d.eval_split)
     self.reports.append(prep.report)
-    self.unpaired, self.unpaired_held = prep.train, prep.held
+    self.unpaired, self.unpaired_held, self.cuts = prep.train, prep.held, prep.cuts
     self.held_records = prep.held_records  # their prompts are the sampling prompts' chats
     if not d.eval_data:
       return None
@@ -167,6 +168,8 @@ class Data:
     to_rm = np.array([int.from_bytes(digest(t, n), "big") / 2.0**64 < fraction
                       for t, n in zip(tokens, first)])
     rm_pairs = {k: v[to_rm] for k, v in self.pairs.items()}
+    if self.cuts is not None:
+      self.cuts = [c for c, rm in zip(self.cuts, to_rm) if not rm]
     self.pairs = {k: v[~to_rm] for k, v in self.pairs.items()}
     logging.info("--rm_split=%g: %d pairs for the rm stage, %d for the others (split by prompt)",
                  fraction, int(to_rm.sum()), int((~to_rm).sum()))
@@ -252,13 +255,16 @@ class Data:
 
   def preview(self, n: int) -> list[dict]:
     """The first `n` training pairs (or unpaired examples, with their label) as the model sees
-    them: the text decoded from the token ids, the ids, and the positions whose tokens are
-    scored (loss_mask = 1)."""
+    them: the text decoded from the token ids, the ids, the positions whose tokens are scored
+    (loss_mask = 1) and, for a prompt over --max_prompt_length, how it was cut (`prompt_cut`:
+    chat.fit_record's words)."""
     out, t, sides = [], self.pairs, ((0, "chosen"), (1, "rejected"))
     if t is None:  # unpaired rows: one side a row, the completion, and its label
       t, sides = {k: v[:, None] for k, v in self.unpaired.items()}, ((0, "completion"),)
     for i in range(min(n, len(t["tokens"]))):
       rec = {"index": i}
+      if self.cuts is not None and self.cuts[i]:
+        rec["prompt_cut"] = self.cuts[i]
       if "label" in t:
         rec["label"] = bool(t["label"][i, 0])
       for side, name in sides:
@@ -291,9 +297,16 @@ class Data:
         print(f"--- {'pair' if 'label' not in r else 'example'} {r['index']}: "
               f"{len(r['prompt_ids'])} prompt tokens, "
               f"{' / '.join(str(len(r[f'{k}_scored_positions'])) for k in names)} scored "
-              f"{' / '.join(names)} tokens" + (f", label {r['label']}" if "label" in r else ""))
+              f"{' / '.join(names)} tokens" + (f", label {r['label']}" if "label" in r else "")
+              + (f", prompt {r['prompt_cut']}" if "prompt_cut" in r else ""))
         for k in ("prompt", *names):
           print(f"{k}_text: {r[f'{k}_text']!r}")
+      for report in self.reports:  # each data file's cut prompts, counted
+        cut = report.get("prompt_cuts", {})
+        for part, counts in cut.items() if "train" in cut else ((report.get("role"), cut),):
+          if chat.describe_cuts(counts):
+            print(f"{report['path']} {part}: over --max_prompt_length, "
+                  f"{chat.describe_cuts(counts)}")
       print(f"wrote {len(records)} {'pairs' if self.pairs is not None else 'examples'} to "
             f"{path}; --inspect_data: not training", flush=True)
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}

@@ -1,7 +1,9 @@
 """A preference file -> filtered, templated, split, tokenised arrays, cached on disk.
 
     read lazily (dpo.formats) -> quality filters -> chat template (dpo.chat)
-      -> held-out split by prompt hash -> tokenise (dpo.data) -> .npz cache
+      -> held-out split by prompt hash -> prompts fitted to --max_prompt_length (a
+      conversation loses whole earlier turns: chat.fit_record) -> tokenise (dpo.data)
+      -> .npz cache
 
 A file, a glob of shards, a save_to_disk folder or a mixture of them (`dpo.data.read_sources`:
 each source read and parsed on its own, then its share of the records taken by the seed) all
@@ -41,7 +43,8 @@ import numpy as np
 from dpo import chat, data, formats
 from dpo.data import DataError, Ends, tokenize_pairs, tokenize_sft
 
-_VERSION = "prefs-v4"  # v3: the per-pair margin column; v4: the held-out records
+_VERSION = "prefs-v5"  # v3: the per-pair margin column; v4: the held-out records; v5: chat
+                       # prompts fitted by whole turns, each training row's cut
 _ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 
@@ -72,6 +75,8 @@ class Prepared(NamedTuple):
   held_records: list | None = None        # the M held-out records as read (before rendering),
                                           # for a judge that renders them its own way
   train_records: list | None = None       # the same of the training pairs, when asked for
+  cuts: list | None = None                # how each training row's prompt was fitted to
+                                          # --max_prompt_length ("" whole; chat.fit_record)
 
 
 def in_held_out(prompt: str, fraction: float) -> bool:
@@ -104,6 +109,8 @@ def _save(path: str, prepared: Prepared) -> None:
     if records is not None:
       flat[f"{part}_records"] = np.frombuffer(
           json.dumps([formats.record_json(r) for r in records]).encode(), np.uint8)
+  if prepared.cuts is not None:
+    flat["train_cuts"] = np.frombuffer(json.dumps(prepared.cuts).encode(), np.uint8)
   np.savez(buf, report=np.frombuffer(json.dumps(prepared.report).encode(), np.uint8), **flat)
   tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
   with open(tmp, "wb") as f:
@@ -155,6 +162,8 @@ def _load(path: str) -> Prepared:
                  [formats.record_of_json(r)
                   for r in json.loads(z[f"{part}_records"].tobytes().decode())]
                  for part in ("held", "train")}
+      cuts = (json.loads(z["train_cuts"].tobytes().decode()) if "train_cuts" in z.files
+              else None)
   except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
     raise ValueError(f"{type(e).__name__}: {e}") from None
   for part, arrays in (("train", train), ("held", held or {a: None for a in _ARRAYS})):
@@ -170,7 +179,15 @@ def _load(path: str) -> Prepared:
       raise ValueError(f"{part} records not one per {part} pair")
   if held is not None and records["held"] is None:
     raise ValueError("held-out records missing")
-  return Prepared(train, held, report, records["held"], records["train"])
+  if cuts is None or len(cuts) != len(train["tokens"]):
+    raise ValueError("prompt cuts not one per train pair")
+  return Prepared(train, held, report, records["held"], records["train"], cuts)
+
+
+def _budget(how: Preparation, t, rendered: bool) -> data.PromptBudget:
+  """The prompt budget `data.encode_prompt` will count, with `_template_marks`' BOS rule."""
+  return data.PromptBudget(how.tok, how.max_prompt_length,
+                           _template_marks(t, rendered).get("ends", Ends()).bos)
 
 
 def _template_marks(t, rendered: bool) -> dict:
@@ -203,7 +220,8 @@ def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
     prepared = _cached(path, cache_path)
     if prepared is not None:
       return prepared
-  (train, held), (train_m, held_m), records, report = _read_pairs(path, how, t, eval_split)
+  (train, held), (train_m, held_m), records, cuts, report = _read_pairs(path, how, t,
+                                                                          eval_split)
   report["cache"] = "miss" if cache_path else "off"
   logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
                len(train), len(held), eval_split, t.name)
@@ -215,7 +233,7 @@ def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
                                  **marks), train_m),
       with_margin(tokenize_pairs(held, how.tok, *how.lens, what=f"{path} held-out pairs",
                                  **marks), held_m) if held else None,
-      report, records[1] if held else None, records[0] if train_records else None)
+      report, records[1] if held else None, records[0] if train_records else None, cuts)
   if cache_path:
     os.makedirs(cache_dir, exist_ok=True)
     _save(cache_path, prepared)
@@ -246,8 +264,10 @@ def _cached(path: str, cache_path: str) -> Prepared | None:
 
 def _read_pairs(path: str, how: Preparation, t, eval_split: float):
   """((train texts, held-out texts), their margins (None: the file has no `margin` field),
-  (train, held-out) records as read, report): the file's records read, filtered, rendered with
-  template `t` and split by prompt hash."""
+  (train, held-out) records as read, how each training prompt was cut, report): the file's
+  records read, filtered, rendered with template `t`, split by the whole prompt's hash (so the
+  split does not move with --max_prompt_length) and fitted to the prompt budget
+  (`chat.fit_record`)."""
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   located, sources = data.read_sources(
@@ -271,24 +291,31 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
   filt.log(path)
   margin = _margins(path, [where for where, _ in kept])
   train_m, held_m, records = [], [], ([], [])
+  budget, cuts = _budget(how, t, chats), (chat.PromptCuts(), chat.PromptCuts())
   for (where, text), m in zip(kept, margin or [None] * len(kept)):
     out = in_held_out(text.prompt, eval_split)
+    text = _fit(read[where], text, t, budget, where, skips, cuts[out])
+    if text is None:
+      continue
     (held if out else train).append(text)
     (held_m if out else train_m).append(m)
     records[out].append(read[where])
   if skips is not None:
     skips.log()
+  for part, c in zip(("train pairs", "held-out pairs"), cuts):
+    c.log(f"{path} {part}", how.max_prompt_length)
   if not train:
     raise DataError(f"{path}: no training pairs left after filtering and the held-out split")
   report = {"path": path, **dict(stats), "filters": dataclasses.asdict(filt),
             "skipped_bad_records": skips.count if skips is not None else 0,
             "train_pairs": len(train), "held_out_pairs": len(held), "template": t.name,
             "template_emits_bos": t.emits_bos if isinstance(t, chat.JinjaTemplate) else None,
-            "tokenizer": how.tok.fingerprint(), "chats": chats}
+            "tokenizer": how.tok.fingerprint(), "chats": chats,
+            "prompt_cuts": {"train": cuts[0].counts, "held_out": cuts[1].counts}}
   if len(sources) > 1:
     report["sources"] = sources
   margins = (None, None) if margin is None else (train_m, held_m)
-  return (train, held), margins, records, report
+  return (train, held), margins, records, cuts[0].rows, report
 
 
 def _margins(path: str, wheres: list[str]) -> list[float] | None:
@@ -317,22 +344,27 @@ def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dic
   examples, chats = [], False
   located, sources = data.read_sources(
       path, lambda p: formats.iter_sft_records(p, stats, skips), how.seed, how.flag)
+  rendered = []
   for where, rec in located:
     chats = chats or isinstance(rec, formats.ChatSFTRecord)
     try:
-      examples.append(chat.render_sft(rec, t, where))
+      rendered.append((where, rec, chat.render_sft(rec, t, where)))
     except DataError as e:
       if skips is None:
         raise
       skips.add(e)
+  budget, cuts = _budget(how, t, chats), chat.PromptCuts()
+  examples = [e for e in (_fit(rec, text, t, budget, where, skips, cuts)
+                          for where, rec, text in rendered) if e is not None]
   if skips is not None:
     skips.log()
+  cuts.log(f"{path} SFT examples", how.max_prompt_length)
   if not examples:
     raise DataError(f"{path}: no SFT examples" + (" left after skipping bad records" if skips
                                                    and skips.count else ""))
   report = {"path": path, "role": "sft", **dict(stats), "examples": len(examples),
             "skipped_bad_records": skips.count if skips is not None else 0,
-            "template": t.name if chats else None}
+            "template": t.name if chats else None, "prompt_cuts": cuts.counts}
   if len(sources) > 1:
     report["sources"] = sources
   logging.info("%s: %d SFT examples%s", path, len(examples),
@@ -342,11 +374,27 @@ def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dic
   return arrays, report
 
 
+def _fit(record, text, t, budget: data.PromptBudget, where: str, skips, cuts: chat.PromptCuts):
+  """`text` (the rendering of `record`) fitted to `budget` (`chat.fit_record`), its cut added to
+  `cuts`; None when the template refuses the cut conversation and `skips` counts it (without
+  --skip_bad_records, the DataError)."""
+  try:
+    text, cut = chat.fit_record(record, text, t, budget, where)
+  except DataError as e:
+    if skips is None:
+      raise
+    skips.add(e)
+    return None
+  cuts.add(where, cut)
+  return text
+
+
 class PreparedUnpaired(NamedTuple):
   train: dict[str, np.ndarray]          # [N, T] rows and `label` [N] (True: desirable)
   held: dict[str, np.ndarray] | None    # the same of the held-out examples, or None
   held_records: list | None             # the held-out examples as read
   report: dict
+  cuts: list | None = None              # how each training example's prompt was fitted
 
 
 def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> PreparedUnpaired:
@@ -363,21 +411,27 @@ def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> Pr
   located, sources = data.read_sources(
       path, lambda p: formats.iter_unpaired_records(p, stats, skips), how.seed, how.flag)
   parts = ([], []), ([], []), ([], [])  # (texts, labels, records) of (train, held-out)
-  chats = False
+  chats, rendered = False, []
   for where, rec in located:
     chats = chats or not isinstance(rec.prompt, str)
     try:
-      text = chat.render_sft(rec.example(), t, where)
+      rendered.append((where, rec, chat.render_sft(rec.example(), t, where)))
     except DataError as e:
       if skips is None:
         raise
       skips.add(e)
+  budget, cuts = _budget(how, t, chats), (chat.PromptCuts(), chat.PromptCuts())
+  for where, rec, text in rendered:
+    out = in_held_out(text.prompt, eval_split)  # the whole prompt's hash, as for pairs
+    text = _fit(rec.example(), text, t, budget, where, skips, cuts[out])
+    if text is None:
       continue
-    out = in_held_out(text.prompt, eval_split)
     for part, value in zip(parts, (text, rec.label, rec)):
       part[out].append(value)
   if skips is not None:
     skips.log()
+  for part, c in zip(("unpaired examples", "held-out unpaired examples"), cuts):
+    c.log(f"{path} {part}", how.max_prompt_length)
   (train, held), (train_l, held_l), (_, held_r) = parts
   if not train:
     raise DataError(f"{path}: no unpaired training examples" + (
@@ -385,7 +439,8 @@ def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> Pr
   report = {"path": path, "role": "unpaired", **dict(stats),
             "skipped_bad_records": skips.count if skips is not None else 0,
             "train_examples": len(train), "held_out_examples": len(held),
-            "desirable": int(sum(train_l)), "template": t.name if chats else None}
+            "desirable": int(sum(train_l)), "template": t.name if chats else None,
+            "prompt_cuts": {"train": cuts[0].counts, "held_out": cuts[1].counts}}
   if len(sources) > 1:
     report["sources"] = sources
   logging.info("%s: %d unpaired training examples (%d desirable), %d held-out (eval_split=%g)%s",
@@ -397,4 +452,4 @@ def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> Pr
       "label": np.asarray(labels, bool)}
   return PreparedUnpaired(rows(train, train_l, "unpaired examples"),
                           rows(held, held_l, "held-out unpaired examples") if held else None,
-                          held_r or None, report)
+                          held_r or None, report, cuts[0].rows)

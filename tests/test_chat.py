@@ -174,6 +174,15 @@ TOJSON = r"""{%- set ns = namespace(turn=0) -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '[' ~ (ns.turn + 1) ~ '] "assistant": ' }}{%- endif -%}"""
 
+# SmolLM2-135M-Instruct's template as its tokenizer_config.json carries it: ChatML, a default
+# system turn, and "<|im_start|>" as the BOS token, so every rendering opens with the BOS text.
+SMOLLM2 = """{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+' }}{% endif %}{{'<|im_start|>' + message['role'] + '
+' + message['content'] + '<|im_end|>' + '
+'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant
+' }}{% endif %}"""
+
 FAMILIES = {  # name: (template, added special tokens, bos, eos, template in chat_template.jinja)
     "llama3.1": (LLAMA31, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                            "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>", False),
@@ -185,6 +194,7 @@ FAMILIES = {  # name: (template, added special tokens, bos, eos, template in cha
              "<|endoftext|>", False),
     "zephyr": (ZEPHYR, ["<s>", "</s>"], "<s>", "</s>", True),
     "tojson": (TOJSON, [], None, "<|endoftext|>", False),
+    "smollm2": (SMOLLM2, ["<|im_start|>", "<|im_end|>"], "<|im_start|>", "<|im_end|>", False),
 }
 NO_SYSTEM = ("gemma2", "mistral")
 
@@ -431,3 +441,147 @@ def test_loop_sft_data_uses_the_preference_data_template(tmp_path):
   arrays, report = prepare.prepare_sft(str(sft),
       prepare.Preparation(tokenizer.load_tokenizer(gemma), skip_bad=True))
   assert report["skipped_bad_records"] == 1 and len(arrays["tokens"]) == report["examples"] == 1
+
+
+# --- prompts over --max_prompt_length: whole earlier turns, then a cut inside the last ------------
+
+TURN = ("Tell me more about the history of the {} and the people who lived near it, in detail, "
+        "with dates.")
+REPLY = "The {} was settled early; its people traded grain, wool and salt along the river."
+
+
+def _long_conversation(family, exchanges=4):
+  """[system] + `exchanges` user/assistant exchanges + a final user turn, as dicts."""
+  system = [] if family in NO_SYSTEM else [{"role": "system", "content": "Answer as a guide."}]
+  places = ["valley", "harbour", "castle", "abbey", "market", "bridge"]
+  conv = []
+  for p in places[:exchanges]:
+    conv += [{"role": "user", "content": TURN.format(p)},
+             {"role": "assistant", "content": REPLY.format(p)}]
+  return system, conv + [{"role": "user", "content": "And what is there to see today?"}]
+
+
+def _hf_prompt_ids(hf, messages):
+  return _ids(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+@needs_gpt2
+@pytest.mark.parametrize("family", ["smollm2", "llama3.1", "gemma2", "mistral"])
+def test_a_long_conversation_loses_whole_earlier_turns_as_transformers_renders_them(
+    tmp_path, family, caplog):
+  """The prompt over the budget is transformers' rendering of the system message and the last
+  turns that fit (whole exchanges, from a user turn), framing and generation prompt included;
+  the completions follow that prompt as transformers renders them; a prompt within the budget is
+  untouched; the SFT path fits the same conversations the same way; the log counts them."""
+  transformers = pytest.importorskip("transformers")
+  caplog.set_level("INFO")
+  folder = _folder(tmp_path, family)
+  hf = transformers.AutoTokenizer.from_pretrained(folder)
+  tok = tokenizer.load_tokenizer(folder)
+  system, conv = _long_conversation(family)
+  short = [{"role": "user", "content": "Hi"}]
+  # The budget: what the system message and the last two exchanges plus the final turn take.
+  budget = len(_hf_prompt_ids(hf, system + conv[-5:]))
+  # The oracle: of the conversations that start at a user turn, the longest that fits.
+  fitting = lambda b: next(system + conv[k:] for k in range(0, len(conv), 2)
+                           if len(_hf_prompt_ids(hf, system + conv[k:])) <= b)
+  assert fitting(budget) == system + conv[-5:] and fitting(budget - 1) == system + conv[-3:]
+  rows = [{"prompt": system + conv, "chosen": [{"role": "assistant", "content": "The old mill."}],
+           "rejected": [{"role": "assistant", "content": "Nothing."}]},
+          {"prompt": short, "chosen": [{"role": "assistant", "content": "Hello!"}],
+           "rejected": [{"role": "assistant", "content": "No."}]}]
+  path = tmp_path / "long.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  sft_path = tmp_path / "long_sft.jsonl"
+  sft_path.write_text("".join(json.dumps({"messages": r["prompt"] + r["chosen"]}) + "\n"
+                              for r in rows))
+  for b in (budget, budget - 1):
+    how = prepare.Preparation(tok, max_prompt_length=b, max_target_length=64)
+    prep = prepare.prepare_pairs(str(path), how)
+    sft, sft_report = prepare.prepare_sft(str(sft_path), how)
+    for i, (row, prompt) in enumerate(zip(rows, (fitting(b), short))):
+      want_prompt = hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+      for side, name in ((0, "chosen"), (1, "rejected")):
+        tokens, mask = prep.train["tokens"][i, side], prep.train["loss_mask"][i, side]
+        start, end = int(mask.argmax()), int(prep.train["segment_ids"][i, side].sum())
+        assert tokens[:start].tolist() == _hf_prompt_ids(hf, prompt), (b, i, name)
+        full = hf.apply_chat_template(prompt + row[name], tokenize=False)
+        assert tokens[start:end].tolist() == hf(full[len(want_prompt):],
+                                                add_special_tokens=False)["input_ids"]
+      start = int(sft["loss_mask"][i].argmax())
+      assert sft["tokens"][i, :start].tolist() == _hf_prompt_ids(hf, prompt)
+    dropped = len(conv) - len(fitting(b)) + len(system)
+    assert prep.cuts == [f"lost earlier turns: {dropped} of {len(conv)}", ""]
+    assert prep.report["prompt_cuts"]["train"] == {
+        "lost earlier turns": 1, "cut inside a turn": 0, "cut at tokens": 0}
+    assert sft_report["prompt_cuts"]["lost earlier turns"] == 1
+  assert f"long.jsonl train pairs: 1 prompt lost earlier turns (of 2; --max_prompt_length=" \
+         f"{budget - 1}; first: lost earlier turns: {path}:1)" in caplog.text
+  assert "truncated" not in caplog.text  # no token cut reached these prompts
+  # Negative control: the token cut of the whole rendering (what the prompt was before),
+  # which starts inside a turn at budget - 1, is not the rendering of the kept turns, so the
+  # comparison above tells the two apart.
+  whole = _hf_prompt_ids(hf, system + conv)
+  bos = [tok.bos_id] if hf.bos_token and whole[0] == tok.bos_id else []
+  token_cut = bos + whole[len(whole) - (budget - 1) + len(bos):]
+  assert len(token_cut) == budget - 1 and token_cut != _hf_prompt_ids(hf, fitting(budget - 1))
+
+
+@needs_gpt2
+def test_a_last_turn_alone_over_the_budget_is_cut_inside_its_text(tmp_path):
+  """The system message and the final user turn alone are over the budget: the earlier turns
+  go and the start of the last turn's text is dropped, the fewest characters that fit (one more
+  would not, by transformers' count), inside the template's framing; a budget that not even
+  the framing fits leaves the rendering to the token cut, and says so."""
+  transformers = pytest.importorskip("transformers")
+  folder = _folder(tmp_path, "smollm2")
+  hf = transformers.AutoTokenizer.from_pretrained(folder)
+  tok = tokenizer.load_tokenizer(folder)
+  t = chat.resolve_template("auto", tok)
+  system, conv = _long_conversation("smollm2", exchanges=2)
+  last = " ".join(TURN.format(p) for p in ("valley", "harbour", "castle", "abbey"))
+  conv[-1] = {"role": "user", "content": last}
+  as_messages = lambda ms: tuple(M(m["role"], m["content"]) for m in ms)
+  rec = ChatRecord(as_messages(system + conv), (M("assistant", "Yes."),), (M("assistant", "No."),))
+  budget = data.PromptBudget(tok, 60, add_bos=True)
+  text = chat.render_record(rec, t)
+  assert t.emits_bos  # SmolLM2's BOS is <|im_start|>, which opens every rendering
+  fitted, how = chat.fit_record(rec, text, t, budget, "f.jsonl:1")
+  kept = int(how.split("kept the last ")[1].split(" ")[0])
+  assert how == (f"lost earlier turns: 4 of 5, then cut inside a turn: kept the last {kept} of "
+                 f"{len(last)} characters")
+  with_last = lambda c: system + [{"role": "user", "content": last[len(last) - c:]}]
+  assert len(_hf_prompt_ids(hf, with_last(kept))) <= 60 < len(_hf_prompt_ids(hf, with_last(
+      kept + 1)))
+  assert t.bos_text + fitted.prompt == hf.apply_chat_template(
+      with_last(kept), add_generation_prompt=True, tokenize=False)
+  assert fitted.chosen == text.chosen == "Yes.<|im_end|>\n"
+  assert [tok.bos_id] + tok.encode(fitted.prompt) == _hf_prompt_ids(hf, with_last(kept))
+  # Not even the system turn and the framing fit: nothing is cut here, the token cut keeps
+  # the rendering's end, and the words say which.
+  same, how = chat.fit_record(rec, text, t, data.PromptBudget(tok, 12, add_bos=True), "f")
+  assert same == text and how.startswith("cut at tokens: the system message and the last "
+                                         "turn's framing alone are over the budget")
+  cuts = chat.PromptCuts()
+  for where, h in (("a", ""), ("b", "lost earlier turns: 2 of 5"), ("c", how),
+                   ("d", "lost earlier turns: 4 of 5, then cut inside a turn: kept ...")):
+    cuts.add(where, h)
+  assert chat.describe_cuts(cuts.counts) == ("1 prompt lost earlier turns, 1 cut inside a turn, "
+                                             "1 cut at tokens")
+  assert cuts.rows[0] == "" and cuts.where["cut inside a turn"] == ["d"]
+
+
+def test_a_text_prompt_over_the_budget_keeps_the_token_cut():
+  """A plain-string prompt is not a conversation: it passes as it is, and the token cut keeps
+  its end as before."""
+  tok = tokenizer.ByteTokenizer()
+  text = PreferenceRecord("x" * 30 + "the question?", "a", "b")
+  rec, how = chat.fit_record(text, text, chat.TEMPLATES["plain"],
+                             data.PromptBudget(tok, 20), "t.jsonl:1")
+  assert rec is text and how == "cut at tokens: a text prompt"
+  stats = data.TruncationStats()
+  ids = data.encode_prompt(tok, rec.prompt, 20, stats)
+  assert len(ids) == 20 and tok.decode(ids[1:]).endswith("the question?")
+  assert stats.prompts_truncated == 1
+  assert chat.fit_record(text, text, chat.TEMPLATES["plain"], data.PromptBudget(tok, 64)) == (
+      text, "")

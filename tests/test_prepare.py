@@ -180,6 +180,46 @@ def test_inspect_data_writes_the_preview_and_trains_nothing(tmp_path, capsys):
   assert "prompt_text: '<|im_start|>system" in printed and "not training" in printed
 
 
+def test_the_preview_and_the_log_say_which_prompts_lost_turns(tmp_path, capsys, caplog):
+  """Conversations over --max_prompt_length (a hand-written template, the byte tokenizer): the
+  preview's rows name each prompt's cut, a cut prompt still opens with the system turn and ends
+  with the generation prompt, the printed lines and the log count them, and a second run that
+  loads the cache says the same."""
+  caplog.set_level("INFO")
+  long_conv = lambda i: [{"from": "human", "value": "an earlier question " * 3},
+                         {"from": "gpt", "value": "an earlier answer " * 3},
+                         {"from": "human", "value": f"q{i}"}]
+  rows = [{**r, "conversations": long_conv(i) if i % 4 == 0 else r["conversations"]}
+          for i, r in enumerate(SHAREGPT)]
+  rows[1] = {**rows[1], "conversations": [{"from": "human", "value": "a long question " * 20}]}
+  path = _write(tmp_path, rows, "long.jsonl")
+  system = "<|im_start|>system\nBe brief.<|im_end|>\n"
+  for run in ("first", "cached"):
+    out = tmp_path / run
+    cfg = configs.DEFAULT.replace(train_data=path, chat_template="chatml", inspect_data=8,
+                                  max_prompt_length=96, output_dir=str(out),
+                                  data_cache_dir=str(tmp_path / "cache"))
+    loop.run(cfg)
+    preview = [json.loads(x) for x in open(out / "data_preview.jsonl")]
+    for r in preview:
+      assert r["prompt_text"].startswith(system), r
+      assert r["prompt_text"].endswith("<|im_end|>\n<|im_start|>assistant\n")
+      assert len(r["prompt_ids"]) <= 96
+    assert [r["index"] for r in preview if "prompt_cut" in r] == [0, 1, 4]
+    assert preview[0]["prompt_cut"] == preview[4]["prompt_cut"] == "lost earlier turns: 2 of 3"
+    assert preview[0]["prompt_text"] == system + (
+        "<|im_start|>user\nq0<|im_end|>\n<|im_start|>assistant\n")
+    assert preview[1]["prompt_cut"].startswith("cut inside a turn: kept the last ")
+    assert preview[1]["prompt_text"].startswith(system + "<|im_start|>user\n")
+    printed = capsys.readouterr().out
+    assert (f"{path} train: over --max_prompt_length, 16 prompts lost earlier turns, 1 cut "
+            f"inside a turn") in printed
+    assert ", prompt lost earlier turns: 2 of 3" in printed  # the pair's own line
+  assert (f"{path} train pairs: 16 prompts lost earlier turns, 1 cut inside a turn (of 64; "
+          f"--max_prompt_length=96; first: lost earlier turns: {path}:1, {path}:5, {path}:9; "
+          f"cut inside a turn: {path}:2)") in caplog.text
+
+
 def test_corrupt_cache_is_rebuilt_and_stale_tmp_removed(tmp_path, caplog):
   path, cache = _write(tmp_path, ROWS), tmp_path / "cache"
   tok = tokenizer.ByteTokenizer()
