@@ -220,6 +220,27 @@ def test_the_preview_and_the_log_say_which_prompts_lost_turns(tmp_path, capsys, 
           f"cut inside a turn: {path}:2)") in caplog.text
 
 
+def test_unpaired_conversations_lose_whole_turns_as_pairs_do(tmp_path):
+  """prepare_unpaired fits each conversation's prompt as prepare_pairs does: the kept prompt
+  is the template's rendering of the system message and the last turn, the cut counted."""
+  from dpo import chat
+  turns = [{"role": "system", "content": "Be brief."},
+           {"role": "user", "content": "an earlier question " * 4},
+           {"role": "assistant", "content": "an earlier answer " * 4},
+           {"role": "user", "content": "q?"}]
+  rows = [{"prompt": turns if i == 0 else turns[-1:], "completion": [
+      {"role": "assistant", "content": f"a{i}"}], "label": i % 2 == 0} for i in range(4)]
+  tok = tokenizer.ByteTokenizer()
+  prep = prepare.prepare_unpaired(_write(tmp_path, rows, "u.jsonl"), prepare.Preparation(
+      tok, template="chatml", max_prompt_length=96, max_target_length=16))
+  assert prep.cuts == ["lost earlier turns: 2 of 3", "", "", ""]
+  assert prep.report["prompt_cuts"]["train"]["lost earlier turns"] == 1
+  kept = [formats.Message(m["role"], m["content"]) for m in (turns[0], turns[-1])]
+  start = int(prep.train["loss_mask"][0].argmax())
+  assert prep.train["tokens"][0, :start].tolist() == [tok.bos_id] + tok.encode(
+      chat.render_prompt(chat.TEMPLATES["chatml"], kept))
+
+
 def test_corrupt_cache_is_rebuilt_and_stale_tmp_removed(tmp_path, caplog):
   path, cache = _write(tmp_path, ROWS), tmp_path / "cache"
   tok = tokenizer.ByteTokenizer()
