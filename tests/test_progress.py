@@ -1,0 +1,49 @@
+"""dpo/progress.py: a line at least every INTERVAL seconds of silence, naming the innermost
+activity and the last line before the silence, and none while other lines keep coming."""
+
+import logging as std_logging
+import time
+
+from absl import logging
+
+from dpo import progress
+
+
+class _Lines(std_logging.Handler):
+  def __init__(self):
+    super().__init__(level=std_logging.INFO)
+    self.lines = []
+
+  def emit(self, record):
+    self.lines.append((time.monotonic(), record.getMessage()))
+
+
+def test_a_line_every_interval_of_silence_and_none_while_lines_come(monkeypatch):
+  monkeypatch.setattr(progress, "INTERVAL", 0.3)
+  lines = _Lines()
+  root = std_logging.getLogger()
+  root.addHandler(lines)
+  old_level = logging.get_verbosity()
+  logging.set_verbosity(logging.INFO)
+  try:
+    with progress.doing("the outer job"):
+      logging.info("exported the adapter")
+      with progress.doing("an evaluation"):
+        time.sleep(1.6)  # silent: about five lines
+      busy_from = time.monotonic()
+      while time.monotonic() - busy_from < 1.2:  # a line every 0.05 s: the watcher stays quiet
+        logging.info("step")
+        time.sleep(0.05)
+    time.sleep(0.8)  # outside every block: nothing
+  finally:
+    root.removeHandler(lines)
+    logging.set_verbosity(old_level)
+  still = [(t, m) for t, m in lines.lines if m.startswith("still working: ")]
+  assert 3 <= len([1 for t, _ in still if t < busy_from]) <= 6, still
+  first = still[0][1]
+  assert first.startswith("still working: an evaluation, ") and "(exported the adapter)" in first
+  # After the first, each names the line before the silence: the previous heartbeat.
+  assert all("still working: an evaluation" in m for _, m in still[1:] if _ < busy_from)
+  assert not [m for t, m in still if t > busy_from + 0.35], still
+  gaps = [b[0] - a[0] for a, b in zip(lines.lines, lines.lines[1:]) if b[0] < busy_from]
+  assert max(gaps) < 0.3 + 0.5  # the interval, and the watcher's polling and a loaded machine
