@@ -24,26 +24,56 @@ Dr. GRPO also drops the division by the group's reward std (`scale_rewards="none
 clip-higher is `grpo_epsilon_high` > `grpo_epsilon` and its overlong filtering
 `mask_truncated_completions`.
 
-TRL 1.16 also has, and this module leaves out: the loss types cispo, sapo, luspo and vespo, the
-entropy bonus (`entropy_coef`, adaptive entropy), off-policy sequence masking
-(`off_policy_mask_threshold`), vLLM importance-sampling correction, the MoE router loss, and
-`multi_objective_aggregation="normalize_then_sum"` (here rewards are summed, then normalised:
-TRL's default "sum_then_normalize").
+The loss types that change the per-token loss itself (TRL 1.16's other four):
+
+  cispo    -sg(min(r, epsilon_high)) A log pi(y_t): the importance weight clipped and detached,
+           the policy gradient through the log-prob (MiniMax-M1, arXiv:2506.13585; TRL's
+           epsilon_high is CISPO's eps_max, 5.0 recommended); aggregated as dapo.
+  sapo     -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_temperature_pos for A > 0, else
+           sapo_temperature_neg: a soft gate in place of the clip (SAPO, arXiv:2511.20347);
+           aggregated as grpo.
+  luspo    the clipped objective, each completion's token sum, then the mean over completions:
+           GSPO scaled by length (LUSPO, arXiv:2602.05261; meant with
+           importance_sampling_level="sequence").
+  vespo    -sg(phi(w)) A log pi(y_t), phi(w) = exp(lam) w^k exp(-lam w) of the completion's
+           importance weight w = exp(sum_t log r) (log r clamped to [-20, 20], log w to
+           [log 1e-8, 20]), k, lam = vespo_k_pos, vespo_lambda_pos for A >= 0, else the _neg ones
+           (VESPO, arXiv:2602.10693); aggregated as dapo.
+
+Beside any loss type: `off_policy_mask_threshold` drops completions with a negative advantage
+whose mean token KL(pi_old || pi) exceeds it (DeepSeek-V3.2, arXiv:2512.02556, eq. 9), and
+`entropy_coef` subtracts coef times the mean token entropy of the policy (the tokens the policy
+term acts on). Rewards of several functions are summed then normalised (TRL's default
+"sum_then_normalize") or, with `multi_objective_aggregation="normalize_then_sum"`, each function
+normalised within its group, the weighted sum then normalised over the batch (GDPO,
+arXiv:2601.05242).
+
+TRL 1.16 also has, and this module leaves out: adaptive entropy control (`use_adaptive_entropy`
+and its entropy_coef_min/max/delta and entropy_target: a coefficient that moves between steps,
+state outside the step; no flag here, so absl refuses one), vLLM importance-sampling
+correction, and the MoE router loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from models.config import (FINITE_NONNEG, POS, UNIT, at_least, check, one_of, option, rules,
-                           shown)
+from models.config import (FINITE_NONNEG, FINITE_POS, POS, UNIT, at_least, check, one_of,
+                           option, rules, shown)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+FINITE = (lambda v: math.isfinite(v), "a finite number")
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped ratio (epsilons, delta)
 SCALE_REWARDS = ("group", "batch", "none")
+SCALE_SPELLINGS = {True: "group", False: "none", "True": "group", "true": "group",
+                   "False": "none", "false": "none"}  # TRL's bools, as values or the flag's text
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
 
 
@@ -66,12 +96,39 @@ class GRPOConfig:
   grpo_delta: float = option(0.0, "GRPO: two-sided clipping, the unclipped ratio capped at delta "
                              "(TRL's delta, INTELLECT-2; recommended > 1 + epsilon_high); 0 = "
                              "off (TRL's None).")
-  grpo_loss_type: str = option("dapo", f"GRPO: aggregation of the per-token loss (TRL's "
+  grpo_loss_type: str = option("dapo", f"GRPO: the per-token loss and its aggregation (TRL's "
                                f"loss_type), from {', '.join(LOSS_TYPES)} "
                                f"(dpo/policy_gradient.py says each).")
+  sapo_temperature_neg: float = option(1.05, "GRPO sapo: gate temperature of tokens with advantage "
+                                       "<= 0 (TRL's sapo_temperature_neg).")
+  sapo_temperature_pos: float = option(1.0, "GRPO sapo: gate temperature of tokens with advantage "
+                                       "> 0 (TRL's sapo_temperature_pos).")
+  vespo_k_pos: float = option(2.0, "GRPO vespo: power k of the gamma weight for advantage >= 0 "
+                              "(TRL's vespo_k_pos); larger down-weights ratios below 1 more.")
+  vespo_lambda_pos: float = option(3.0, "GRPO vespo: decay lambda of the gamma weight for "
+                                   "advantage >= 0 (TRL's vespo_lambda_pos); larger down-weights "
+                                   "ratios above 1 more.")
+  vespo_k_neg: float = option(3.0, "GRPO vespo: power k of the gamma weight for advantage < 0 "
+                              "(TRL's vespo_k_neg).")
+  vespo_lambda_neg: float = option(2.0, "GRPO vespo: decay lambda of the gamma weight for "
+                                   "advantage < 0 (TRL's vespo_lambda_neg).")
+  entropy_coef: float = option(0.0, "GRPO: subtract this times the mean token entropy of the "
+                               "policy from the loss, whatever the loss type (TRL's "
+                               "entropy_coef; > 0 is a bonus for exploring); 0 = off.")
+  off_policy_mask_threshold: float = option(0.0, "GRPO: leave out of the loss each completion "
+                                            "with a negative advantage whose mean token "
+                                            "KL(pi_old || pi) exceeds this (TRL's "
+                                            "off_policy_mask_threshold, DeepSeek-V3.2's delta, "
+                                            "e.g. 0.5); 0 = off (TRL's None).")
+  multi_objective_aggregation: str = option("sum_then_normalize", "GRPO, several reward "
+                                            "functions: sum the weighted rewards, then normalise "
+                                            "as --scale_rewards says (sum_then_normalize), or "
+                                            "normalise each function within its group, sum, then "
+                                            "normalise over the batch (normalize_then_sum; GDPO) "
+                                            "(TRL's multi_objective_aggregation).")
   scale_rewards: str = option("group", "GRPO advantages: reward minus its group's mean, divided "
-                              "by the group's std (group), the batch's std (batch), or not "
-                              "(none; Dr. GRPO) (TRL's scale_rewards).")
+                              "by the group's std (group, or True), the batch's std (batch), or "
+                              "not (none, or False; Dr. GRPO) (TRL's scale_rewards).")
   importance_sampling_level: str = option("token", "GRPO: importance ratio per token (token) or "
                                           "one per completion, exp of the mean log-ratio "
                                           "(sequence; GSPO) (TRL's importance_sampling_level).")
@@ -96,16 +153,39 @@ class GRPOConfig:
                                        "every token.")
 
   def __post_init__(self):
+    if isinstance(self.scale_rewards, bool) or self.scale_rewards in SCALE_SPELLINGS:
+      object.__setattr__(self, "scale_rewards", SCALE_SPELLINGS[self.scale_rewards])
     rules(self, grpo_beta=FINITE_NONNEG, grpo_epsilon=UNIT, grpo_epsilon_high=FINITE_NONNEG,
           grpo_delta=(lambda v: v == 0 or 1 < v < math.inf, "0 (off) or a finite number > 1"),
           grpo_loss_type=one_of(LOSS_TYPES), scale_rewards=one_of(SCALE_REWARDS),
           importance_sampling_level=one_of(("token", "sequence")),
           reward_weights=(lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
           num_generations=at_least(2), num_iterations=at_least(1), max_completion_length=POS,
-          top_entropy_quantile=(lambda v: 0 <= v <= 1, "in [0, 1]"))
+          top_entropy_quantile=(lambda v: 0 <= v <= 1, "in [0, 1]"),
+          sapo_temperature_neg=FINITE_POS, sapo_temperature_pos=FINITE_POS,
+          vespo_k_pos=FINITE_NONNEG, vespo_lambda_pos=FINITE_NONNEG, vespo_k_neg=FINITE_NONNEG,
+          vespo_lambda_neg=FINITE_NONNEG, entropy_coef=FINITE,
+          off_policy_mask_threshold=(lambda v: v == 0 or 0 < v < math.inf,
+                                     "0 (off) or a finite number > 0"),
+          multi_objective_aggregation=one_of(AGGREGATIONS))
     check(self.use_bias_correction_kl or self.grpo_beta > 0,
           "--use_bias_correction_kl=False: must go with --grpo_beta > 0 (it changes only the KL "
           "term)")
+    # A loss type's own hyperparameters, and the clip's, are refused where nothing reads them.
+    readers = {"sapo_temperature_neg": ("sapo",), "sapo_temperature_pos": ("sapo",),
+               "vespo_k_pos": ("vespo",), "vespo_lambda_pos": ("vespo",),
+               "vespo_k_neg": ("vespo",), "vespo_lambda_neg": ("vespo",),
+               "grpo_epsilon": CLIPPED + ("cispo",), "grpo_epsilon_high": CLIPPED + ("cispo",),
+               "grpo_delta": CLIPPED}
+    for f in dataclasses.fields(self):
+      types, value = readers.get(f.name, LOSS_TYPES), getattr(self, f.name)
+      check(self.grpo_loss_type in types or value == f.default,
+            f"--{f.name}={shown(value)}: must go with --grpo_loss_type={' or '.join(types)} "
+            f"(read only there), not {self.grpo_loss_type}")
+    check(self.multi_objective_aggregation == "sum_then_normalize"
+          or self.scale_rewards == "group",
+          f"--scale_rewards={self.scale_rewards!r}: must go with --multi_objective_aggregation="
+          f"sum_then_normalize (normalize_then_sum scales by each group's, then the batch's, std)")
 
   @property
   def epsilon_low(self) -> float:
@@ -173,6 +253,35 @@ def frac_reward_zero_std(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array
   return jnp.isclose(std_BG, 0.0).mean()
 
 
+def normalized_sum(rewards_BGF: jax.Array, reward_weights: tuple[float, ...] = ()) -> jax.Array:
+  """[B, G] GDPO's reward (TRL's multi_objective_aggregation="normalize_then_sum"): each
+  function's reward less its group's mean over its group's std + 1e-4 (unbiased; over the
+  completions it scored; 0 with one completion a group), then the weighted sum as
+  `weighted_rewards`: a NaN counted as 0 (a None, or a function's NaN std: a group it scored
+  once), a completion no function scored NaN."""
+  B, G, F = rewards_BGF.shape
+  mean_B1F = jnp.nanmean(rewards_BGF, axis=1, keepdims=True)
+  std_B1F = _nanstd(rewards_BGF, axis=1) if G > 1 else jnp.zeros_like(mean_B1F)
+  total_BG = jnp.nan_to_num(weighted_rewards((rewards_BGF - mean_B1F) / (std_B1F + STD_EPS),
+                                             reward_weights), nan=0.0)
+  return jnp.where(jnp.isnan(rewards_BGF).all(-1), jnp.nan, total_BG)
+
+
+def advantages(rewards_BGF: jax.Array, cfg: GRPOConfig) -> tuple[jax.Array, jax.Array]:
+  """([B, G] advantages, frac_reward_zero_std) of G completions per prompt from each of the F
+  reward functions' rewards (NaN: the function returned None), as cfg.multi_objective_aggregation
+  says: the weighted sum's `group_advantages` (sum_then_normalize), or `normalized_sum` less the
+  batch's mean over the batch's std + 1e-4 (normalize_then_sum). TRL 1.16's
+  `_generate_and_score_completions`; unscorable completions get 0."""
+  if cfg.multi_objective_aggregation == "normalize_then_sum":
+    r_BG = normalized_sum(rewards_BGF, cfg.reward_weights)
+    adv_BG = (r_BG - jnp.nanmean(r_BG)) / (reward_std(r_BG, "batch") + STD_EPS)
+    return jnp.nan_to_num(adv_BG, nan=0.0), frac_reward_zero_std(r_BG, "batch")
+  r_BG = weighted_rewards(rewards_BGF, cfg.reward_weights)
+  return (group_advantages(r_BG, cfg.scale_rewards),
+          frac_reward_zero_std(r_BG, cfg.scale_rewards))
+
+
 # --- the loss -------------------------------------------------------------------------------------
 
 def high_entropy_mask(entropies_NT: jax.Array, mask_NT: jax.Array, top_entropy_quantile: float):
@@ -201,52 +310,108 @@ def _per_completion(x_NT: jax.Array, mask_NT: jax.Array) -> jax.Array:
   return jnp.where(n_N > 0, (x_NT * mask_NT).sum(-1) / jnp.where(n_N > 0, n_N, 1.0), jnp.nan)
 
 
+def token_entropy(logits_NTV: jax.Array) -> jax.Array:
+  """[N, T] entropy (nats) of the next-token distribution that scores token t (logits at t - 1,
+  as logprobs.token_logps; position 0, without context, 0): TRL's `entropy_from_logits`."""
+  logp = jax.nn.log_softmax(logits_NTV[:, :-1].astype(jnp.float32), axis=-1)
+  return jnp.pad(-(jnp.exp(logp) * logp).sum(-1), ((0, 0), (1, 0)))
+
+
+def off_policy_mask(logps_NT, old_logps_NT, advantages_N1, mask_NT, threshold: float):
+  """[N, 1] 1 to keep, 0 to drop: a completion with a negative advantage whose mean token
+  KL(pi_old || pi) (old log-prob less the policy's, no gradient) exceeds `threshold` is dropped
+  (DeepSeek-V3.2, arXiv:2512.02556, eq. 9; TRL's get_off_policy_mask)."""
+  kl_NT = jnp.nan_to_num(old_logps_NT - jax.lax.stop_gradient(logps_NT), nan=0.0)
+  kl_N1 = (kl_NT * mask_NT).sum(-1, keepdims=True) / jnp.maximum(
+      mask_NT.sum(-1, keepdims=True), 1.0)
+  return ((advantages_N1 >= 0) | (kl_N1 <= threshold)).astype(mask_NT.dtype)
+
+
+def gamma_weights(log_ratio_NT, advantages_N1, mask_NT, cfg: GRPOConfig) -> jax.Array:
+  """[N, 1] VESPO's phi(w) = exp(lam + k log w - lam w) of each completion's importance weight
+  w = exp(sum_t log r_t), without gradient (k, lam by the advantage's sign; NaN or inf -> 0):
+  TRL's get_gamma_weights without vLLM's correction."""
+  seq_N1 = (jnp.clip(log_ratio_NT, -20.0, 20.0) * mask_NT).sum(-1, keepdims=True)
+  log_w = jnp.clip(jax.lax.stop_gradient(seq_N1), math.log(1e-8), 20.0)
+  pos = advantages_N1 >= 0
+  k = jnp.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
+  lam = jnp.maximum(jnp.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg), 1e-4)
+  phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+  return jnp.where(jnp.isfinite(phi), phi, 0.0)
+
+
 def grpo_loss(logps_NT: jax.Array, old_logps_NT: jax.Array | None,
               ref_logps_NT: jax.Array | None, advantages_N: jax.Array, mask_NT: jax.Array,
               cfg: GRPOConfig, *, num_items: jax.Array | float | None = None,
               entropies_NT: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """(scalar loss, metrics) of GRPO (Shao et al. 2024, eq. 3; k3 KL of eq. 4), TRL 1.16's
-  `GRPOTrainer._compute_loss` for loss types grpo, bnpo, dr_grpo and dapo.
+  `GRPOTrainer._compute_loss` for every loss type it has.
 
   logps_NT: per-token log-probs (nats) of the N sampled completions under the policy being
     trained; old_logps_NT under the policy that sampled them (None: `logps_NT` without its
     gradient, TRL's on-policy case); ref_logps_NT under the reference (read iff grpo_beta > 0).
-  advantages_N: one advantage per completion (`group_advantages`, flattened); mask_NT: 1 on
-    completion tokens. The per-token loss is -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
-    (r capped at grpo_delta first when set) + beta * KL_k3, aggregated as cfg.grpo_loss_type
-    says (the module docstring).
-  num_items (keyword, dapo only): what dapo divides the summed token loss by; None = this
-    call's completion-token count. TRL divides by num_items_in_batch / num_processes *
+  advantages_N: one advantage per completion (`advantages`, flattened); mask_NT: 1 on
+    completion tokens. The per-token loss is cfg.grpo_loss_type's (the module docstring; the
+    clipped types: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r capped at grpo_delta
+    first when set), times the off-policy mask when set, plus beta * KL_k3, aggregated as the
+    loss type says, less entropy_coef times the mean entropy.
+  num_items (keyword; dapo, cispo and vespo): what they divide the summed token loss by; None =
+    this call's completion-token count. TRL divides by num_items_in_batch / num_processes *
     gradient_accumulation_steps / steps_per_generation; a step that averages K microbatches
     (train.accumulate) passes the whole batch's token count / K.
-  entropies_NT (keyword): per-token entropies of the policy, read with top_entropy_quantile < 1
-    (the policy term only on high-entropy tokens), and logged as "entropy" when given.
+  entropies_NT (keyword): per-token entropies of the policy (`token_entropy`), read with
+    top_entropy_quantile < 1 (the policy term only on high-entropy tokens) and entropy_coef,
+    and logged as "entropy" when given.
 
-  Metrics, TRL's names: kl (with beta), entropy, clip_ratio/{low,high,region}_mean as (sum,
-  count) pairs that train.accumulate divides; clip_ratio/low_min and clip_ratio/high_max (over
-  completions) as values.
+  Metrics, TRL's names: kl (with beta), entropy, clip_ratio/{low,high,region}_mean (clipped
+  types), cispo_clip_ratio, vespo/phi_seq_mean as (sum, count) pairs that train.accumulate
+  divides; clip_ratio/low_min and clip_ratio/high_max (over completions), and with entropy_coef
+  policy_loss (the loss before the entropy term) and entropy_coef, as values.
   """
+  loss_type = cfg.grpo_loss_type
+  check(loss_type in LOSS_TYPES, f"--grpo_loss_type={loss_type!r}: must be "
+        f"{one_of(LOSS_TYPES)[1]}")
+  needs_entropy = cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0
+  check(not needs_entropy or entropies_NT is not None,
+        f"--{'top_entropy_quantile' if cfg.top_entropy_quantile < 1 else 'entropy_coef'}="
+        f"{cfg.top_entropy_quantile if cfg.top_entropy_quantile < 1 else cfg.entropy_coef}: "
+        f"grpo_loss needs entropies_NT")
   mask_NT = mask_NT.astype(jnp.float32)
   A_N1 = advantages_N.reshape(-1, 1)
   old_logps_NT = jax.lax.stop_gradient(logps_NT if old_logps_NT is None else old_logps_NT)
+  if cfg.off_policy_mask_threshold:
+    keep_N1 = off_policy_mask(logps_NT, old_logps_NT, A_N1, mask_NT, cfg.off_policy_mask_threshold)
   log_ratio_NT = logps_NT - old_logps_NT
+  log_iw = log_ratio_NT
   if cfg.importance_sampling_level == "sequence":  # GSPO: exp of the mean log-ratio, [N, 1]
-    log_ratio_NT = ((log_ratio_NT * mask_NT).sum(-1, keepdims=True)
-                    / jnp.maximum(mask_NT.sum(-1, keepdims=True), 1.0))
-  ratio = jnp.exp(log_ratio_NT)  # [N, T] or [N, 1]
-  clipped = jnp.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
-  if cfg.grpo_delta:
-    ratio_kl, ratio = ratio, jnp.minimum(ratio, cfg.grpo_delta)
-  else:
-    ratio_kl = ratio
-  per_token = -jnp.minimum(ratio * A_N1, clipped * A_N1)
-  if cfg.top_entropy_quantile < 1.0:
-    check(entropies_NT is not None, f"--top_entropy_quantile={cfg.top_entropy_quantile}: "
-          f"grpo_loss needs entropies_NT")
-    per_token = per_token * high_entropy_mask(entropies_NT, mask_NT, cfg.top_entropy_quantile)
-  per_token = jnp.broadcast_to(per_token, mask_NT.shape)
+    log_iw = ((log_ratio_NT * mask_NT).sum(-1, keepdims=True)
+              / jnp.maximum(mask_NT.sum(-1, keepdims=True), 1.0))
+  ratio_kl = ratio = jnp.exp(log_iw)  # [N, T] or [N, 1]
 
   metrics = {}
+  if loss_type == "cispo":
+    weight = jax.lax.stop_gradient(jnp.minimum(ratio, cfg.epsilon_high))
+    per_token = -weight * A_N1 * logps_NT
+  elif loss_type == "sapo":
+    tau_N1 = jnp.where(A_N1 > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    per_token = -jax.nn.sigmoid(tau_N1 * (ratio - 1)) * 4 / tau_N1 * A_N1
+  elif loss_type == "vespo":
+    phi_N1 = gamma_weights(log_ratio_NT, A_N1, mask_NT, cfg)
+    per_token = -phi_N1 * A_N1 * logps_NT
+  else:  # the clipped ratio
+    clipped = jnp.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+    if cfg.grpo_delta:
+      ratio = jnp.minimum(ratio, cfg.grpo_delta)
+    per_token = -jnp.minimum(ratio * A_N1, clipped * A_N1)
+  if cfg.off_policy_mask_threshold:
+    per_token = per_token * keep_N1
+  live_NT = mask_NT  # the tokens the policy term (and the entropy bonus) acts on
+  if cfg.top_entropy_quantile < 1.0:
+    high_NT = high_entropy_mask(entropies_NT, mask_NT, cfg.top_entropy_quantile)
+    per_token = per_token * high_NT
+    live_NT = mask_NT * high_NT
+  per_token = jnp.broadcast_to(per_token, mask_NT.shape)
+
   if cfg.grpo_beta:
     check(ref_logps_NT is not None, f"--grpo_beta={cfg.grpo_beta}: grpo_loss needs ref_logps_NT")
     d_NT = ref_logps_NT - logps_NT
@@ -258,24 +423,35 @@ def grpo_loss(logps_NT: jax.Array, old_logps_NT: jax.Array | None,
 
   N = mask_NT.shape[0]
   summed = (per_token * mask_NT).sum()
-  if cfg.grpo_loss_type == "grpo":
+  if loss_type in ("grpo", "sapo"):
     loss = ((per_token * mask_NT).sum(-1) / jnp.maximum(mask_NT.sum(-1), 1.0)).mean()
-  elif cfg.grpo_loss_type == "bnpo":
+  elif loss_type == "bnpo":
     loss = summed / jnp.maximum(mask_NT.sum(), 1.0)
-  elif cfg.grpo_loss_type == "dr_grpo":
+  elif loss_type == "dr_grpo":
     loss = summed / (N * cfg.max_completion_length)
-  elif cfg.grpo_loss_type == "dapo":
+  elif loss_type == "luspo":
+    loss = (per_token * mask_NT).sum(-1).mean()
+  else:  # dapo, cispo, vespo
     loss = summed / (jnp.maximum(mask_NT.sum(), 1.0) if num_items is None else num_items)
-  else:
-    raise ValueError(f"--grpo_loss_type={cfg.grpo_loss_type!r}: must be {one_of(LOSS_TYPES)[1]}")
 
+  if cfg.entropy_coef:
+    metrics["policy_loss"] = jax.lax.stop_gradient(loss)
+    bonus = (entropies_NT * live_NT).sum() / jnp.maximum(live_NT.sum(), 1.0)
+    loss = loss - cfg.entropy_coef * bonus
+    metrics["entropy_coef"] = jnp.float32(cfg.entropy_coef)
   if entropies_NT is not None:
-    metrics["entropy"] = _mean(entropies_NT, mask_NT)
-  low = ((ratio < 1 - cfg.epsilon_low) & (A_N1 < 0)).astype(jnp.float32)
-  high = ((ratio > 1 + cfg.epsilon_high) & (A_N1 > 0)).astype(jnp.float32)
-  metrics["clip_ratio/low_mean"] = _mean(low, mask_NT)
-  metrics["clip_ratio/high_mean"] = _mean(high, mask_NT)
-  metrics["clip_ratio/region_mean"] = _mean(jnp.maximum(low, high), mask_NT)
-  metrics["clip_ratio/low_min"] = jnp.nanmin(_per_completion(low, mask_NT))
-  metrics["clip_ratio/high_max"] = jnp.nanmax(_per_completion(high, mask_NT))
+    metrics["entropy"] = _mean(jax.lax.stop_gradient(entropies_NT), mask_NT)
+  if loss_type in CLIPPED:
+    low = ((ratio < 1 - cfg.epsilon_low) & (A_N1 < 0)).astype(jnp.float32)
+    high = ((ratio > 1 + cfg.epsilon_high) & (A_N1 > 0)).astype(jnp.float32)
+    metrics["clip_ratio/low_mean"] = _mean(low, mask_NT)
+    metrics["clip_ratio/high_mean"] = _mean(high, mask_NT)
+    metrics["clip_ratio/region_mean"] = _mean(jnp.maximum(low, high), mask_NT)
+    metrics["clip_ratio/low_min"] = jnp.nanmin(_per_completion(low, mask_NT))
+    metrics["clip_ratio/high_max"] = jnp.nanmax(_per_completion(high, mask_NT))
+  elif loss_type == "cispo":
+    clip = ((ratio > cfg.epsilon_high) & (A_N1 > 0)).astype(jnp.float32)
+    metrics["cispo_clip_ratio"] = _mean(clip, mask_NT)
+  elif loss_type == "vespo":
+    metrics["vespo/phi_seq_mean"] = _mean(phi_N1, mask_NT)
   return loss, metrics

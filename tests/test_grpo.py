@@ -3,13 +3,14 @@ tests/test_grpo_trl.py): generation batches reused for num_iterations updates, g
 from the judge's rewards, a bitwise resume after a crash, and the settings it refuses."""
 
 import json
+import types
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import configs
-from dpo import checkpoint, loop
+from dpo import checkpoint, data, judges, loop
 from dpo import policy_gradient as pg
 from dpo.algorithms import grpo
 from faults import Crash, SimulatedCrash
@@ -53,7 +54,7 @@ def test_generation_batches_are_reused_for_num_iterations_updates(tmp_path, monk
 
   def recording_rewards(self, *args):
     out = rewarded(self, *args)
-    rewards.append(out[0].reshape(4, 4).T)  # [prompt, sample]
+    rewards.append(out[0].reshape(4, 4).T)  # [prompt, sample] (one function)
     return out
 
   monkeypatch.setattr(grpo.Generated, "generation", recording)
@@ -70,7 +71,8 @@ def test_generation_batches_are_reused_for_num_iterations_updates(tmp_path, monk
   assert all(r["clip_ratio/region_mean"] == 0.0 for r in steps[::2])
   assert any(r["grad_norm"] > 0 for r in steps)
   assert {"reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-          "completions/clipped_ratio", "kl", "loss", "time/train_s"} <= set(steps[0])
+          "completions/clipped_ratio", "kl", "entropy", "loss", "time/train_s"} <= set(steps[0])
+  assert all(r["entropy"] > 0 for r in steps)
   # Each generation batch's frac_reward_zero_std, at its first step, as TRL's
   # (tests/test_grpo_trl.py); some group is tied, so each group's std would log more than 0.
   frac = lambda r_BG: float(pg.frac_reward_zero_std(jnp.asarray(r_BG, jnp.float32), "batch"))
@@ -95,6 +97,58 @@ def test_grpo_resumes_bitwise_after_a_crash(tmp_path):
   import jax
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def none_for_odd(prompt, completion):
+  """A reward function that abstains (None, TRL's "does not apply") on odd-length completions;
+  the others score their distinct characters."""
+  return None if len(completion) % 2 else float(len(set(completion)))
+
+
+def test_a_single_reward_function_may_return_none():
+  """One --reward_fn returning None: GRPO scores it NaN (its advantage 0, pg.advantages, checked
+  against TRL in tests/test_grpo_trl.py) and the rehearsal before training lets it through when
+  GRPO is the only stage that samples; online DPO and the win rate still need a number."""
+  spec = "tests.test_grpo:none_for_odd"
+  judge = judges.FunctionJudge(spec)
+  comps = ["ab", "abc", "", "x", "abcd", "xyz", "pq", "q"]
+  records = [judges.records_of("p", [c])[0] for c in comps]
+  fake = types.SimpleNamespace(judge=judge, scored=lambda batch, comps_, score=None: (
+      (score or judge.score)(records), np.ones(len(records), bool)))
+  rewards_NF, _, info = grpo.Generated.rewarded(fake, None, None)
+  want = [np.nan if len(c) % 2 else float(len(set(c))) for c in comps]
+  np.testing.assert_array_equal(rewards_NF[:, 0], want)
+  assert rewards_NF.shape == (8, 1) and info == {}
+  adv, _ = pg.advantages(jnp.asarray(rewards_NF.reshape(2, 4, 1).transpose(1, 0, 2),
+                                     jnp.float32), pg.GRPOConfig())
+  assert (np.asarray(adv).T.reshape(-1)[np.isnan(want)] == 0).all()
+  with pytest.raises(judges.JudgeError, match="returned None .* a reward function returns a "
+                                              "finite number$"):
+    judge.score(records)
+  pairs = [data.PreferenceRecord("p", "ab", "abc")]
+  judges.rehearse(configs.DEFAULT.replace(stage="sft,grpo", reward_fn=spec), pairs)
+  with pytest.raises(judges.JudgeError, match="returned None"):
+    judges.rehearse(configs.DEFAULT.replace(stage="sft,online_dpo", reward_fn=spec), pairs)
+
+
+@pytest.mark.slow
+def test_trl_newer_settings_train_together(tmp_path):
+  """A small sft,grpo run with TRL 1.16's newer settings at once: the sapo loss, the entropy bonus
+  on the top half of the tokens by entropy, the off-policy mask, normalize_then_sum, --scale_rewards
+  as TRL's True, and a single reward function that abstains (None) on odd-length completions:
+  it trains (the policy moves, no step skipped) and logs TRL's metrics for those settings."""
+  out = tmp_path / "run"
+  loop.run(_cfg(out, grpo_loss_type="sapo", entropy_coef=0.01, top_entropy_quantile=0.5,
+                off_policy_mask_threshold=0.5, multi_objective_aggregation="normalize_then_sum",
+                scale_rewards="True", reward_fn="tests.test_grpo:none_for_odd",
+                task_eval_prompts=0, grpo_steps=4))
+  steps = _records(out)
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  assert all(r["entropy"] > 0 and r["entropy_coef"] == pytest.approx(0.01)
+             and np.isfinite(r["policy_loss"]) and np.isfinite(r["reward"])
+             and r["skipped_steps"] == 0 for r in steps)
+  assert any(r["policy_loss"] != 0 for r in steps) and any(r["grad_norm"] > 0 for r in steps)
+  assert not any(k.startswith("clip_ratio/") for k in steps[0])  # sapo has no clip
 
 
 def test_settings_grpo_cannot_honour_are_one_line_errors(tmp_path):

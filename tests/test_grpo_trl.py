@@ -53,6 +53,7 @@ def make_inputs(seed, empty=False):
 
 class _Accelerator:
   num_processes = 1
+  sync_gradients = True  # one optimizer step per call: TRL logs entropy_coef there
   device = torch.device("cpu")
   gather = staticmethod(lambda t: t)
   reduce = staticmethod(lambda t, reduction="sum": t)
@@ -60,24 +61,33 @@ class _Accelerator:
 
 
 def trl_grpo(x, cfg, on_policy=False, num_items=None, grad_accum=1, steps_per_generation=1):
-  """(loss, d loss / d logps [N, T], metrics) of TRL's `GRPOTrainer._compute_loss`, its attributes
-  set from our config as TRL's __init__ sets them from its GRPOConfig."""
+  """(loss, d loss / d logps [N, T], d loss / d entropies [N, T], metrics) of TRL's
+  `GRPOTrainer._compute_loss`, its attributes set from our config as TRL's __init__ sets them
+  from its GRPOConfig (TRL's None where our 0 means off)."""
   t = object.__new__(trl_grpo_trainer.GRPOTrainer)
   logps = torch.tensor(x["logps"], requires_grad=True)
-  t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.tensor(x["entropy"]), None)
+  entropy = torch.tensor(x["entropy"], requires_grad=True)
+  t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropy, None)
   t.__dict__.update(
       model=types.SimpleNamespace(training=True), accelerator=_Accelerator(),
       beta=cfg.grpo_beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
       loss_type=cfg.grpo_loss_type, importance_sampling_level=cfg.importance_sampling_level,
       top_entropy_quantile=cfg.top_entropy_quantile,
       max_completion_length=cfg.max_completion_length,
-      off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
-      aux_loss_enabled=False, _entropy_bonus_enabled=False,
+      off_policy_mask_threshold=cfg.off_policy_mask_threshold or None, use_vllm=False,
+      vllm_importance_sampling_correction=False, aux_loss_enabled=False,
+      entropy_coef=cfg.entropy_coef, use_adaptive_entropy=False,
+      _entropy_bonus_enabled=cfg.entropy_coef != 0.0,
       current_gradient_accumulation_steps=grad_accum,
       _metrics={"train": collections.defaultdict(list)},
       args=types.SimpleNamespace(delta=cfg.grpo_delta or None,
                                  use_bias_correction_kl=cfg.use_bias_correction_kl,
-                                 steps_per_generation=steps_per_generation))
+                                 steps_per_generation=steps_per_generation,
+                                 sapo_temperature_neg=cfg.sapo_temperature_neg,
+                                 sapo_temperature_pos=cfg.sapo_temperature_pos,
+                                 vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos,
+                                 vespo_k_neg=cfg.vespo_k_neg,
+                                 vespo_lambda_neg=cfg.vespo_lambda_neg))
   mask = torch.from_numpy(x["mask"])
   items = float(mask.sum() if num_items is None else num_items)
   inputs = {"prompt_ids": torch.zeros(N, 2, dtype=torch.long),
@@ -92,33 +102,54 @@ def trl_grpo(x, cfg, on_policy=False, num_items=None, grad_accum=1, steps_per_ge
   loss = t._compute_loss(None, inputs)
   loss.backward()
   metrics = {k: v[-1] for k, v in t._metrics["train"].items()}
-  return float(loss.detach()), logps.grad.numpy(), metrics
+  d_entropy = np.zeros_like(x["entropy"]) if entropy.grad is None else entropy.grad.numpy()
+  return float(loss.detach()), logps.grad.numpy(), d_entropy, metrics
 
 
 def ours(x, cfg, on_policy=False, num_items=None):
-  """(loss, d loss / d logps, metrics with (sum, count) pairs divided as train.accumulate does)."""
+  """(loss, d loss / d logps, d loss / d entropies, metrics with (sum, count) pairs divided as
+  train.accumulate does)."""
   f = lambda k: jnp.asarray(x[k])
-  def loss_fn(logps):
+  def loss_fn(logps, entropies):
     return pg.grpo_loss(logps, None if on_policy else f("old"), f("ref") if cfg.grpo_beta else None,
-                        f("adv"), f("mask"), cfg, num_items=num_items, entropies_NT=f("entropy"))
-  (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(f("logps"))
+                        f("adv"), f("mask"), cfg, num_items=num_items, entropies_NT=entropies)
+  (loss, metrics), (grad, d_entropy) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
+      f("logps"), f("entropy"))
   metrics = {k: float(v[0] / jnp.maximum(v[1], 1.0)) if isinstance(v, tuple) else float(v)
              for k, v in metrics.items()}
-  return float(loss), np.asarray(grad), metrics
+  return float(loss), np.asarray(grad), np.asarray(d_entropy), metrics
+
+
+def _close_grad(got, want):
+  # Gradients are as small as 1 / (N * max_completion_length): the absolute tolerance scales.
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * max(np.abs(want).max(), 1e-30))
 
 
 def check_equal(x, cfg, **kw):
-  """Loss, gradient and every metric TRL logs: equal. Returns TRL's metrics."""
+  """Loss, gradients (with respect to the log-probs and the entropies) and every metric TRL
+  logs: equal. Returns TRL's metrics."""
   on_policy = kw.pop("on_policy", False)
-  want_loss, want_grad, want = trl_grpo(x, cfg, on_policy=on_policy, **kw)
-  got_loss, got_grad, got = ours(x, cfg, on_policy=on_policy, num_items=_normaliser(**kw))
+  want_loss, want_grad, want_dh, want = trl_grpo(x, cfg, on_policy=on_policy, **kw)
+  got_loss, got_grad, got_dh, got = ours(x, cfg, on_policy=on_policy, num_items=_normaliser(**kw))
   np.testing.assert_allclose(got_loss, want_loss, **TOL)
-  # Gradients are as small as 1 / (N * max_completion_length): the absolute tolerance scales.
-  np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6 * np.abs(want_grad).max())
+  _close_grad(got_grad, want_grad)
+  _close_grad(got_dh, want_dh)
   assert set(got) == set(want), (sorted(got), sorted(want))
   for k in want:
     np.testing.assert_allclose(got[k], want[k], **TOL, err_msg=k)
   return want
+
+
+def misses(x, wrong, right, **kw):
+  """A negative control: our loss under the `wrong` config against TRL's under the `right` one
+  misses check_equal's bound on the loss or the gradient by 100 times."""
+  on_policy = kw.pop("on_policy", False)
+  want_loss, want_grad, _, _ = trl_grpo(x, right, on_policy=on_policy, **kw)
+  got_loss, got_grad, _, _ = ours(x, wrong, on_policy=on_policy, num_items=_normaliser(**kw))
+  loss_off = abs(got_loss - want_loss) / (TOL["atol"] + TOL["rtol"] * abs(want_loss))
+  grad_off = (np.abs(got_grad - want_grad)
+              / (1e-6 * np.abs(want_grad).max() + 1e-5 * np.abs(want_grad))).max()
+  assert max(loss_off, grad_off) > 100, (loss_off, grad_off)
 
 
 def _normaliser(num_items=None, grad_accum=1, steps_per_generation=1):
@@ -130,17 +161,125 @@ def _normaliser(num_items=None, grad_accum=1, steps_per_generation=1):
 
 # --- the loss -------------------------------------------------------------------------------------
 
+# Each loss type's own hyperparameters, off TRL's defaults so that one swapped or ignored shows:
+# cispo's cap on the ratio (TRL's epsilon_high, eps_max) where the ratios cross it.
+OWN = {"cispo": dict(grpo_epsilon_high=1.1),
+       "sapo": dict(sapo_temperature_neg=1.6, sapo_temperature_pos=0.7),
+       "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5,
+                     vespo_lambda_neg=1.5)}
+CLIP_FIELDS = ("grpo_epsilon", "grpo_epsilon_high", "grpo_delta")
+NEW_TYPES = ("cispo", "sapo", "luspo", "vespo")
+
+
+def loss_cfg(loss_type, **kw):
+  """A GRPOConfig of `loss_type` with its OWN hyperparameters; the clip's fields of `kw` only
+  where the loss type reads them (elsewhere the config refuses them)."""
+  reads_clip = loss_type in pg.CLIPPED + ("cispo",)
+  kw = {k: v for k, v in kw.items() if reads_clip or k not in CLIP_FIELDS}
+  return pg.GRPOConfig(grpo_loss_type=loss_type, **{**kw, **OWN.get(loss_type, {})})
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", pg.LOSS_TYPES)
 def test_loss_gradient_metrics_equal_trl(loss_type, beta):
   """num_iterations > 1: the old log-probs differ from the policy's, clipping active on both
-  sides, asymmetric (DAPO's clip-higher); with and without the KL term."""
+  sides, asymmetric (DAPO's clip-higher); with and without the KL term; every loss type."""
   x = make_inputs(pg.LOSS_TYPES.index(loss_type) + int(100 * beta))
-  cfg = pg.GRPOConfig(grpo_loss_type=loss_type, grpo_beta=beta, grpo_epsilon=0.2,
-                      grpo_epsilon_high=0.28, max_completion_length=T + 4)
+  cfg = loss_cfg(loss_type, grpo_beta=beta, grpo_epsilon=0.2, grpo_epsilon_high=0.28,
+                 max_completion_length=T + 4)
   want = check_equal(x, cfg)
-  assert want["clip_ratio/low_mean"] > 0.02 and want["clip_ratio/high_mean"] > 0.02
+  if loss_type in pg.CLIPPED:
+    assert want["clip_ratio/low_mean"] > 0.02 and want["clip_ratio/high_mean"] > 0.02
   assert ("kl" in want) == (beta > 0)
+  assert want["entropy"] > 0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", NEW_TYPES)
+def test_new_loss_types_equal_trl(loss_type, level):
+  """cispo, sapo, luspo, vespo with their own hyperparameters, at either importance-sampling
+  level, with the KL term and an empty completion: loss, gradient and their metrics
+  (cispo_clip_ratio, vespo/phi_seq_mean) equal TRL's; the ratio's clip and the soft gate both
+  active."""
+  x = make_inputs(200 + NEW_TYPES.index(loss_type) + 10 * (level == "sequence"), empty=True)
+  if level == "sequence":  # one ratio a completion, spread about 1 as the tokens' are
+    x["old"] = x["logps"] + (x["old"] - x["logps"]).mean(-1, keepdims=True) * 4
+  cfg = loss_cfg(loss_type, grpo_beta=0.04, importance_sampling_level=level)
+  want = check_equal(x, cfg)
+  if loss_type == "cispo":
+    assert 0.05 < want["cispo_clip_ratio"] < 0.95
+  if loss_type == "vespo":
+    assert 0 < want["vespo/phi_seq_mean"]
+
+
+# A misreading of each new loss type that TRL's numbers must tell apart from the right one.
+WRONG = {
+    "cispo": lambda c: dataclasses.replace(c, grpo_epsilon_high=1 + c.grpo_epsilon_high),  # 1+eps
+    "sapo": lambda c: dataclasses.replace(c, sapo_temperature_neg=c.sapo_temperature_pos,
+                                          sapo_temperature_pos=c.sapo_temperature_neg),
+    "luspo": lambda c: dataclasses.replace(c, grpo_loss_type="grpo"),  # token mean, not sum
+    "vespo": lambda c: dataclasses.replace(c, vespo_k_pos=c.vespo_k_neg, vespo_k_neg=c.vespo_k_pos,
+                                           vespo_lambda_pos=c.vespo_lambda_neg,
+                                           vespo_lambda_neg=c.vespo_lambda_pos),
+}
+
+
+@pytest.mark.parametrize("loss_type", NEW_TYPES)
+def test_new_loss_types_negative_controls(loss_type):
+  """cispo's cap read as 1 + epsilon_high, sapo's temperatures or vespo's k and lambda swapped
+  between the advantage signs, luspo's sums averaged: each misses TRL's loss or gradient by 100x
+  the bound the right one meets."""
+  x = make_inputs(250 + NEW_TYPES.index(loss_type))
+  right = loss_cfg(loss_type, grpo_beta=0.04)
+  check_equal(x, right)
+  misses(x, WRONG[loss_type](right), right)
+
+
+def _kl_old(x):
+  """Each completion's mean token KL(pi_old || pi), TRL's off-policy statistic, [N]."""
+  n = np.maximum(x["mask"].sum(-1), 1)
+  return ((x["old"] - x["logps"]) * x["mask"]).sum(-1) / n
+
+
+@pytest.mark.parametrize("loss_type", pg.LOSS_TYPES)
+def test_off_policy_mask_equals_trl(loss_type):
+  """--off_policy_mask_threshold between the negative-advantage completions' KLs (some dropped,
+  some kept): TRL's get_off_policy_mask, for every loss type; off, the loss misses TRL's."""
+  x = make_inputs(300 + pg.LOSS_TYPES.index(loss_type))
+  x["old"] = x["old"] + 0.3  # KL(pi_old || pi) positive
+  kl = _kl_old(x)[x["adv"] < 0]
+  threshold = float(np.median(kl))
+  assert (kl > threshold).any() and (kl <= threshold).any()
+  cfg = loss_cfg(loss_type, off_policy_mask_threshold=threshold, grpo_beta=0.02)
+  check_equal(x, cfg)
+  misses(x, dataclasses.replace(cfg, off_policy_mask_threshold=0.0), cfg)
+  check_equal(x, cfg, on_policy=True)  # on-policy: KL 0, nothing dropped
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.3])
+@pytest.mark.parametrize("loss_type", pg.LOSS_TYPES)
+def test_entropy_coef_equals_trl(loss_type, quantile):
+  """--entropy_coef: the mean entropy over the tokens the policy term acts on (the high-entropy
+  ones with top_entropy_quantile < 1), subtracted whatever the loss type's normaliser; loss,
+  gradient with respect to the log-probs and the entropies, policy_loss and entropy_coef equal
+  TRL's. The sign flipped misses."""
+  x = make_inputs(400 + pg.LOSS_TYPES.index(loss_type) + int(10 * quantile), empty=True)
+  cfg = loss_cfg(loss_type, entropy_coef=0.05, top_entropy_quantile=quantile, grpo_beta=0.02)
+  want = check_equal(x, cfg)
+  assert want["entropy_coef"] == pytest.approx(0.05) and "policy_loss" in want
+  misses(x, dataclasses.replace(cfg, entropy_coef=-0.05), cfg)
+
+
+def test_token_entropy_is_trls_entropy_from_logits():
+  """The entropy of the distribution that scores token t, the logits at t - 1 (TRL's
+  completion logits): trl.trainer.utils.entropy_from_logits; unshifted it misses."""
+  from trl.trainer.utils import entropy_from_logits
+  logits = np.random.default_rng(5).normal(0, 2, (3, 9, 17)).astype(np.float32)
+  want = entropy_from_logits(torch.from_numpy(logits[:, :-1])).numpy()
+  got = np.asarray(pg.token_entropy(jnp.asarray(logits)))
+  np.testing.assert_allclose(got[:, 1:], want, **TOL)
+  assert (got[:, 0] == 0).all()
+  assert np.abs(got[:, :-1] - want).max() > 100 * (TOL["atol"] + TOL["rtol"] * want.max())
 
 
 @pytest.mark.parametrize("loss_type", pg.LOSS_TYPES)
@@ -148,7 +287,7 @@ def test_on_policy_old_logps_none(loss_type):
   """num_iterations = 1: TRL takes the policy's own log-probs, detached (ratio 1, gradient A)."""
   cfg = pg.GRPOConfig(grpo_loss_type=loss_type, grpo_beta=0.1)
   want = check_equal(make_inputs(10), cfg, on_policy=True)
-  assert want["clip_ratio/region_mean"] == 0
+  assert want.get("clip_ratio/region_mean", 0) == 0
 
 
 @pytest.mark.parametrize("loss_type", pg.LOSS_TYPES)
@@ -157,10 +296,10 @@ def test_sequence_level_importance_sampling(loss_type):
   completion (TRL counts it among the completions in the clip metrics)."""
   x = make_inputs(20, empty=True)
   x["old"] = x["logps"] + (x["old"] - x["logps"]).mean(-1, keepdims=True) * 2  # ratios off 1
-  cfg = pg.GRPOConfig(grpo_loss_type=loss_type, importance_sampling_level="sequence",
-                      grpo_beta=0.05, grpo_epsilon_high=0.28)
+  cfg = loss_cfg(loss_type, importance_sampling_level="sequence", grpo_beta=0.05,
+                 grpo_epsilon_high=0.28)
   want = check_equal(x, cfg)
-  assert want["clip_ratio/region_mean"] > 0
+  assert loss_type not in pg.CLIPPED or want["clip_ratio/region_mean"] > 0
 
 
 @pytest.mark.parametrize("delta", [1.5, 1.1])  # 1.1 < 1 + epsilon_high: the cap moves the metrics
@@ -187,12 +326,15 @@ def test_kl_without_bias_correction():
   check_equal(make_inputs(50), cfg)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
 @pytest.mark.parametrize("num_items,grad_accum,steps_per_generation", [
     (300.0, 1, 1), (500.0, 2, 4), (0.0, 1, 1)])
-def test_dapo_normaliser_spans_the_generation_batch(num_items, grad_accum, steps_per_generation):
-  """TRL's dapo divides by the generation batch's active tokens per accumulation window,
-  num_items_in_batch * gradient_accumulation_steps / steps_per_generation: our num_items."""
-  cfg = pg.GRPOConfig(grpo_loss_type="dapo", grpo_beta=0.04)
+def test_dapo_normaliser_spans_the_generation_batch(num_items, grad_accum, steps_per_generation,
+                                                    loss_type):
+  """TRL's dapo (and cispo, vespo) divide by the generation batch's active tokens per
+  accumulation window, num_items_in_batch * gradient_accumulation_steps / steps_per_generation:
+  our num_items."""
+  cfg = loss_cfg(loss_type, grpo_beta=0.04)
   check_equal(make_inputs(60), cfg, num_items=num_items, grad_accum=grad_accum,
               steps_per_generation=steps_per_generation)
 
@@ -242,6 +384,9 @@ def test_missing_inputs_are_one_line_errors():
   with pytest.raises(ValueError, match="--top_entropy_quantile=0.2: grpo_loss needs entropies_NT"):
     pg.grpo_loss(*args, None, jnp.asarray(x["adv"]), jnp.asarray(x["mask"]),
                  pg.GRPOConfig(top_entropy_quantile=0.2))
+  with pytest.raises(ValueError, match="--entropy_coef=0.1: grpo_loss needs entropies_NT"):
+    pg.grpo_loss(*args, None, jnp.asarray(x["adv"]), jnp.asarray(x["mask"]),
+                 pg.GRPOConfig(entropy_coef=0.1))
 
 
 # --- rewards and advantages -----------------------------------------------------------------------
@@ -262,14 +407,15 @@ def _trl_reward_lines():
 TRL_REWARD_LINES = _trl_reward_lines()
 
 
-def trl_rewards(rewards_NF, weights, scale_rewards, num_generations):
+def trl_rewards(rewards_NF, weights, scale_rewards, num_generations,
+                aggregation="sum_then_normalize"):
   """(rewards [N], advantages [N], logged metrics) of TRL's own lines on [N, F] rewards of each
   reward function (NaN: the function returned None), one process, mode "train"."""
   F = rewards_NF.shape[1]
   trainer = types.SimpleNamespace(
-      multi_objective_aggregation="sum_then_normalize", scale_rewards=scale_rewards,
+      multi_objective_aggregation=aggregation, scale_rewards=scale_rewards,
       reward_weights=torch.tensor(list(weights or [1.0] * F), dtype=torch.float32),
-      reward_func_names=[f"f{i}" for i in range(F)],
+      reward_funcs=[None] * F, reward_func_names=[f"f{i}" for i in range(F)],
       accelerator=types.SimpleNamespace(process_index=0),
       _metrics={"train": collections.defaultdict(list)})
   scope = {**vars(trl_grpo_trainer), "self": trainer, "rewards_per_func": rewards_NF.clone(),
@@ -292,10 +438,11 @@ def rewards_with_none(seed, groups=B, generations=G, functions=3):
   return r
 
 
-def _trl(r_BGF, weights, scale_rewards="group"):
+def _trl(r_BGF, weights, scale_rewards="group", aggregation="sum_then_normalize"):
   """trl_rewards on [B, G, F] rewards (row-major: prompt b's G completions together, TRL's)."""
   B_, G_, F = r_BGF.shape
-  return trl_rewards(torch.from_numpy(r_BGF.reshape(B_ * G_, F)), weights, scale_rewards, G_)
+  return trl_rewards(torch.from_numpy(r_BGF.reshape(B_ * G_, F)), weights, scale_rewards, G_,
+                     aggregation)
 
 
 @pytest.mark.parametrize("weights", [(), (1.0, 0.5, -2.0)])
@@ -316,6 +463,45 @@ def test_group_advantages_equal_trl(scale_rewards, generations):
   got = np.asarray(pg.group_advantages(r, scale_rewards)).reshape(-1)
   np.testing.assert_allclose(got, want, **TOL)
   assert np.isfinite(got).all()
+  cfg = pg.GRPOConfig(scale_rewards=scale_rewards, reward_weights=weights)
+  np.testing.assert_allclose(np.asarray(pg.advantages(jnp.asarray(r_BGF), cfg)[0]).reshape(-1),
+                             want, **TOL)
+
+
+@pytest.mark.parametrize("generations", [G, 2, 1])
+@pytest.mark.parametrize("weights", [(), (1.0, 0.5, -2.0)])
+def test_normalize_then_sum_equals_trl(weights, generations):
+  """--multi_objective_aggregation=normalize_then_sum (GDPO): TRL's branch of the same lines on
+  rewards with None (a function's own, and a completion no function scored); advantages and
+  frac_reward_zero_std equal. TRL's default aggregation misses on the same rewards."""
+  r_BGF = rewards_with_none(5, generations=generations)
+  _, want, metrics = _trl(r_BGF, weights, "group", "normalize_then_sum")
+  cfg = pg.GRPOConfig(multi_objective_aggregation="normalize_then_sum", reward_weights=weights)
+  adv, frac = pg.advantages(jnp.asarray(r_BGF), cfg)
+  np.testing.assert_allclose(np.asarray(adv).reshape(-1), want, **TOL)
+  assert float(frac) == pytest.approx(metrics["frac_reward_zero_std"], abs=1e-7)
+  if generations > 1:
+    summed = dataclasses.replace(cfg, multi_objective_aggregation="sum_then_normalize")
+    wrong = np.asarray(pg.advantages(jnp.asarray(r_BGF), summed)[0]).reshape(-1)
+    assert np.abs(wrong - want).max() > 100 * (TOL["atol"] + TOL["rtol"] * np.abs(want).max())
+
+
+def test_a_single_function_may_return_none():
+  """One reward function (F = 1) returning None for some completions: TRL's lines score them NaN
+  and give them advantage 0, leave them out of their group's mean and std, and log the reward
+  over the others; ours equal, by either aggregation."""
+  rng = np.random.default_rng(6)
+  r_BGF = rng.normal(0, 1, (B, G, 1)).astype(np.float32)
+  r_BGF[0, 1] = r_BGF[2, 0] = r_BGF[2, 3] = np.nan
+  for aggregation in pg.AGGREGATIONS:
+    rewards, want, metrics = _trl(r_BGF, (), "group", aggregation)
+    cfg = pg.GRPOConfig(multi_objective_aggregation=aggregation)
+    adv, frac = pg.advantages(jnp.asarray(r_BGF), cfg)
+    np.testing.assert_allclose(np.asarray(adv).reshape(-1), want, **TOL)
+    assert float(frac) == pytest.approx(metrics["frac_reward_zero_std"], abs=1e-7)
+    assert (want[[1, 2 * G, 2 * G + 3]] == 0).all() and (want != 0).sum() == N - 3
+  np.testing.assert_allclose(np.asarray(pg.weighted_rewards(jnp.asarray(r_BGF))).reshape(-1),
+                             rewards, **TOL)
 
 
 def _tied_rewards():
@@ -343,6 +529,17 @@ def test_frac_reward_zero_std_equals_trl(case, scale_rewards):
   want = _trl(r_BGF, (), scale_rewards)[2]["frac_reward_zero_std"]
   got = pg.frac_reward_zero_std(pg.weighted_rewards(jnp.asarray(r_BGF)), scale_rewards)
   assert float(got) == pytest.approx(want, abs=1e-7)
+  cfg = pg.GRPOConfig(scale_rewards=scale_rewards)
+  assert float(pg.advantages(jnp.asarray(r_BGF), cfg)[1]) == pytest.approx(want, abs=1e-7)
+
+
+@pytest.mark.parametrize("case", ZERO_STD_CASES)
+def test_frac_reward_zero_std_under_normalize_then_sum_equals_trl(case):
+  """normalize_then_sum: the batch's std of the normalised sum, as TRL's."""
+  r_BGF = ZERO_STD_CASES[case]
+  want = _trl(r_BGF, (), "group", "normalize_then_sum")[2]["frac_reward_zero_std"]
+  cfg = pg.GRPOConfig(multi_objective_aggregation="normalize_then_sum")
+  assert float(pg.advantages(jnp.asarray(r_BGF), cfg)[1]) == pytest.approx(want, abs=1e-7)
 
 
 def test_frac_reward_zero_std_under_batch_is_not_each_groups():
@@ -385,7 +582,16 @@ def test_config_defaults_are_trls():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("grpo_loss_type", "cispo", "--grpo_loss_type='cispo': must be grpo, bnpo, dr_grpo or dapo"),
+    ("grpo_loss_type", "ppo", "--grpo_loss_type='ppo': must be grpo, bnpo, dr_grpo, dapo, cispo, "
+                              "sapo, luspo or vespo"),
+    ("scale_rewards", "yes", "--scale_rewards='yes': must be group, batch or none"),
+    ("sapo_temperature_neg", 0.0, "--sapo_temperature_neg=0.0: must be a finite number > 0"),
+    ("vespo_k_pos", -1.0, "--vespo_k_pos=-1.0: must be a finite number >= 0"),
+    ("entropy_coef", float("inf"), "--entropy_coef=inf: must be a finite number"),
+    ("off_policy_mask_threshold", -0.5, "--off_policy_mask_threshold=-0.5: must be 0 (off) or a "
+                                        "finite number > 0"),
+    ("multi_objective_aggregation", "sum", "--multi_objective_aggregation='sum': must be "
+                                           "sum_then_normalize or normalize_then_sum"),
     ("scale_rewards", "std", "--scale_rewards='std': must be group, batch or none"),
     ("grpo_epsilon", 1.0, "--grpo_epsilon=1.0: must be in [0, 1)"),
     ("grpo_delta", 0.9, "--grpo_delta=0.9: must be 0 (off) or a finite number > 1"),
@@ -399,6 +605,48 @@ def test_config_refuses_bad_values(field, value, message):
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")
                      .replace(")", r"\)")):
     pg.GRPOConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(sapo_temperature_pos=2.0), "--sapo_temperature_pos=2.0: must go with --grpo_loss_type="
+                                     "sapo (read only there), not dapo"),
+    (dict(grpo_loss_type="cispo", vespo_lambda_neg=1.0), "--vespo_lambda_neg=1.0: must go with "
+                                                         "--grpo_loss_type=vespo"),
+    (dict(grpo_loss_type="sapo", grpo_epsilon_high=0.28), "--grpo_epsilon_high=0.28: must go with "
+                                                          "--grpo_loss_type=grpo or bnpo"),
+    (dict(grpo_loss_type="vespo", grpo_epsilon=0.1), "--grpo_epsilon=0.1: must go with "),
+    (dict(grpo_loss_type="cispo", grpo_delta=2.0), "--grpo_delta=2.0: must go with "
+                                                   "--grpo_loss_type=grpo or bnpo or dr_grpo or "
+                                                   "dapo or luspo (read only there), not cispo"),
+    (dict(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch"),
+     "--scale_rewards='batch': must go with --multi_objective_aggregation=sum_then_normalize"),
+])
+def test_flags_nothing_reads_are_refused(kw, message):
+  """A loss type's own hyperparameter under another loss type, the clip's under sapo or vespo,
+  --scale_rewards under normalize_then_sum: nothing would read them; one line naming the flag."""
+  with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")) as e:
+    pg.GRPOConfig(**kw)
+  assert "\n" not in str(e.value)
+
+
+def _trl_scale_rewards_line():
+  """TRL 1.16 GRPOConfig.__post_init__'s line that reads scale_rewards' bools, compiled."""
+  trl_config = pytest.importorskip("trl.trainer.grpo_config")
+  line = next(l for l in inspect.getsource(trl_config.GRPOConfig.__post_init__).splitlines()
+              if "self.scale_rewards = {True" in l)
+  return compile(line.strip(), trl_config.__file__, "exec")
+
+
+@pytest.mark.parametrize("given", [True, False, "group", "batch", "none"])
+def test_scale_rewards_spellings_are_trls(given):
+  """TRL's True / False (as values, and as the flag's text "True" / "False") mean what TRL's
+  GRPOConfig makes of them; a spelling TRL has no meaning for is refused."""
+  trl = types.SimpleNamespace(scale_rewards=given)
+  exec(_trl_scale_rewards_line(), {"self": trl})
+  assert pg.GRPOConfig(scale_rewards=given).scale_rewards == trl.scale_rewards
+  assert pg.GRPOConfig(scale_rewards=str(given)).scale_rewards == trl.scale_rewards
+  with pytest.raises(ValueError, match="--scale_rewards='1': must be group, batch or none"):
+    pg.GRPOConfig(scale_rewards="1")
 
 
 def test_epsilon_high_zero_is_epsilon():

@@ -68,7 +68,9 @@ def test_weighted_rewards_and_per_function_metrics_match_trl(funcs, weights):
   np.testing.assert_allclose(judge.each(records), per_func.numpy(), rtol=1e-6, equal_nan=True)
   fake = types.SimpleNamespace(judge=judge, scored=lambda batch, comps, score: (
       score(records), np.ones(len(records), bool)))
-  total, _, info = grpo.Generated.rewarded(fake, None, None)
+  each, _, info = grpo.Generated.rewarded(fake, None, None)
+  np.testing.assert_allclose(each, per_func.numpy(), rtol=1e-6, equal_nan=True)
+  total = judge.combined(each)
   np.testing.assert_allclose(total, rewards.numpy(), rtol=1e-6, equal_nan=True)
   for i, name in enumerate(funcs):  # TRL: nanmean and nanstd of each function's column
     assert info[f"rewards/{name}/mean"] == pytest.approx(torch.nanmean(per_func[:, i]).item(), nan_ok=True)

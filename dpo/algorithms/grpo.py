@@ -1,9 +1,13 @@
 """GRPO (Shao et al. 2024; TRL's `GRPOTrainer`): every `num_iterations` steps, G completions are
 sampled for each of global_batch_size / G training prompts from the current policy, the judge
 (dpo/judges.py) scores them, and each completion's advantage is its reward less its group's mean
-(scaled as --scale_rewards says); each step then updates the policy with the clipped
-importance-ratio objective of dpo/policy_gradient.py (the loss aggregations grpo, dr_grpo, dapo,
-bnpo; the k3 KL to the frozen reference weighted by --grpo_beta).
+(scaled as --scale_rewards says; or each reward function's normalised first,
+--multi_objective_aggregation); each step then updates the policy with the objective of
+dpo/policy_gradient.py (--grpo_loss_type: the clipped ratio's aggregations grpo, dr_grpo, dapo,
+bnpo, luspo, and cispo, sapo, vespo; the k3 KL to the frozen reference weighted by --grpo_beta;
+--entropy_coef, --off_policy_mask_threshold). A reward function may return None for a
+completion (NaN: left out of its group's statistics, advantage 0 when no function scored it, as
+TRL's).
 
 Samples, their old log-probs (the policy that drew them) and the reference's are computed once
 per generation batch and reused for its `num_iterations` updates, as TRL does; checkpoints fall
@@ -17,8 +21,9 @@ generation batch alike (the log-probs gathered to every process) and trains on i
 
 Logged per step, TRL's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean
 and /std (several --reward_fn functions, summed with --reward_weights), completions/mean_length,
-completions/clipped_ratio, kl, clip_ratio/*, and the time split (time/sample_s, time/judge_s,
-time/train_s).
+completions/clipped_ratio, kl, entropy, clip_ratio/* (cispo_clip_ratio, vespo/phi_seq_mean
+with those loss types), policy_loss and entropy_coef (with --entropy_coef), and the time split
+(time/sample_s, time/judge_s, time/train_s).
 """
 
 from __future__ import annotations
@@ -59,15 +64,19 @@ def _policy(spec: train.StepConfig, frozen, trainable):
 def grpo_step(spec: train.StepConfig, state: train.TrainState, frozen,
               batch: GRPOBatch) -> tuple[train.TrainState, dict]:
   """One GRPO update on a generation batch's rows (gradient accumulation as train.accumulate
-  does: dapo's normaliser is the whole batch's token count / K)."""
+  does: the normaliser of dapo, cispo and vespo is the whole batch's token count / K); the
+  policy's token entropies from its logits, as TRL's."""
   k = spec.optim.gradient_accumulation_steps
   num_items = batch.rows.loss_mask.sum() / k
 
   def loss_fn(trainable, micro):
     params, adapter = _policy(spec, frozen, trainable)
-    s = logprobs.score(spec.model, params, micro.rows, adapter)
+    s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True)
+    entropies = pg.token_entropy(s.logits)  # TRL's: logged, and read by the entropy options
+    if not spec.grpo.entropy_coef:
+      entropies = jax.lax.stop_gradient(entropies)
     return pg.grpo_loss(s.logps, micro.old_logps, micro.ref_logps, micro.advantages, s.mask,
-                        spec.grpo, num_items=num_items)
+                        spec.grpo, num_items=num_items, entropies_NT=entropies)
 
   def grad_fn(trainable, micro, i):
     del i
@@ -122,10 +131,12 @@ class Generated(online_dpo.Sampled):
     old and reference log-probs."""
     G, c = self.cfg.grpo.num_generations, self.cfg
     B = len(batch["tokens"])
-    rewards, ended, info = self.rewarded(batch, comps)
-    rewards_BG = rewards.reshape(G, B).T  # row b: prompt b's G completions
-    r_BG = jnp.asarray(rewards_BG, jnp.float32)
-    adv_BG = np.asarray(pg.group_advantages(r_BG, c.grpo.scale_rewards))
+    rewards_NF, ended, info = self.rewarded(batch, comps)
+    rewards = np.asarray(pg.weighted_rewards(rewards_NF.astype(np.float32), c.grpo.reward_weights),
+                         np.float64)  # TRL logs the weighted sum, whatever the aggregation
+    r_BGF = jnp.asarray(rewards_NF.reshape(G, B, -1).transpose(1, 0, 2), jnp.float32)
+    adv_BG, frac_zero_std = pg.advantages(r_BGF, c.grpo)  # row b: prompt b's G completions
+    adv_BG = np.asarray(adv_BG)
     prompts = [row[seg != 0] for row, seg in zip(batch["tokens"], batch["segment_ids"])] * G
     rows = online_dpo.data_lib._pack_rows([(list(p), list(x)) for p, x in zip(prompts, comps)],
                                           self.seq_len, self.tok.pad_id)
@@ -141,24 +152,30 @@ class Generated(online_dpo.Sampled):
       ref = sharding.to_host(score(ref_params, device_rows))
     lengths = np.array([len(x) for x in comps], np.float64)
     info = {**info, "reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
-            "frac_reward_zero_std": float(pg.frac_reward_zero_std(r_BG, c.grpo.scale_rewards)),
+            "frac_reward_zero_std": float(frac_zero_std),
             "completions/mean_length": float(lengths.mean()),
             "completions/clipped_ratio": float(1.0 - ended.mean())}
     flat = lambda a_BG: a_BG.T.reshape(-1)  # back to the rows' layout
     return GRPOBatch(rows, flat(adv_BG).astype(np.float32), old, ref), info
 
   def rewarded(self, batch, comps) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(the completions' rewards, ended, logged figures): with several reward functions the
-    weighted sum (NaN: unscorable) and each function's rewards/<name>/mean and /std (TRL's)."""
+    """(each reward function's rewards of the completions [N, F] (F = 1 for one function or a
+    reward model), ended, logged figures): NaN where a function returned None (TRL's: one
+    function or several), and with several functions each one's rewards/<name>/mean and /std
+    (TRL's)."""
+    if isinstance(self.judge, judges.FunctionJudge):
+      rewards, ended = self.scored(batch, comps,
+                                   functools.partial(self.judge.score, allow_none=True))
+      return rewards[:, None], ended, {}
     if not isinstance(self.judge, judges.RewardFunctions):
       rewards, ended = self.scored(batch, comps)
-      return rewards, ended, {}
+      return rewards[:, None], ended, {}
     rewards_NF, ended = self.scored(batch, comps, self.judge.each)
     info = {}
     for name, r_N in zip(self.judge.names, rewards_NF.T):
       info[f"rewards/{name}/mean"] = _nanmean(r_N)
       info[f"rewards/{name}/std"] = _nanstd(r_N)
-    return self.judge.combined(rewards_NF), ended, info
+    return rewards_NF, ended, info
 
 
 def _nanstd(x: np.ndarray) -> float:
