@@ -49,8 +49,9 @@ class DataConfig:
                            "'a.parquet:0.7,b.jsonl:0.3' (each source read in its own format; "
                            "fractions in (0, 1] are shares of the mixture, normalised, as TRL's "
                            "DatasetMixtureConfig: the largest mixture that repeats no record, "
-                           "picked by --seed; 'a,b' = all of each; a part is split at its last "
-                           "':' only before a number). Empty = the embedded default task.")
+                           "each source's first records; 'a,b' = all of each; a part is split "
+                           "at its last ':' only before a number). Empty = the embedded default "
+                           "task.")
   eval_data: str = option("", "Held-out preference data (same forms as train_data); empty = "
                           "--eval_split of train_data, or the embedded task's held-out pairs.")
   sft_data: str = option("", "SFT data ({prompt, completion}, {messages}, ShareGPT "

@@ -256,15 +256,16 @@ def mixture_counts(sizes: Sequence[int], fractions: Sequence[float]) -> list[int
   return [round(w * total) for w in weights]
 
 
-def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]], seed: int = 0,
+def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]],
                  flag: str = "") -> tuple[list[tuple[str, T]], list[dict]]:
   """((location, record) of every record `value` gives, {source, fraction, records, taken} of
   each source).
 
   Each source is read on its own by `read(path)` (so each has its own format); a mixture then
-  takes `mixture_counts` of each source's records, chosen by a permutation drawn from (`seed`,
-  the source's index) and kept in file order; the sources follow one another. A source that
-  would give no record is a DataError naming `--flag` and the source.
+  takes the first `mixture_counts` of each source's records, in reading order, as TRL's
+  `get_dataset` does (`dataset.select(range(k))`; shuffle a source first to take others); the
+  sources follow one another. A source that would give no record is a DataError naming `--flag`
+  and the source.
   """
   sources = parse_sources(value)
   named = f"--{flag}={value}" if flag else value
@@ -286,15 +287,13 @@ def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]], see
                       f"{sources[cap].path}); raise the fraction or give "
                       f"{sources[cap].path} more records")
   out, report = [], []
-  for i, (s, records, k) in enumerate(zip(sources, located, counts)):
-    rows = (range(k) if k == len(records) else
-            np.sort(np.random.default_rng([seed, i]).permutation(len(records))[:k]))
-    out.extend(records[j] for j in rows)
+  for s, records, k in zip(sources, located, counts):
+    out.extend(records[:k])
     report.append({"source": s.path, "fraction": s.fraction, "records": len(records),
                    "taken": k})
     if len(sources) > 1:
       logging.info("%s: %d of %d records from %s%s", value, k, len(records), s.path,
-                   "" if s.fraction is None else f" (fraction {s.fraction:g}, seed {seed})")
+                   "" if s.fraction is None else f" (fraction {s.fraction:g}: the first {k})")
   return out, report
 
 
@@ -472,13 +471,13 @@ def text_field(obj: dict, field: str, where: str, allow_empty: bool = False) -> 
   return value
 
 
-def load_preference_jsonl(path: str, seed: int = 0, flag: str = "") -> list[PreferenceRecord]:
+def load_preference_jsonl(path: str, flag: str = "") -> list[PreferenceRecord]:
   """Reads {"prompt", "chosen", "rejected"} records from any source `iter_objects` reads, or a
-  mixture of them (`read_sources`, with `seed`; errors name `--flag`)."""
+  mixture of them (`read_sources`; errors name `--flag`)."""
   read = lambda p: ((where, PreferenceRecord(
       text_field(o, "prompt", where, allow_empty=True), text_field(o, "chosen", where),
       text_field(o, "rejected", where))) for where, o in iter_objects(p))
-  located, _ = read_sources(path, read, seed, flag)
+  located, _ = read_sources(path, read, flag)
   if not located:
     raise DataError(f"{path}: no records")
   return [r for _, r in located]

@@ -3,7 +3,7 @@
 A stage's fingerprint is a flat {name: value} of everything its result depends on: the
 hyperparameters that change the run (the model, LoRA, optimizer, loss, reference and guard
 sections, the seed, the data settings), content hashes of the data (every shard of a glob or a
-save_to_disk folder, a mixture's fractions; the seed picks its records), the tokenizer and the
+save_to_disk folder, a mixture's fractions), the tokenizer and the
 tokenised arrays, the initial model's content (a checkpoint's manifest digest, or a Hugging Face
 folder's files), and the library's source (a hash of each file). `checkpoint.Manager` stores it
 and refuses a checkpoint whose fingerprint differs, naming each field with its old and new value;

@@ -90,7 +90,7 @@ class Data:
     lens = (d.max_prompt_length, d.max_target_length)
     pairs = task.preference_records(d.task_train_pairs, seed)
     self.train_records = list(pairs)
-    held = (data_lib.load_preference_jsonl(d.eval_data, seed, "eval_data") if d.eval_data else
+    held = (data_lib.load_preference_jsonl(d.eval_data, "eval_data") if d.eval_data else
             task.preference_records(d.task_eval_pairs, seed, held_out=True))
     self.held_records = list(held) or None
     return (data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs"),
@@ -109,7 +109,7 @@ class Data:
         self.tok, formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field,
                                      d.rejected_field),
         self.template, d.max_prompt_length, d.max_target_length, d.skip_bad_records,
-        cfg.run.seed, "train_data")
+        "train_data")
     prep = functools.partial(prepare.prepare_pairs, cache_dir=cache_dir)
     train_prep = prep(d.train_data, how, eval_split=d.eval_split, train_records=train_records)
     self.reports.append(train_prep.report)
@@ -141,7 +141,7 @@ class Data:
     how = prepare.Preparation(self.tok, template=self.template,
                               max_prompt_length=d.max_prompt_length,
                               max_target_length=d.max_target_length, skip_bad=d.skip_bad_records,
-                              seed=cfg.run.seed, flag="train_data")
+                              flag="train_data")
     prep = prepare.prepare_unpaired(d.train_data, how, d.eval_split)
     self.reports.append(prep.report)
     self.unpaired, self.unpaired_held, self.cuts = prep.train, prep.held, prep.cuts
@@ -183,7 +183,7 @@ class Data:
     if d.sft_data:
       sft, report = prepare.prepare_sft(d.sft_data, prepare.Preparation(
           self.tok, template=self.template, max_prompt_length=lens[0],
-          max_target_length=lens[1], skip_bad=d.skip_bad_records, seed=cfg.run.seed,
+          max_target_length=lens[1], skip_bad=d.skip_bad_records,
           flag="sft_data"))
       self.reports.append(report)
       return sft

@@ -6,10 +6,10 @@
       -> .npz cache
 
 A file, a glob of shards, a save_to_disk folder or a mixture of them (`dpo.data.read_sources`:
-each source read and parsed on its own, then its share of the records taken by the seed) all
+each source read and parsed on its own, then the first records of its share, as TRL takes them) all
 go the same way. Tokenising is the slow part for real data, so the result is stored under
 `<cache_dir>/prefs-<key>.npz`, where the key is a SHA-256 over the data's bytes
-(`data.source_digest`: every shard's name and content, a mixture's fractions, and its seed),
+(`data.source_digest`: every shard's name and content, a mixture's fractions),
 the tokenizer's fingerprint, the chat template's and every setting that changes the arrays;
 a second run with the same inputs loads the arrays instead of re-reading and re-tokenising. The
 cache file is written to a temporary name (`.tmp.<host>.<pid>`) and renamed, so concurrent
@@ -51,16 +51,14 @@ _ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask")
 class Preparation(NamedTuple):
   """How a file becomes arrays: the tokenizer, the record layout (--data_format and its
   fields), the --chat_template value (`chat.resolve_template`), the token budgets, whether
-  records that do not fit the format or that the template refuses are counted and skipped, the
-  seed that picks a mixture's records (the run's --seed) and the flag that named the data
-  (`train_data`; a mixture's errors name it)."""
+  records that do not fit the format or that the template refuses are counted and skipped, and
+  the flag that named the data (`train_data`; a mixture's errors name it)."""
   tok: Any
   spec: formats.FormatSpec = formats.FormatSpec()
   template: Any = "auto"
   max_prompt_length: int = 512
   max_target_length: int = 512
   skip_bad: bool = False
-  seed: int = 0
   flag: str = ""
 
   @property
@@ -89,14 +87,12 @@ def in_held_out(prompt: str, fraction: float) -> bool:
 
 def cache_key(path: str, how: Preparation, template_fingerprint: str, eval_split: float,
               train_records: bool = False) -> str:
-  """The cache file's key: the data's bytes (`data.source_digest`; a mixture's fractions and
-  seed too), the tokenizer's fingerprint, the chat template's (`chat.template_fingerprint`),
+  """The cache file's key: the data's bytes (`data.source_digest`; a mixture's fractions
+  too), the tokenizer's fingerprint, the chat template's (`chat.template_fingerprint`),
   and every setting that changes the arrays."""
   parts = [_VERSION, data.source_digest(path), how.tok.fingerprint(),
            repr(dataclasses.astuple(how.spec)), template_fingerprint, repr(tuple(how.lens)),
            repr(float(eval_split)), repr(bool(how.skip_bad)), repr(bool(train_records))]
-  if len(data.parse_sources(path)) > 1:
-    parts.append(f"seed {how.seed}")
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -271,7 +267,7 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   located, sources = data.read_sources(
-      path, lambda p: formats.iter_records(p, how.spec, stats, skips), how.seed, how.flag)
+      path, lambda p: formats.iter_records(p, how.spec, stats, skips), how.flag)
   if not located:
     raise DataError(f"{path}: no records")
   kept, filt = formats.filter_records(located)
@@ -343,7 +339,7 @@ def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dic
   skips = formats.Skips(path) if how.skip_bad else None
   examples, chats = [], False
   located, sources = data.read_sources(
-      path, lambda p: formats.iter_sft_records(p, stats, skips), how.seed, how.flag)
+      path, lambda p: formats.iter_sft_records(p, stats, skips), how.flag)
   rendered = []
   for where, rec in located:
     chats = chats or isinstance(rec, formats.ChatSFTRecord)
@@ -409,7 +405,7 @@ def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> Pr
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   located, sources = data.read_sources(
-      path, lambda p: formats.iter_unpaired_records(p, stats, skips), how.seed, how.flag)
+      path, lambda p: formats.iter_unpaired_records(p, stats, skips), how.flag)
   parts = ([], []), ([], []), ([], [])  # (texts, labels, records) of (train, held-out)
   chats, rendered = False, []
   for where, rec in located:

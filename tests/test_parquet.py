@@ -1,6 +1,6 @@
 """dpo/data.py's Parquet and Arrow sources (files, globs of shards, save_to_disk folders) and
 mixtures: the records `datasets` itself reads from the same files, the arrays the same rows give
-as JSONL, a cache and fingerprint that follow every shard, TRL's mixture counts, one-line errors."""
+as JSONL, a cache and fingerprint that follow every shard, TRL's mixture rows, one-line errors."""
 
 import glob
 import gzip
@@ -199,34 +199,32 @@ def _mixture_sources(tmp_path) -> tuple[str, str]:
   return a, b
 
 
-def test_mixture_takes_trl_counts_and_the_seed_picks_the_records(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fractions", [(0.7, 0.3), (0.5, 0.5)])
+def test_mixture_takes_the_rows_trl_takes(tmp_path, monkeypatch, fractions):
   a, b = _mixture_sources(tmp_path)
-  value = f"{a}:0.7,{b}:0.3"
-  read = lambda seed: data.read_sources(value, formats.iter_records, seed, "train_data")
-  (located, report), (again, _), (other, _) = read(0), read(0), read(1)
-  # TRL's get_dataset on the same files and fractions takes as many records of each.
+  value = f"{a}:{fractions[0]},{b}:{fractions[1]}"
+  located, report = data.read_sources(value, formats.iter_records, "train_data")
+  # TRL's get_dataset on the same files and fractions: its rows, in its order, are ours.
   from trl.scripts.utils import DatasetConfig, DatasetMixtureConfig, get_dataset
   monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
   mixed = get_dataset(DatasetMixtureConfig(datasets=[  # one column: TRL concatenates
-      DatasetConfig(path="parquet", data_files=a, columns=["prompt"], fraction=0.7),
-      DatasetConfig(path="json", data_files=b, columns=["prompt"], fraction=0.3)]))["train"]
-  from_b = sum(r["prompt"].startswith("beta ") for r in mixed)
-  trl_counts = [len(mixed) - from_b, from_b]
-  assert [s["taken"] for s in report] == trl_counts == [30, 13]
-  assert [(s["records"], s["fraction"]) for s in report] == [(30, 0.7), (20, 0.3)]
-  # Each source in its own format; the same seed picks the same records, another seed others.
+      DatasetConfig(path="parquet", data_files=a, columns=["prompt"], fraction=fractions[0]),
+      DatasetConfig(path="json", data_files=b, columns=["prompt"], fraction=fractions[1])]))
+  prompt_of = {f"{a} row {i}": r["prompt"] for i, r in enumerate(_ultrafeedback(30))}
+  prompt_of.update({f"{b}:{i + 1}": f"beta {i}?" for i in range(20)})
+  assert [prompt_of[w] for w, _ in located] == mixed["train"]["prompt"]
+  assert [s["taken"] for s in report] == {(0.7, 0.3): [30, 13], (0.5, 0.5): [20, 20]}[fractions]
+  assert [(s["records"], s["fraction"]) for s in report] == [(30, fractions[0]),
+                                                             (20, fractions[1])]
+  # Each source in its own format.
   assert isinstance(located[0][1], formats.ChatRecord)
   assert isinstance(located[-1][1], formats.PreferenceRecord)
-  beta = lambda loc: [w for w, _ in loc if w.startswith(b)]
-  assert located == again and len(beta(other)) == 13 and beta(other) != beta(located)
-  assert beta(located) == sorted(beta(located), key=lambda w: int(w.rsplit(":", 1)[1]))
-  # Through prepare: the report, the cache key (the seed is part of it), the fingerprint.
+  # Through prepare: the report, the cache key, the fingerprint.
   how, cache = HOW._replace(flag="train_data"), str(tmp_path / "cache")
   out = prepare.prepare_pairs(value, how, cache_dir=cache)
-  assert out.report["sources"] == report and len(out.train["tokens"]) == 43
+  assert out.report["sources"] == report and len(out.train["tokens"]) == sum(
+      s["taken"] for s in report)
   assert prepare.prepare_pairs(value, how, cache_dir=cache).report["cache"] == "hit"
-  assert prepare.prepare_pairs(value, how._replace(seed=1),
-                               cache_dir=cache).report["cache"] == "miss"
   fp = lambda v: identity.fingerprint(configs.DEFAULT.replace(train_data=v), {},
                                       ("train_data",), {})["train_data sha256"]
   assert fp(value) != fp(f"{a}:0.6,{b}:0.4") and fp(value) != fp(f"{a},{b}")

@@ -240,8 +240,7 @@ def sampled_rounds(p, judge, base):
   d = c.data
   how = prepare.Preparation(p.data.tok, template=p.data.template,
                             max_prompt_length=d.max_prompt_length,
-                            max_target_length=d.max_target_length, skip_bad=True,
-                            seed=c.run.seed)
+                            max_target_length=d.max_target_length, skip_bad=True)
   # A re-read prompt is as long as the table's (the same reader made both) and a completion at
   # most --max_target_length tokens: the arrays' lengths, fixed for every round.
   P, C = table["tokens"].shape[1], d.max_target_length
