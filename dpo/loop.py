@@ -318,8 +318,11 @@ def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
   whose config.json names a `*ForSequenceClassification` is a reward model: its params hold
   the head `score` and no LM head, and only the rm stage starts from it."""
   src = cfg.checkpoint.init_from
+  # A base that stays frozen from the start (no sft stage) is born, or read, straight into
+  # --base_quant's format, one layer at a time: an 8B float32 copy would not fit one chip.
+  frozen = "sft" not in cfg.run.stages
   if not src:
-    return cfg, transformer.init(cfg.model, key, mesh)
+    return cfg, (transformer.init_base if frozen else transformer.init)(cfg.model, key, mesh)
   kind, _, path = src.partition(":")
   if kind == "hf":
     from models import hf  # optional-format code stays out of the default path
@@ -328,9 +331,6 @@ def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
       raise ValueError(f"--init_from={src}: a *ForSequenceClassification (a reward model) has "
                        f"no LM head; only --stage=rm starts from it, not --stage="
                        f"{cfg.run.stage}")
-    # A base that stays frozen from the start (no sft stage) is read straight into
-    # --base_quant's format, one layer at a time: an 8B float32 copy would not fit one chip.
-    frozen = "sft" not in cfg.run.stages
     model_cfg, params = hf.load(path, mesh, cfg.model, reward=reward,
                                 quantize=cfg.model.base_quant if frozen else "none")
     logging.info("imported %s%s (%s) from %s", model_cfg.arch, " reward model" if reward else "",

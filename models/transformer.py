@@ -710,7 +710,12 @@ def unembed(cfg: ModelConfig, params, h_BTD: jax.Array) -> jax.Array:
 
 
 def num_params(tree) -> int:
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+  """Parameters of a (possibly quantized) pytree: a quantized matrix counts its float shape."""
+  def count(x):
+    if isinstance(x, quant.NF4Weight):
+      return math.prod(x.packed.shape[:-2]) * math.prod(x.shape)
+    return math.prod((x.q if isinstance(x, quant.Int8Weight) else x).shape)
+  return sum(count(x) for x in jax.tree.leaves(tree, is_leaf=quant.is_quantized))
 
 
 def nbytes(tree) -> int:

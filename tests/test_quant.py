@@ -152,3 +152,26 @@ def test_base_born_quantized_one_layer_at_a_time(mode):
   stacked = 4 * cfg.n_layers * cfg.d_model * cfg.mlp_dim  # one stacked float32 gate matrix
   temp = transformer.quantized_init(cfg, mesh).lower(jax.random.key(0)).compile()
   assert temp.memory_analysis().temp_size_in_bytes < stacked
+
+
+def test_a_random_run_with_a_frozen_base_is_born_quantized():
+  """A run's random init (dpo.loop.initial_params): with no sft stage the base never trains, so
+  it is born in --base_quant's format (`init_base`, an 8B base never exists in float32); with
+  an sft stage first it starts in float32 (SFT trains it) and the DPO stage quantizes it."""
+  from dpo import loop
+  cfg = configs.Config().replace(vocab_size=256, d_model=64, n_layers=2, n_heads=4,
+                                 n_kv_heads=2, head_dim=16, mlp_dim=128, base_quant="nf4",
+                                 stage="dpo")
+  mesh = sharding.make_mesh("data:1", jax.devices()[:1])
+  key = jax.random.key(3)
+  _, params = loop.initial_params(cfg, key, mesh)
+  want = transformer.init_base(cfg.model, key, mesh)
+  assert isinstance(params["layers"]["q"], quant.NF4Weight)
+  for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(got, ref)
+  _, float_params = loop.initial_params(cfg.replace(stage="sft,dpo"), key, mesh)
+  assert float_params["layers"]["q"].dtype == jnp.float32
+  # The run's log counts a quantized matrix by its float shape.
+  assert transformer.num_params(params) == transformer.num_params(float_params)
+  int8 = quant.quantize_params(transformer.param_specs(cfg.model), "int8", float_params, mesh)
+  assert transformer.num_params(int8) == transformer.num_params(float_params)

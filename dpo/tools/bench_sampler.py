@@ -235,7 +235,9 @@ def main(argv):
   del argv
   if FLAGS.preset:
     given = [f"--{n}" for n in ("hf_dir", "threads", "vocab_size", "d_model", "n_layers",
-                                "n_heads", "n_kv_heads", "head_dim", "mlp_dim") if FLAGS[n].present]
+                                "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "breakdown",
+                                "bucketed", "bucket_lengths", "bucket_new_tokens")
+             if FLAGS[n].present]
     if given:
       raise app.UsageError(f"{', '.join(given)}: --preset times our sampler alone on the "
                            "preset's shape; drop them")
