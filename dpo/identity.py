@@ -43,10 +43,14 @@ _NEVER = {"steps", "sft_steps", "rm_steps", "online_steps", "export_rm_hf", "log
 
 @functools.lru_cache(maxsize=None)
 def source_digests() -> dict[str, str]:
-  """{path: sha256 (16 hex digits)} of the library's source files: configs.py and the dpo/ and
-  models/ packages (tools and tests excluded)."""
-  files = [os.path.join(ROOT, "configs.py"), *glob.glob(os.path.join(ROOT, "dpo", "*.py")),
-           *glob.glob(os.path.join(ROOT, "models", "*.py"))]
+  """{path: sha256 (16 hex digits)} of the library's source files: configs.py and every module
+  of the dpo/ and models/ packages, subpackages included (dpo/algorithms/ and any a fork adds);
+  the tools (dpo/tools/, which the library never imports) and the tests excluded."""
+  tools = os.path.join(ROOT, "dpo", "tools") + os.sep
+  files = [os.path.join(ROOT, "configs.py"),
+           *(f for package in ("dpo", "models")
+             for f in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)
+             if not f.startswith(tools))]
   out = {}
   for f in sorted(files):
     with open(f, "rb") as fh:

@@ -1,6 +1,7 @@
 """Resume means the same run: a rerun that changes what the run computes is refused, naming each
 changed value; extending --steps is allowed and logged; --resume=never|must."""
 
+import functools
 import json
 import logging
 import os
@@ -164,3 +165,25 @@ def test_fingerprint_leaves_out_what_does_not_change_the_run():
   assert of(other, dpo) == fp
   assert "sft_learning_rate" not in fp and "sft_learning_rate" in of(cfg, sft)
   assert of(cfg.replace(sft_learning_rate=1e-4), dpo) == fp
+
+
+def test_source_digests_cover_every_library_module_subpackages_included(tmp_path, monkeypatch):
+  """The run fingerprint's source covers every module of dpo/ and models/, dpo/algorithms/
+  included, and not the tools: an edit of an algorithm's module changes that file's digest
+  (the resume then names it: test_changed_data_file_or_initial_model_refuses_changed_source_is_logged)."""
+  for part in ("configs.py", "dpo", "models"):
+    src = os.path.join(identity.ROOT, part)
+    (shutil.copy if os.path.isfile(src) else functools.partial(
+        shutil.copytree, ignore=shutil.ignore_patterns("__pycache__")))(src, tmp_path / part)
+  monkeypatch.setattr(identity, "ROOT", str(tmp_path))
+  digests = identity.source_digests.__wrapped__  # uncached (a run reads its source once)
+  before = digests()
+  want = {"configs.py"} | {
+      os.path.relpath(os.path.join(d, f), tmp_path) for package in ("dpo", "models")
+      for d, _, files in os.walk(tmp_path / package) for f in files if f.endswith(".py")}
+  want = {f for f in want if not f.startswith("dpo/tools/")}
+  assert set(before) == want and "dpo/algorithms/grpo.py" in before
+  module = tmp_path / "dpo" / "algorithms" / "dpo.py"
+  module.write_text(module.read_text() + "\n# a fork's edit\n")
+  after = digests()
+  assert {f for f in after if after[f] != before[f]} == {"dpo/algorithms/dpo.py"}
