@@ -70,7 +70,7 @@ def init(model_cfg: ModelConfig, lora_cfg: LoraConfig, key: jax.Array, mesh: Mes
   specs = lora_specs(model_cfg, lora_cfg)
 
   def make(k):
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=transformer._is_spec)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=transformer.is_spec)
     keys = jax.random.split(k, len(leaves))
     arrays = []
     for s, kk in zip(leaves, keys):

@@ -87,7 +87,7 @@ def score_spec(cfg: ModelConfig) -> ParamSpec:
   return ParamSpec((cfg.d_model, 1), ("embed", None), "normal", 1)
 
 
-def _is_spec(x) -> bool:
+def is_spec(x) -> bool:
   return isinstance(x, ParamSpec)
 
 
@@ -100,17 +100,17 @@ def _init_one(spec: ParamSpec, key: jax.Array, std: float) -> jax.Array:
 
 
 def init_from_specs(specs, key: jax.Array, std: float):
-  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
   keys = jax.random.split(key, len(leaves))
   return treedef.unflatten([_init_one(s, k, std) for s, k in zip(leaves, keys)])
 
 
 def abstract(specs):
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs, is_leaf=_is_spec)
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs, is_leaf=is_spec)
 
 
 def shardings(specs, mesh: Mesh):
-  return jax.tree.map(lambda s: sharding.named(mesh, s.axes, s.shape), specs, is_leaf=_is_spec)
+  return jax.tree.map(lambda s: sharding.named(mesh, s.axes, s.shape), specs, is_leaf=is_spec)
 
 
 def init(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
@@ -134,7 +134,7 @@ def init_base(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
 def quantized_init(cfg: ModelConfig, mesh: Mesh):
   """`init_base`'s jitted function of the key (int8 / nf4), for its memory analysis."""
   specs = param_specs(cfg)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
   quantized = quant.targets(specs)
   names = [tuple(p.key for p in path) for path, _ in leaves]
 

@@ -79,7 +79,7 @@ def _np_forward(cfg, p, tokens, positions):
 
 def test_param_tree_derives_from_specs(params):
   specs = transformer.param_specs(CFG)
-  shapes = jax.tree.map(lambda s: s.shape, specs, is_leaf=transformer._is_spec)
+  shapes = jax.tree.map(lambda s: s.shape, specs, is_leaf=transformer.is_spec)
   assert jax.tree.map(lambda x: x.shape, params) == shapes
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
   assert "lm_head" in params and "lm_head" not in transformer.param_specs(
