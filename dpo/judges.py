@@ -192,19 +192,27 @@ class RewardModelJudge:
   digest: str = ""     # its content (`fingerprint`), named in the metrics beside `name`
 
   def rows(self, records: Sequence[Record]) -> dict[str, np.ndarray]:
-    """[N, T] arrays of the records' chosen sides, rendered and tokenised as the judge's own
-    training pairs were (dpo.prepare): a conversation by its chat template (BOS where the
-    template writes one, no EOS added), a text record as prompt + response + EOS."""
+    """[N, T] arrays of the records' chosen sides, rendered, fitted and tokenised as the judge's
+    own training pairs were (dpo.prepare): a conversation by its chat template (BOS where the
+    template writes one, no EOS added; earlier turns dropped whole to fit
+    --max_prompt_length), a text record as prompt + response + EOS."""
     parts = []
     for is_chat in (False, True):
       idx = [i for i, r in enumerate(records) if isinstance(r, ChatRecord) == is_chat]
       if not idx:
         continue
-      rendered = [chat.render_record(records[i], self.template, f"{self.name} record {i}")
-                  for i in idx]
+      where = [f"{self.name} record {i}" for i in idx]
+      rendered = [chat.render_record(records[i], self.template, w) for i, w in zip(idx, where)]
+      # After a rendering: a template learns whether it writes a BOS by rendering.
       marks = ({"ends": data_lib.Ends(bos=self.template.emits_bos, eos=False)}
                if is_chat and isinstance(self.template, chat.JinjaTemplate)
                and self.template.emits_bos is not None else {})
+      # A conversation over --max_prompt_length loses whole earlier turns, as the judge's own
+      # training pairs did (dpo.prepare), never the start of a turn and its role header.
+      budget = data_lib.PromptBudget(self.tok, self.max_prompt_length,
+                                     marks.get("ends", data_lib.Ends()).bos)
+      rendered = [chat.fit_record(records[i], text, self.template, budget, w)[0]
+                  for i, text, w in zip(idx, rendered, where)]
       pairs = data_lib.tokenize_pairs(rendered, self.tok, self.max_prompt_length,
                                       self.max_target_length, what=f"judge {self.name}",
                                       **marks)

@@ -193,6 +193,32 @@ def test_hf_judge_scores_conversations_rendered_its_own_way_as_transformers(tmp_
 
 
 @needs_gpt2
+def test_hf_judge_fits_a_long_conversation_by_whole_turns_as_transformers_renders_them(tmp_path):
+  """Over --max_prompt_length, a conversation reaches the judge without its earlier turns (the
+  rest rendered again by the template, as its training pairs were fitted), never cut inside a
+  turn: its score is transformers' score of the kept turns, not of the whole conversation."""
+  import transformers
+  d = str(tmp_path / "rm")
+  model = _hf_judge_folder(d)
+  tok = transformers.AutoTokenizer.from_pretrained(d)
+  history = [{"role": "user", "content": "Tell me a long story about a cafe in Oslo."},
+             {"role": "assistant", "content": "Once upon a time there was a warm cafe."}]
+  last = [{"role": "user", "content": "And then?"}]
+  ids = tok.apply_chat_template(last, add_generation_prompt=True, tokenize=True)
+  budget = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+  cfg = configs.DEFAULT.replace(judge=f"hf:{d}", stage="dpo", eval_batch_size=2,
+                                max_prompt_length=budget)
+  judge = judges.load(cfg, _mesh(), None, None)
+  prompt = tuple(Message(m["role"], m["content"]) for m in history + last)
+  (record,) = judges.records_of(prompt, ["They closed."])
+  reply = [{"role": "assistant", "content": "They closed."}]
+  kept, whole = _transformers_scores(model, d, [last + reply, history + last + reply])
+  got = judge.score([record])[0]
+  assert got == pytest.approx(kept, rel=1e-4, abs=1e-4)
+  assert abs(got - whole) > 1e-3  # the whole conversation scores otherwise
+
+
+@needs_gpt2
 def test_bad_judge_folders_are_one_line_errors(tmp_path):
   no_tok = str(tmp_path / "no_tok")
   _hf_judge_folder(no_tok, tokenizer=False)
