@@ -95,6 +95,15 @@ class Generated(online_dpo.Sampled):
   """Program.stage's `online` for GRPO: a generation batch every num_iterations steps."""
   buffer: GRPOBatch | None = None
   info: dict | None = None
+  salt = 6  # the sampling key's: fold_in(seed, salt), then the generation batch's first step
+
+  @staticmethod
+  def completion_length(cfg) -> int:
+    return cfg.grpo.max_completion_length
+
+  @property
+  def generations(self) -> int:
+    return self.cfg.grpo.num_generations
 
   @property
   def repeat(self) -> int:
@@ -102,11 +111,11 @@ class Generated(online_dpo.Sampled):
 
   @property
   def prompts_per_step(self) -> int:
-    return self.cfg.optim.global_batch_size // self.cfg.grpo.num_generations
+    return self.cfg.optim.global_batch_size // self.generations
 
   def __call__(self, spec, update):
-    key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), 6)
-    G, K = self.cfg.grpo.num_generations, self.cfg.grpo.num_iterations
+    key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), self.salt)
+    G, K = self.generations, self.repeat
     score = jax.jit(functools.partial(_token_logps, self.cfg.model))
 
     def dispatch(state, frozen, batch):
@@ -129,7 +138,7 @@ class Generated(online_dpo.Sampled):
   def generation(self, state, frozen, batch, comps, score, spec):
     """(the GRPOBatch of a generation batch, its logged figures): rewards, advantages, rows,
     old and reference log-probs."""
-    G, c = self.cfg.grpo.num_generations, self.cfg
+    G, c = self.generations, self.cfg
     B = len(batch["tokens"])
     rewards_NF, ended, info = self.rewarded(batch, comps)
     rewards = np.asarray(pg.weighted_rewards(rewards_NF.astype(np.float32), c.grpo.reward_weights),
@@ -137,26 +146,34 @@ class Generated(online_dpo.Sampled):
     r_BGF = jnp.asarray(rewards_NF.reshape(G, B, -1).transpose(1, 0, 2), jnp.float32)
     adv_BG, frac_zero_std = pg.advantages(r_BGF, c.grpo)  # row b: prompt b's G completions
     adv_BG = np.asarray(adv_BG)
+    rows, old, ref = self.scored_rows(state, frozen, (batch, comps, ended), score, spec,
+                                      c.grpo.mask_truncated_completions, c.grpo.grpo_beta > 0)
+    info = {**info, **figures(rewards, comps, ended),
+            "frac_reward_zero_std": float(frac_zero_std)}
+    flat = lambda a_BG: a_BG.T.reshape(-1)  # back to the rows' layout
+    return GRPOBatch(rows, flat(adv_BG).astype(np.float32), old, ref), info
+
+  def scored_rows(self, state, frozen, sampled, score, spec, mask_truncated: bool,
+                  with_ref: bool):
+    """(Rows of prompt + completion, per-token log-probs [N, T] of the policy that sampled them,
+    of the reference or None) of `sampled`, (batch, completions, ended); with `mask_truncated` a
+    completion that did not end leaves the loss mask."""
+    batch, comps, ended = sampled
+    G = len(comps) // len(batch["tokens"])
     prompts = [row[seg != 0] for row, seg in zip(batch["tokens"], batch["segment_ids"])] * G
     rows = online_dpo.data_lib._pack_rows([(list(p), list(x)) for p, x in zip(prompts, comps)],
                                           self.seq_len, self.tok.pad_id)
-    if c.grpo.mask_truncated_completions:  # a completion that did not end leaves the loss
+    if mask_truncated:
       rows["loss_mask"] = rows["loss_mask"] * ended[:, None].astype(np.float32)
     rows = batches.Rows.of(rows)
     device_rows = train.device_batch(self.mesh, rows, len(rows.tokens))  # the whole batch
     params, adapter = _policy(spec, frozen, state.params)
     old = sharding.to_host(score(params, device_rows, adapter))
     ref = None
-    if c.grpo.grpo_beta > 0:
+    if with_ref:
       ref_params = frozen.params if frozen.ref_params is None else frozen.ref_params
       ref = sharding.to_host(score(ref_params, device_rows))
-    lengths = np.array([len(x) for x in comps], np.float64)
-    info = {**info, "reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
-            "frac_reward_zero_std": float(frac_zero_std),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(1.0 - ended.mean())}
-    flat = lambda a_BG: a_BG.T.reshape(-1)  # back to the rows' layout
-    return GRPOBatch(rows, flat(adv_BG).astype(np.float32), old, ref), info
+    return rows, old, ref
 
   def rewarded(self, batch, comps) -> tuple[np.ndarray, np.ndarray, dict]:
     """(each reward function's rewards of the completions [N, F] (F = 1 for one function or a
@@ -178,6 +195,15 @@ class Generated(online_dpo.Sampled):
     return rewards_NF, ended, info
 
 
+def figures(rewards: np.ndarray, comps, ended: np.ndarray) -> dict:
+  """TRL's logged reward and length figures of a generation batch: reward, reward_std (over the
+  scorable completions), completions/mean_length, completions/clipped_ratio."""
+  lengths = np.array([len(x) for x in comps], np.float64)
+  return {"reward": _nanmean(rewards), "reward_std": _nanstd(rewards),
+          "completions/mean_length": float(lengths.mean()),
+          "completions/clipped_ratio": float(1.0 - ended.mean())}
+
+
 def _nanstd(x: np.ndarray) -> float:
   """TRL's nanstd: Bessel-corrected over the non-NaN values; NaN for fewer than two."""
   with warnings.catch_warnings():
@@ -190,15 +216,16 @@ def _nanmean(x: np.ndarray) -> float:
   return float(np.mean(x[~np.isnan(x)])) if (~np.isnan(x)).any() else float("nan")
 
 
-def generated(p, judge, base):
-  """dpo.preference_stage's `online` for GRPO."""
+def generated(p, judge, base, kind: type[Generated] | None = None):
+  """dpo.preference_stage's `online` for GRPO (`kind` Generated) or another stage that samples
+  generation batches so (RLOO's subclass)."""
+  kind = kind or Generated
   table, online = online_dpo.sampled(p, judge, base)
-  c = p.cfg
-  new = c.grpo.max_completion_length
+  new = kind.completion_length(p.cfg)
   scfg = dataclasses.replace(online.scfg, max_new_tokens=new)
   seq_len = online_dpo.packing.round_up(table["tokens"].shape[1] + new, 8)
   fields = {f.name: getattr(online, f.name) for f in dataclasses.fields(online_dpo.Sampled)}
-  return table, Generated(**{**fields, "scfg": scfg, "seq_len": seq_len})
+  return table, kind(**{**fields, "scfg": scfg, "seq_len": seq_len})
 
 
 def run(p, model: algorithms.Model) -> algorithms.Model:
