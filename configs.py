@@ -50,8 +50,10 @@ class DataConfig:
                            "fractions in (0, 1] are shares of the mixture, normalised, as TRL's "
                            "DatasetMixtureConfig: the largest mixture that repeats no record, "
                            "each source's first records; 'a,b' = all of each; a part is split "
-                           "at its last ':' only before a number). Empty = the embedded default "
-                           "task.")
+                           "at its last ':' only before a number), or a Hub data set "
+                           "ORG/NAME[@REVISION][/DATA_DIR][[:SUBSET]:SPLIT] (split train when not "
+                           "given; read through datasets.load_dataset, the hub extra; a local "
+                           "path of that name wins). Empty = the embedded default task.")
   eval_data: str = option("", "Held-out preference data (same forms as train_data); empty = "
                           "--eval_split of train_data, or the embedded task's held-out pairs.")
   sft_data: str = option("", "SFT data ({prompt, completion}, {messages}, ShareGPT "
@@ -74,7 +76,8 @@ class DataConfig:
   inspect_data: int = option(0, "Write the first N training pairs as the model sees them to "
                              "<output_dir>/data_preview.jsonl, print a few, and exit without "
                              "training.")
-  tokenizer: str = option("", "Hugging Face tokenizer.json (or its directory); empty = bytes.")
+  tokenizer: str = option("", "Hugging Face tokenizer.json (or its directory), or a Hub model "
+                          "ORG/NAME[@REVISION] (its snapshot, the hub extra); empty = bytes.")
   bos_token: str = option("", "BOS token text ('none' = no BOS); empty = tokenizer_config.json or "
                           "GPT-2's <|endoftext|>.")
   eos_token: str = option("", "EOS token text; empty = tokenizer_config.json or <|endoftext|>.")
@@ -227,7 +230,8 @@ class ReferenceConfig:
                                 "(cached on disk) and skip the reference forward in each step.")
   ref_cache_dir: str = option("", "Where precomputed reference log-probs live; empty = "
                               "<output_dir>/ref_cache.")
-  ref_init_from: str = option("", "A separate reference model (as TRL's ref_model): hf:DIR or a "
+  ref_init_from: str = option("", "A separate reference model (as TRL's ref_model): hf:DIR (or "
+                              "hf:ORG/NAME[@REVISION], a Hub model) or a "
                               "dpo-jax params checkpoint with the policy's architecture, held "
                               "frozen, sharded like the policy and quantized with --base_quant; "
                               "the evaluation compares against it too. Empty = the policy's "
@@ -288,7 +292,8 @@ class EvalConfig:
   judge: str = option("", "The judge that scores policy and reference samples (win rate, length-"
                       "controlled win rate, reward gain) and the held-out pairs (its accuracy): a "
                       "reward-model checkpoint (checkpoints/rm_model of an rm stage), hf:DIR (a "
-                      "transformers *ForSequenceClassification folder with its tokenizer), or rm "
+                      "transformers *ForSequenceClassification folder with its tokenizer; "
+                      "hf:ORG/NAME[@REVISION]: a Hub model's), or rm "
                       "(this run's rm stage's model); empty = --reward_fn (dpo/judges.py).")
   reward_fn: str = option("", "A judge that is a Python function module:function of (prompt, "
                           "response) returning a number (rule-based or verifiable rewards), or "
@@ -311,7 +316,9 @@ class CheckpointConfig:
   init_from: str = option("", "Start from a checkpoint instead of random init: a dpo-jax params "
                           "checkpoint (an SFT output or exported policy), or hf:DIR, a Hugging "
                           "Face directory (config.json + *.safetensors) whose config replaces the "
-                          "model section. For --stage=dpo it is both the initial policy and the "
+                          "model section, or hf:ORG/NAME[@REVISION], a Hub model (its snapshot in "
+                          "the Hub cache, downloaded once; the hub extra; a local DIR of that "
+                          "name wins). For --stage=dpo it is both the initial policy and the "
                           "reference.")
   export_hf: str = option("", "After DPO, write the policy (LoRA merged) as a Hugging Face "
                           "directory here, plus the LoRA factors alone in PEFT layout under "

@@ -89,9 +89,10 @@ def _parse(argv: list[str]) -> list[str]:
 def _check_inputs(cfg) -> None:
   """One line naming the flag and the file for an input that cannot be read: data that does
   not exist (a glob that matches nothing, a folder save_to_disk did not write, Parquet without
-  pyarrow: dpo/data.py), an --init_from that holds no full model (dpo/checkpoint.py), a judge
-  that cannot be built (dpo/judges.py)."""
-  from dpo import checkpoint, data  # after distributed start-up, as main's imports
+  pyarrow, a Hub name that does not resolve: dpo/data.py, dpo/hub.py), an --init_from that
+  holds no full model (dpo/checkpoint.py), a judge that cannot be built (dpo/judges.py)."""
+  from dpo import checkpoint, data, hub  # after distributed start-up, as main's imports
+  cfg = hub.resolve(cfg)  # Hub model names -> their snapshot folders (loop.run does it again)
   for flag in data.DATA_FLAGS:
     data.check_sources(flag, getattr(cfg.data, flag))
   if cfg.checkpoint.init_from:

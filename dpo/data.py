@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
-from dpo import packing
+from dpo import hub, packing
 
 
 class DataError(ValueError):
@@ -133,8 +133,10 @@ def parse_sources(value: str) -> tuple[Source, ...]:
 
 def source_files(path: str) -> list[str]:
   """The files one source reads, in reading order: the file itself, the sorted files a glob
-  matches (`**` spans folders), or the Arrow files a save_to_disk folder's state.json lists. A
-  DataError naming the path for anything else."""
+  matches (`**` spans folders), the Arrow files a save_to_disk folder's state.json lists, or,
+  for a Hub data set's name (`hub.data_name`: no local path of that name), the Arrow files
+  `datasets.load_dataset` prepared for its split (`hub.dataset`). A DataError naming the path
+  for anything else."""
   if os.path.isdir(path):
     return _saved_dataset_files(path)
   if os.path.exists(path):
@@ -144,6 +146,11 @@ def source_files(path: str) -> list[str]:
     if not files:
       raise DataError(f"{path}: the pattern matches no file")
     return files
+  if hub.data_name(path):
+    try:
+      return list(hub.dataset(path).files)
+    except hub.HubError as e:
+      raise DataError(str(e)) from None
   raise DataError(f"{path}: no such file")
 
 

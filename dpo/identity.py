@@ -3,10 +3,11 @@
 A stage's fingerprint is a flat {name: value} of everything its result depends on: the
 hyperparameters that change the run (the model, LoRA, optimizer, loss, reference and guard
 sections, the seed, the data settings), content hashes of the data (every shard of a glob or a
-save_to_disk folder, a mixture's fractions), the tokenizer and the
-tokenised arrays, the initial model's content (a checkpoint's manifest digest, or a Hugging Face
-folder's files), and the library's source (a hash of each file). `checkpoint.Manager` stores it
-and refuses a checkpoint whose fingerprint differs, naming each field with its old and new value;
+save_to_disk folder, a mixture's fractions), the tokenizer and the tokenised arrays, the
+initial model's content (a checkpoint's manifest digest, or a Hugging Face folder's files), the
+repo and commit each Hub name resolved to (`hub.identity`), and the library's source (a hash of
+each file). `checkpoint.Manager` stores it and refuses a checkpoint whose fingerprint differs,
+naming each field with its old and new value;
 a source change alone is logged with the changed files named and the run resumes, so a fork that
 edits the code can continue its runs.
 Left out, because they do not change what a step computes: the stage's length (`--steps`,
@@ -30,7 +31,7 @@ import os
 
 import numpy as np
 
-from dpo import checkpoint, data
+from dpo import checkpoint, data, hub
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESUME = ("auto", "never", "must")
@@ -117,6 +118,7 @@ def fingerprint(cfg, hyperparameters: dict | None = None, data_files: tuple[str,
         fp[f"{flag} sha256"] = digest(getattr(d, flag))
     fp["data arrays sha256"] = arrays_digest(arrays)
     fp["initial model"] = initial
+    fp.update(hub.identity(cfg))  # what a Hub name resolved to: repo and commit
     fp.update(hyperparameters)
   fp[checkpoint.SOURCE] = source_digests()
   return _plain(fp)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from dpo import algorithms, autotune, chat, checkpoint, cli, curves, evaluate, formats
-from dpo import identity, judges, packing, prepare, progress, task
+from dpo import hub, identity, judges, packing, prepare, progress, task
 from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -419,6 +419,7 @@ def run(cfg, mesh=None, init_params=None,
 def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   t_start = time.perf_counter()
   out = cfg.run.output_dir
+  given, cfg = cfg, hub.resolve(cfg)  # Hub model names -> snapshot folders; flags.txt: as given
   if cfg.data.inspect_data != 0:
     return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
   recipe = algorithms.recipe(cfg.run.stages)
@@ -426,7 +427,7 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out, cfg.run.stages, algorithms.ALGORITHMS)
-  _write_flags(cfg, writer)
+  _write_flags(given, writer)
   init = lambda c: ((c, init_params) if init_params is not None else
                     initial_params(c, jax.random.fold_in(jax.random.key(c.run.seed), 0), mesh))
   # The data is read before a random init compiles, so the reward functions are tried on it
