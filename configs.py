@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from dpo import data as data_lib
 from dpo.losses import LossConfig
-from dpo.policy_gradient import GRPOConfig
+from dpo.policy_gradient import GRPOConfig, RLOOConfig
 from dpo.unpaired import KTOConfig
 from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARGETS, NONNEG, POS,
                            UNIT, LoraConfig, ModelConfig, at_least, check, one_of, option, rules,
@@ -185,12 +185,14 @@ class OnlineConfig:
                                       "max_target_length).")
   grpo_steps: int = option(200, "GRPO optimizer steps (stage grpo); a batch of samples is drawn "
                            "every --num_iterations of them.")
+  rloo_steps: int = option(200, "RLOO optimizer steps (stage rloo); a batch of samples is drawn "
+                           "every --rloo_num_iterations of them.")
   missing_eos_penalty: float = option(0.0, "Subtracted from the judge's reward of a sample that "
                                       "does not end (no EOS or end-of-turn within the token "
                                       "budget), as TRL's missing_eos_penalty; 0 = none.")
 
   def __post_init__(self):
-    rules(self, online_steps=NONNEG, grpo_steps=NONNEG, online_temperature=FINITE_NONNEG,
+    rules(self, online_steps=NONNEG, grpo_steps=NONNEG, rloo_steps=NONNEG, online_temperature=FINITE_NONNEG,
           online_max_new_tokens=NONNEG, missing_eos_penalty=FINITE_NONNEG)
 
 
@@ -379,12 +381,13 @@ class RunConfig:
 
 
 # Stages that sample from the policy as they train (they read the online section and a judge).
-ONLINE_STAGES = ("online_dpo", "grpo", "iterative_dpo")
+ONLINE_STAGES = ("online_dpo", "grpo", "rloo", "iterative_dpo")
 
 _SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
              "loss": LossConfig, "reward": RewardConfig, "online": OnlineConfig,
              "iterative": IterativeConfig,
              "grpo": GRPOConfig,
+             "rloo": RLOOConfig,
              "kto": KTOConfig,
              "reference": ReferenceConfig,
              "guard": GuardConfig,
@@ -407,6 +410,7 @@ class Config:
   online: OnlineConfig = OnlineConfig()
   iterative: IterativeConfig = IterativeConfig()
   grpo: GRPOConfig = GRPOConfig()
+  rloo: RLOOConfig = RLOOConfig()
   kto: KTOConfig = KTOConfig()
   reference: ReferenceConfig = ReferenceConfig()
   guard: GuardConfig = GuardConfig()
@@ -456,16 +460,27 @@ class Config:
     check(not (online and self.eval.judge == "rm" and "rm" in stages
                and stages.index("rm") > stages.index(online[0])),
           f"--judge=rm: must go with an rm stage before the online stage (--stage={self.run.stage})")
-    g = self.grpo
-    check("grpo" not in stages or self.optim.global_batch_size % g.num_generations == 0,
-          f"--num_generations={g.num_generations}: must divide --global_batch_size="
-          f"{self.optim.global_batch_size} (a step's completions, G per prompt)")
-    check("grpo" not in stages or (self.online.grpo_steps % g.num_iterations == 0 and
-                                   self.checkpoint.checkpoint_every % g.num_iterations == 0),
-          f"--num_iterations={g.num_iterations}: must divide --grpo_steps="
-          f"{self.online.grpo_steps} and --checkpoint_every={self.checkpoint.checkpoint_every} "
-          f"(checkpoints fall between generation batches)")
-    for name, section, readers in (("kto", self.kto, ("kto",)), ("grpo", self.grpo, ("grpo",)),
+    for stage, prefix, section, group in (("grpo", "", self.grpo, "G"),
+                                          ("rloo", "rloo_", self.rloo, "k")):
+      generations = getattr(section, f"{prefix}num_generations")
+      iterations = getattr(section, f"{prefix}num_iterations")
+      steps = getattr(self.online, f"{stage}_steps")
+      check(stage not in stages or self.optim.global_batch_size % generations == 0,
+            f"--{prefix}num_generations={generations}: must divide --global_batch_size="
+            f"{self.optim.global_batch_size} (a step's completions, {group} per prompt)")
+      check(stage not in stages or (steps % iterations == 0 and
+                                    self.checkpoint.checkpoint_every % iterations == 0),
+            f"--{prefix}num_iterations={iterations}: must divide --{stage}_steps={steps} and "
+            f"--checkpoint_every={self.checkpoint.checkpoint_every} (checkpoints fall between "
+            f"generation batches)")
+    unread = [n for n in self._grpo_changed() if n != "reward_weights"]
+    check("rloo" not in stages or "grpo" in stages or not unread,
+          f"--{(unread + [''])[0]}={shown(getattr(self.grpo, (unread + ['grpo_beta'])[0]))}: "
+          f"must go with a grpo stage (--stage={self.run.stage} has none; the rloo stage reads "
+          f"only --reward_weights of its section)")
+    for name, section, readers in (("kto", self.kto, ("kto",)),
+                                   ("grpo", self.grpo, ("grpo", "rloo")),
+                                   ("rloo", self.rloo, ("rloo",)),
                                    ("online", self.online, ONLINE_STAGES),
                                    ("iterative", self.iterative, ("iterative_dpo",))):
       changed = [f"--{f.name}={shown(getattr(section, f.name))}"
@@ -515,6 +530,11 @@ class Config:
           f"--kl_max={self.guard.kl_max!r}: must go with the reference in the step, not "
           f"--precompute_ref or a reference-free loss: it bounds the exact token KL of the KL "
           f"guard (the --kl_spike_factor test runs there, on an estimate)")
+
+  def _grpo_changed(self) -> list[str]:
+    """The GRPO section's fields off their defaults."""
+    return [f.name for f in dataclasses.fields(self.grpo)
+            if getattr(self.grpo, f.name) != f.default]
 
   def _check_reward_weights(self) -> None:
     """--reward_weights: one weight per --reward_fn function (TRL's reward_weights)."""

@@ -478,8 +478,8 @@ def rehearse(cfg, records: Sequence | None, what: str = "training record") -> No
   """Calls the reward functions of `cfg` (--reward_fn, or the embedded task's reward) on every
   response of the first `_REHEARSAL` `records` (preference pairs or unpaired examples, as the
   data gave them; `what` names them in a message), before any compile or sampling: a function that raises or returns what is
-  not a finite number (None allowed where several functions share the judging, or where GRPO is
-  the only stage that samples: TRL scores it NaN) is the
+  not a finite number (None allowed where several functions share the judging, or where GRPO or
+  RLOO is the only stage that samples: TRL scores it NaN) is the
   JudgeError it would be mid-run, naming the function, the record and the value. A reward
   model is not tried (it scores on the mesh, compiled)."""
   if cfg.eval.judge or not records:
@@ -488,7 +488,7 @@ def rehearse(cfg, records: Sequence | None, what: str = "training record") -> No
   if judge is None:
     return
   score = judge.each if isinstance(judge, RewardFunctions) else judge.score
-  if isinstance(judge, FunctionJudge) and cfg.online_stages == ("grpo",):  # TRL's: NaN, as above
+  if isinstance(judge, FunctionJudge) and cfg.online_stages in (("grpo",), ("rloo",)):  # TRL's
     score = functools.partial(judge.score, allow_none=True)
   for i, rec in enumerate(list(records)[:_REHEARSAL]):
     sides = (rec.chosen, rec.rejected) if hasattr(rec, "rejected") else (rec.completion,)

@@ -1,4 +1,4 @@
-"""GRPO's objective as pure functions: rewards to advantages, per-token log-probs to a loss.
+"""GRPO's and RLOO's objectives as pure functions: rewards to advantages, log-probs to a loss.
 
 Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, eqs. 3-4)
 samples G completions per prompt, scores them, and uses each completion's reward relative to
@@ -47,6 +47,12 @@ term acts on). Rewards of several functions are summed then normalised (TRL's de
 "sum_then_normalize") or, with `multi_objective_aggregation="normalize_then_sum"`, each function
 normalised within its group, the weighted sum then normalised over the batch (GDPO,
 arXiv:2601.05242).
+
+RLOO (Ahmadian et al. 2024, arXiv:2402.14740; TRL 1.16's RLOOTrainer, tests/test_rloo_trl.py) at
+the end: k completions a prompt, each one's advantage its reward (less beta times its sequence
+KL(pi_old || pi_ref), the summed token log-ratio) less the mean of the other k - 1, PPO's clip on
+the sequence's importance ratio, the mean over completions (`RLOOConfig`, `rloo_advantages`,
+`rloo_loss`).
 
 TRL 1.16 also has, and this module leaves out: adaptive entropy control (`use_adaptive_entropy`
 and its entropy_coef_min/max/delta and entropy_target: a coefficient that moves between steps,
@@ -454,4 +460,118 @@ def grpo_loss(logps_NT: jax.Array, old_logps_NT: jax.Array | None,
     metrics["cispo_clip_ratio"] = _mean(clip, mask_NT)
   elif loss_type == "vespo":
     metrics["vespo/phi_seq_mean"] = _mean(phi_N1, mask_NT)
+  return loss, metrics
+
+
+# --- RLOO -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RLOOConfig:
+  """RLOO's hyperparameters, TRL 1.16 RLOOConfig's defaults. Field names are unique across the
+  config sections, so TRL's `beta`, `epsilon`, `epsilon_high`, `num_generations`,
+  `num_iterations`, `max_completion_length` and `mask_truncated_completions` are prefixed
+  `rloo_` here (GRPO's section has them under TRL's names); `normalize_advantages` and
+  `reward_clip_range` have TRL's. TRL's None is 0 (epsilon_high) or empty (reward_clip_range).
+  The reward functions' weights are GRPO's `--reward_weights` (one flag for both).
+  `rloo_advantages` reads beta, `normalize_advantages` and `reward_clip_range`; `rloo_loss` the
+  epsilons; the online stage (dpo/algorithms/rloo.py) the rest."""
+  rloo_beta: float = option(0.05, "RLOO: weight of the sequence KL(pi_old || pi_ref) (the summed "
+                            "token log-ratio) subtracted from each completion's reward (TRL's "
+                            "beta); 0 = no KL and no reference model.")
+  rloo_epsilon: float = option(0.2, "RLOO: lower clip of the sequence importance ratio, 1 - "
+                               "epsilon (TRL's epsilon).")
+  rloo_epsilon_high: float = option(0.0, "RLOO: upper clip of the sequence importance ratio, 1 + "
+                                    "epsilon_high (TRL's epsilon_high); 0 = rloo_epsilon (TRL's "
+                                    "None).")
+  normalize_advantages: bool = option(False, "RLOO: normalise the leave-one-out advantages over "
+                                      "the generation batch, less their mean over their std + "
+                                      "1e-4 (TRL's normalize_advantages).")
+  reward_clip_range: tuple[float, ...] = option((), "RLOO: min,max the reward is clamped to "
+                                                "before the KL penalty (TRL's "
+                                                "reward_clip_range); empty = none (TRL's None).")
+  rloo_num_generations: int = option(2, "RLOO: completions sampled per prompt, k (TRL's "
+                                     "num_generations).")
+  rloo_num_iterations: int = option(1, "RLOO: updates per generated batch (TRL's "
+                                    "num_iterations); above 1 the importance ratio departs from "
+                                    "1.")
+  rloo_max_completion_length: int = option(512, "RLOO: completion tokens sampled at most (TRL's "
+                                           "max_completion_length).")
+  rloo_mask_truncated_completions: bool = option(False, "RLOO: leave completions that reach "
+                                                 "rloo_max_completion_length without EOS out of "
+                                                 "the loss (TRL's mask_truncated_completions).")
+
+  def __post_init__(self):
+    rules(self, rloo_beta=FINITE_NONNEG, rloo_epsilon=UNIT, rloo_epsilon_high=FINITE_NONNEG,
+          reward_clip_range=(lambda v: len(v) in (0, 2) and all(math.isfinite(x) for x in v)
+                             and (not v or v[0] <= v[1]), "empty or min,max with min <= max"),
+          rloo_num_generations=at_least(2), rloo_num_iterations=at_least(1),
+          rloo_max_completion_length=POS)
+
+  @property
+  def epsilon_low(self) -> float:
+    return self.rloo_epsilon
+
+  @property
+  def epsilon_high(self) -> float:
+    """The ratio's upper clip is 1 + epsilon_high (0 in the field = epsilon, as TRL's None)."""
+    return self.rloo_epsilon_high or self.rloo_epsilon
+
+
+def sequence_kl(old_logps_NT: jax.Array, ref_logps_NT: jax.Array, mask_NT: jax.Array) -> jax.Array:
+  """[N] each completion's KL penalty of RLOO (Ahmadian et al. 2024, arXiv:2402.14740, the
+  KL-shaped reward; TRL's): the summed token log-ratio of the sampling policy to the reference, k1 (it can be
+  negative token by token, unlike GRPO's k3)."""
+  return ((old_logps_NT - ref_logps_NT) * mask_NT).sum(-1)
+
+
+def rloo_advantages(rewards_BG: jax.Array, kl_BG: jax.Array | None,
+                    cfg: RLOOConfig) -> tuple[jax.Array, jax.Array]:
+  """([B, G] advantages, frac_reward_zero_std) of k = G completions per prompt (Ahmadian et al.
+  2024, "Back to Basics", arXiv:2402.14740, RLOO; TRL 1.16's
+  `RLOOTrainer._generate_and_score_completions`): the weighted reward (NaN: unscorable), clamped to `reward_clip_range`, less rloo_beta times the
+  sequence KL (`sequence_kl`; None without it), less the leave-one-out baseline, the mean of the
+  other scorable completions of its prompt; normalised over the batch with
+  `normalize_advantages`; NaN (unscorable, or a group with one scorable completion) -> 0.
+  frac_reward_zero_std: the share of groups whose penalised rewards' std is 0 (TRL's)."""
+  r_BG = rewards_BG
+  if cfg.reward_clip_range:
+    r_BG = jnp.clip(r_BG, *cfg.reward_clip_range)
+  if cfg.rloo_beta:
+    check(kl_BG is not None, f"--rloo_beta={cfg.rloo_beta}: rloo_advantages needs the KL")
+    r_BG = r_BG - cfg.rloo_beta * kl_BG
+  count_B1 = (~jnp.isnan(r_BG)).sum(1, keepdims=True)
+  baseline_BG = (jnp.nansum(r_BG, 1, keepdims=True) - r_BG) / (count_B1 - 1)
+  adv_BG = r_BG - baseline_BG
+  if cfg.normalize_advantages:
+    adv_BG = (adv_BG - jnp.nanmean(adv_BG)) / (_nanstd(adv_BG) + STD_EPS)
+  frac = jnp.isclose(_nanstd(r_BG, axis=1), 0.0).mean()
+  return jnp.nan_to_num(adv_BG, nan=0.0), frac
+
+
+def rloo_loss(logps_NT: jax.Array, old_logps_N: jax.Array, advantages_N: jax.Array,
+              mask_NT: jax.Array, cfg: RLOOConfig, *,
+              entropies_NT: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """(scalar loss, metrics) of RLOO, TRL 1.16's `RLOOTrainer._compute_loss`: PPO's clipped
+  surrogate on the sequence importance ratio r = exp(log pi(y) - log pi_old(y)) (summed token
+  log-probs), -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), the mean over completions; the
+  KL is in the advantage (`rloo_advantages`), not here.
+
+  logps_NT: per-token log-probs (nats) of the N completions under the policy being trained;
+  old_logps_N: each completion's summed log-prob under the policy that sampled it; mask_NT: 1
+  on completion tokens. Metrics, TRL's names: clip_ratio/{low,high,region}_mean (over
+  completions, as (sum, count) pairs), clip_ratio/low_min and /high_max, and entropy (the
+  policy's mean token entropy, `token_entropy`) when entropies_NT is given."""
+  mask_NT = mask_NT.astype(jnp.float32)
+  A_N = advantages_N.astype(jnp.float32)
+  ratio_N = jnp.exp((logps_NT * mask_NT).sum(-1) - jax.lax.stop_gradient(old_logps_N))
+  clipped_N = jnp.clip(ratio_N, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+  loss = -jnp.minimum(ratio_N * A_N, clipped_N * A_N).mean()
+  low_N1 = ((ratio_N < 1 - cfg.epsilon_low) & (A_N < 0)).astype(jnp.float32)[:, None]
+  high_N1 = ((ratio_N > 1 + cfg.epsilon_high) & (A_N > 0)).astype(jnp.float32)[:, None]
+  metrics = {"clip_ratio/low_mean": _mean(low_N1, mask_NT),
+             "clip_ratio/high_mean": _mean(high_N1, mask_NT),
+             "clip_ratio/region_mean": _mean(jnp.maximum(low_N1, high_N1), mask_NT),
+             "clip_ratio/low_min": low_N1.min(), "clip_ratio/high_max": high_N1.max()}
+  if entropies_NT is not None:
+    metrics["entropy"] = _mean(jax.lax.stop_gradient(entropies_NT), mask_NT)
   return loss, metrics

@@ -60,6 +60,7 @@ class StepConfig:
   score_slots: int = 0      # DPO: most tokens a pair row scores (LM head only there); 0 = all
   reward: Any = None        # RM: RewardConfig (dpo/algorithms/rm.py)
   grpo: Any = None          # GRPO: policy_gradient.GRPOConfig (dpo/algorithms/grpo.py)
+  rloo: Any = None          # RLOO: policy_gradient.RLOOConfig (dpo/algorithms/rloo.py)
   kto: Any = None           # KTO: unpaired.Objective (dpo/algorithms/kto.py)
 
   @classmethod
