@@ -92,9 +92,9 @@ def _line(e: Exception) -> str:
 def _offline() -> bool:
   """Whether huggingface_hub (HF_HUB_OFFLINE) or, once imported, datasets (HF_DATASETS_OFFLINE)
   is offline."""
-  hub = _module("huggingface_hub", "offline mode")
+  constants = _module("huggingface_hub.constants", "offline mode")
   datasets_config = sys.modules.get("datasets.config")
-  return bool(hub.constants.HF_HUB_OFFLINE or (datasets_config and datasets_config.HF_HUB_OFFLINE))
+  return bool(constants.HF_HUB_OFFLINE or (datasets_config and datasets_config.HF_HUB_OFFLINE))
 
 
 @functools.lru_cache(maxsize=64)
@@ -104,7 +104,7 @@ def model_folder(name: str, flag: str) -> str:
   m = _MODEL.match(name)
   what = f"--{flag}={'hf:' if flag in MODEL_FLAGS else ''}{name}"
   hub = _module("huggingface_hub", what)
-  errors = hub.errors
+  errors = _module("huggingface_hub.errors", what)  # a submodule the package does not import
   try:
     folder = hub.snapshot_download(m["repo"], revision=m["revision"], allow_patterns=MODEL_FILES)
   except errors.RevisionNotFoundError:
@@ -126,10 +126,11 @@ def model_folder(name: str, flag: str) -> str:
 
 def _snapshot(hub, repo: str, revision: str | None) -> str | None:
   """The Hub cache's snapshot folder of data set repo `repo`, or None (offline only)."""
+  errors = importlib.import_module("huggingface_hub.errors")
   try:
     return hub.snapshot_download(repo, repo_type="dataset", revision=revision,
                                  local_files_only=True)
-  except (hub.errors.LocalEntryNotFoundError, hub.errors.OfflineModeIsEnabled):
+  except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
     return None
 
 

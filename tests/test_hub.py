@@ -291,12 +291,53 @@ def test_a_local_path_of_a_data_name_wins_and_a_missing_file_is_not_a_hub_name(h
     data.check_sources("train_data", "org/prefs.jsonl")
 
 
-def test_launch_refuses_a_missing_hub_name_in_one_line(home, tmp_path):
+@pytest.mark.slow
+def test_launch_reads_hub_names_and_refuses_a_missing_one_in_one_line(home, tmp_path):
+  _model_repo(home)
+  _dataset_repo(home)
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"),
-                        "--train_data=org/nope:train_prefs", f"--output_dir={tmp_path / 'run'}"],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+  run = lambda *flags: subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), *flags,
+                                       f"--output_dir={tmp_path / 'run'}"], capture_output=True,
+                                      text=True, env=env, cwd=tmp_path, timeout=300)
+  out = run("--train_data=org/prefs:train_prefs", "--tokenizer=org/tiny-llama",
+            "--init_from=hf:org/tiny-llama", "--chat_template=plain", "--inspect_data=3")
+  assert out.returncode == 0, out.stderr[-2000:]
+  preview = [json.loads(line) for line in open(tmp_path / "run" / "data_preview.jsonl")]
+  rows = list(datasets.load_dataset(huggingface_hub.snapshot_download(
+      "org/prefs", repo_type="dataset", local_files_only=True), split="train_prefs"))
+  assert [p["prompt_text"].split() for p in preview] == [
+      ["<|endoftext|>", *r["prompt"].split()] for r in rows[:3]]
+  assert f"split train_prefs, commit {COMMIT}: 12 rows" in out.stderr
+
+  out = run("--train_data=org/nope:train_prefs")
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.strip().splitlines()[-1] == (
       "error: --train_data=org/nope:train_prefs: no such file, and the Hub data set org/nope is "
       "not in the cache (HF_HUB_OFFLINE is set)")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")
+def test_a_run_on_hub_names_keeps_them_and_refuses_a_resume_after_the_repo_moved(home, tmp_path):
+  _model_repo(home)
+  _dataset_repo(home)
+  out = tmp_path / "run"
+  cfg = configs.DEFAULT.replace(
+      init_from="hf:org/tiny-llama", tokenizer="org/tiny-llama",
+      train_data="org/prefs:train_prefs", chat_template="plain", max_prompt_length=16,
+      max_target_length=16, task_eval_prompts=0, global_batch_size=8, stage="dpo", steps=1,
+      checkpoint_every=1, log_every=1, output_dir=str(out))
+  loop.run(cfg)
+  flags = (out / "flags.txt").read_text().split("\n")
+  assert {"--init_from=hf:org/tiny-llama", "--tokenizer=org/tiny-llama",
+          "--train_data=org/prefs:train_prefs"} <= set(flags)
+  meta = checkpoint.read_meta(str(out / "checkpoints" / "dpo" / "step_00000001"))
+  assert meta["fingerprint"]["init_from hub"] == f"org/tiny-llama@{COMMIT}"
+  assert meta["fingerprint"]["train_data hub"] == f"org/prefs:train_prefs@{COMMIT}"
+  # The data set repo moved to another commit: the same command is another run, refused.
+  hub.dataset.cache_clear()
+  moved = _dataset_repo(home, commit=OTHER)
+  pq.write_table(pa.Table.from_pylist(_rows(12, 60)), moved / "data" / "train_prefs-00001.parquet")
+  with pytest.raises(checkpoint.CheckpointError, match=(
+      f"train_data hub: 'org/prefs:train_prefs@{COMMIT}' -> 'org/prefs:train_prefs@{OTHER}'")):
+    loop.run(cfg.replace(steps=2))
