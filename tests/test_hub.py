@@ -87,10 +87,10 @@ def _rows(n: int, start: int = 0, kind: str = "p") -> list[dict]:
            "rejected": f" r{(i + 1) % 12}"} for i in range(start, start + n)]
 
 
-def _dataset_repo(root, repo="org/prefs", commit=COMMIT):
+def _dataset_repo(root, repo="org/prefs", commit=COMMIT, ref="main"):
   """A data set repo in the H4 layout: `default` with Parquet train_prefs (two shards) and
   test_prefs, a second subset `other` (datasets takes one file format a repo)."""
-  folder = _snapshot(root, "datasets", repo, commit)
+  folder = _snapshot(root, "datasets", repo, commit, ref)
   (folder / "data").mkdir(exist_ok=True)
   (folder / "other").mkdir(exist_ok=True)
   pq.write_table(pa.Table.from_pylist(_rows(7)), folder / "data" / "train_prefs-00000.parquet")
@@ -224,6 +224,20 @@ def test_a_hub_snapshot_of_a_data_set_reads_as_load_dataset_reads_it(home, value
   data.check_sources("train_data", value)  # no error
   d = hub.dataset(value)
   assert (d.repo, d.commit) == (repo, COMMIT)
+
+
+def test_a_data_set_revision_reads_its_snapshot(home):
+  _dataset_repo(home)
+  moved = _dataset_repo(home, commit=OTHER, ref="v2")
+  pq.write_table(pa.Table.from_pylist(_rows(3, 70)), moved / "data" / "train_prefs-00001.parquet")
+  for value, commit in (("org/prefs:train_prefs", COMMIT), ("org/prefs@v2:train_prefs", OTHER),
+                        (f"org/prefs@{OTHER}:train_prefs", OTHER)):
+    folder = huggingface_hub.snapshot_download("org/prefs", repo_type="dataset",
+                                               revision=value.partition("@")[2].split(":")[0]
+                                               or None, local_files_only=True)
+    assert _read(value) == list(datasets.load_dataset(folder, split="train_prefs"))
+    assert hub.dataset(value).commit == commit
+  assert len(_read("org/prefs@v2:train_prefs")) == 10 and len(_read("org/prefs:train_prefs")) == 12
 
 
 def test_a_data_set_datasets_prepared_by_name_reads_as_load_dataset_reads_it(home, tmp_path):
