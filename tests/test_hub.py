@@ -355,3 +355,23 @@ def test_a_run_on_hub_names_keeps_them_and_refuses_a_resume_after_the_repo_moved
   with pytest.raises(checkpoint.CheckpointError, match=(
       f"train_data hub: 'org/prefs:train_prefs@{COMMIT}' -> 'org/prefs:train_prefs@{OTHER}'")):
     loop.run(cfg.replace(steps=2))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")
+def test_generate_answers_with_a_hub_model_named_by_its_id(home, tmp_path):
+  """dpo/tools/generate.py takes --init_from as the launcher does: the Hub model's snapshot, its
+  tokenizer, and the answers named after the repo, not the commit."""
+  import jax
+  from dpo.tools import generate
+  _model_repo(home)
+  questions = tmp_path / "alpaca_eval.json"
+  questions.write_text(json.dumps([{"dataset": "x", "instruction": f"p{i} q{i}", "output": "c1",
+                                    "generator": "g"} for i in range(2)]))
+  cfg = configs.DEFAULT.replace(init_from="hf:org/tiny-llama", eval_temperature=0.0,
+                                eval_max_new_tokens=3, eval_batch_size=2, chat_template="plain")
+  out = tmp_path / "model_outputs.json"
+  summary = generate.run(cfg, generate.Job(str(questions), str(out)),
+                         sharding.make_mesh("data:1", jax.devices()[:1]))
+  assert summary["model_id"] == "tiny-llama" and summary["answered"] == 2
+  assert {r["generator"] for r in json.loads(out.read_text())} == {"tiny-llama"}

@@ -21,8 +21,9 @@ The question file's layout is detected:
     (data/mt_bench/model_answer/<model_id>.jsonl).
 
 The model is `--init_from` as the launcher takes it (a params checkpoint such as
-runs/default/checkpoints/policy or sft_model, or hf:DIR), with `--tokenizer` (default for hf:DIR:
-DIR itself) and `--chat_template` (`chat.resolve_template`). Every config flag applies; sampling
+runs/default/checkpoints/policy or sft_model, hf:DIR, or hf:ORG/NAME[@REVISION], a Hub model:
+dpo/hub.py), with `--tokenizer` (default for hf:DIR: DIR itself) and `--chat_template`
+(`chat.resolve_template`). Every config flag applies; sampling
 reads the eval flags (`--eval_temperature`, `--eval_top_k`, `--eval_top_p`,
 `--eval_max_new_tokens`, `--eval_batch_size` questions a batch), for every question alike (FastChat
 picks a temperature per MT-Bench category instead). A prompt longer than `--max_prompt_length`
@@ -53,7 +54,7 @@ import jax
 from absl import app, flags
 from absl import logging as absl_logging
 
-from dpo import chat, checkpoint, cli, evaluate, loop
+from dpo import chat, checkpoint, cli, evaluate, hub, loop
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.data import DataError
@@ -290,7 +291,7 @@ def read_questions(path: str) -> tuple[AlpacaEval | MTBench, list[Question]]:
 
 def default_model_id(init_from: str) -> str:
   """The model's name from its path: runs/NAME/checkpoints/policy -> NAME-policy, hf:DIR -> DIR's
-  folder name."""
+  folder name (hf:ORG/NAME, a Hub model: NAME)."""
   path = os.path.abspath(init_from.removeprefix("hf:"))
   parent, name = os.path.split(path)
   if os.path.basename(parent) == "checkpoints":
@@ -385,9 +386,10 @@ def run(cfg, job: Job, mesh=None) -> dict:
   Every file is checked before the model loads."""
   if not cfg.checkpoint.init_from:
     raise ValueError("--init_from: which model answers? a params checkpoint (e.g. "
-                     "runs/default/checkpoints/policy) or hf:DIR")
+                     "runs/default/checkpoints/policy), hf:DIR or hf:ORG/NAME")
   layout, questions = read_questions(job.questions)
   model_id = job.model_id or default_model_id(cfg.checkpoint.init_from)
+  cfg = hub.resolve(cfg)  # a Hub name -> its snapshot folder, after the id is taken from it
   done = layout.read_done(job.answers, questions, model_id)
   skipped = sum(q.key in done for q in questions)
   logging.info("%s: %d %s questions; %s: skipped %d already answered by %s", job.questions,
