@@ -12,10 +12,10 @@ default job's runs/default/checkpoints/sft_model, so the sweep does not train it
     --betas, one run each;
   * Preferred-FT: supervised fine-tuning on the chosen responses of the same pairs (the `sft`
     loss of dpo/losses.py: the chosen NLL, no reference), with the same LoRA and schedule;
-  * with --online_methods=online_dpo --online_methods=iterative_dpo --online_methods=grpo, online
-    DPO, iterative DPO and GRPO (dpo/algorithms/), the same number of DPO steps from the same
-    SFT model (iterative DPO: --iterative_rounds rounds of --steps / rounds steps), their samples
-    labelled by the judge;
+  * with --online_methods=online_dpo --online_methods=iterative_dpo --online_methods=grpo
+    --online_methods=rloo, online DPO, iterative DPO, GRPO and RLOO (dpo/algorithms/), the same
+    number of DPO steps from the same SFT model (iterative DPO: --iterative_rounds rounds of
+    --steps / rounds steps), their samples labelled by the judge;
   * best-of-N from the SFT model, N in --best_of: --best_of_max samples per prompt drawn once,
     the first N of them ranked by the judge. Its KL is the analytic log N - (N - 1) / N
     (Stiennon et al. 2020, app. G.3; an upper bound, Beirami et al. 2024).
@@ -68,14 +68,17 @@ def run_points(cfg, mesh, params, method: str, value: float) -> list[dict]:
   return points
 
 
-ONLINE = {"online_dpo": "online DPO", "iterative_dpo": "iterative DPO", "grpo": "GRPO"}
+ONLINE = {"online_dpo": "online DPO", "iterative_dpo": "iterative DPO", "grpo": "GRPO",
+          "rloo": "RLOO"}
 
 
 def online_config(cfg, method: str, output_dir: str):
   """An online method's run from the SFT model for as many steps as each DPO run, on the same
   prompts: online DPO and iterative DPO (--iterative_rounds rounds of --steps / rounds steps,
   each round's pool one pair per prompt of its steps' batches) with the sigmoid loss at
-  --online_beta, GRPO with the k3 KL weighted by it; completions as long as the evaluation's."""
+  --online_beta, GRPO with the k3 KL weighted by it, RLOO with the sequence KL in the reward
+  weighted by it and as many completions a prompt as GRPO (--num_generations' default);
+  completions as long as the evaluation's."""
   new = cfg.eval.eval_max_new_tokens or cfg.data.max_target_length
   if method == "iterative_dpo":
     rounds = cfg.iterative.iterative_rounds
@@ -90,6 +93,10 @@ def online_config(cfg, method: str, output_dir: str):
     return cfg.replace(stage=method, output_dir=output_dir, grpo_steps=cfg.optim.steps,
                        max_completion_length=new, grpo_beta=float(FLAGS.online_beta),
                        num_iterations=1)
+  if method == "rloo":
+    return cfg.replace(stage=method, output_dir=output_dir, rloo_steps=cfg.optim.steps,
+                       rloo_max_completion_length=new, rloo_beta=float(FLAGS.online_beta),
+                       rloo_num_generations=cfg.grpo.num_generations, rloo_num_iterations=1)
   return cfg.replace(stage=method, output_dir=output_dir, online_steps=cfg.optim.steps,
                      online_max_new_tokens=new, loss_type=("sigmoid",),
                      beta=float(FLAGS.online_beta))
@@ -235,11 +242,11 @@ if __name__ == "__main__":
   flags.DEFINE_list("best_of", ["1", "2", "4", "8", "16"], "N values of the best-of-N baseline.")
   flags.DEFINE_integer("best_of_max", 16, "Samples per prompt drawn for best-of-N (>= max N).")
   flags.DEFINE_float("kl_range", 8.0, "KL budget (nats per sequence) of the area under a curve.")
-  flags.DEFINE_multi_enum("online_methods", [], ["online_dpo", "iterative_dpo", "grpo"],
+  flags.DEFINE_multi_enum("online_methods", [], list(ONLINE),
                           "Online methods added to the frontier (dpo/algorithms): online DPO, "
-                          "iterative DPO and GRPO, each as many DPO steps as a DPO run, labelled "
-                          "by the same judge.")
-  flags.DEFINE_float("online_beta", 0.1, "beta of online and iterative DPO's sigmoid loss and "
-                     "GRPO's KL weight.")
+                          "iterative DPO, GRPO and RLOO, each as many DPO steps as a DPO run, "
+                          "labelled by the same judge.")
+  flags.DEFINE_float("online_beta", 0.1, "beta of online and iterative DPO's sigmoid loss, "
+                     "GRPO's KL weight and RLOO's KL penalty weight.")
   flags.register_validator("best_of_max", lambda n: n >= 1, "--best_of_max must be >= 1")
   app.run(main)
