@@ -97,12 +97,22 @@ def _offline() -> bool:
   return bool(constants.HF_HUB_OFFLINE or (datasets_config and datasets_config.HF_HUB_OFFLINE))
 
 
-@functools.lru_cache(maxsize=64)
 def model_folder(name: str, flag: str) -> str:
   """The snapshot folder of Hub model repo `name` (`ORG/NAME[@REVISION]`): its config, weights,
-  tokenizer and template files, downloaded into the Hub cache or (offline) found there."""
+  tokenizer and template files, downloaded into the Hub cache or (offline) found there; a
+  HubError naming `--flag` and the name."""
+  try:
+    return _model_folder(name)
+  except HubError as e:
+    raise HubError(f"--{flag}={'hf:' if flag in MODEL_FLAGS else ''}{e}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _model_folder(name: str) -> str:
+  """`model_folder` once a process for each name (so flags naming one repo read one commit);
+  errors start with the name."""
   m = _MODEL.match(name)
-  what = f"--{flag}={'hf:' if flag in MODEL_FLAGS else ''}{name}"
+  what = name
   hub = _module("huggingface_hub", what)
   errors = _module("huggingface_hub.errors", what)  # a submodule the package does not import
   try:
@@ -119,7 +129,7 @@ def model_folder(name: str, flag: str) -> str:
                    f"{'@' + m['revision'] if m['revision'] else ''} {where}") from None
   except (errors.HfHubHTTPError, OSError) as e:
     raise HubError(f"{what}: the Hub model {m['repo']}: {_line(e)}") from None
-  logging.info("--%s: the Hub model %s at commit %s (%s)", flag, m["repo"],
+  logging.info("%s: the Hub model %s at commit %s (%s)", name, m["repo"],
                os.path.basename(folder), folder)
   return folder
 
@@ -155,10 +165,11 @@ def _load_error(e: Exception, what: str, m: Dataset, cached: bool) -> HubError:
 
 
 @functools.lru_cache(maxsize=64)
-def dataset(path: str, what: str = "") -> Dataset:
-  """A Hub data source (`data_name`) loaded as `datasets.load_dataset` loads it; `what` names
-  it in errors (`--train_data=VALUE`)."""
-  what = what or path
+def dataset(path: str) -> Dataset:
+  """A Hub data source (`data_name`) loaded as `datasets.load_dataset` loads it, once a process
+  (so the run's identity names the commit it read); errors start with `path`
+  (`data.check_sources` puts the flag before it)."""
+  what = path
   m = data_name(path)
   subset, split = (m["first"], m["second"]) if m["second"] else (None, m["first"] or "train")
   spec = Dataset(m["repo"], m["revision"], subset, m["data_dir"].lstrip("/") or None, split,
@@ -229,7 +240,7 @@ def identity(cfg) -> dict[str, str]:
     value = _get(cfg, flag)
     for s in data.parse_sources(value) if value else ():
       if data_name(s.path):
-        d = dataset(s.path, f"--{flag}={value}")
+        d = dataset(s.path)
         where = "/".join(x for x in (d.repo, d.data_dir) if x)
         name = f"{where}:{d.subset + ':' if d.subset else ''}{d.split}@{d.commit}"
         out[f"{flag} hub"] = ", ".join(filter(None, (out.get(f"{flag} hub"), name)))

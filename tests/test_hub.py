@@ -46,10 +46,10 @@ def home(tmp_path, monkeypatch):
   monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
   monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", root / "datasets")
   monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-  hub.model_folder.cache_clear()
+  hub._model_folder.cache_clear()
   hub.dataset.cache_clear()
   yield root
-  hub.model_folder.cache_clear()
+  hub._model_folder.cache_clear()
   hub.dataset.cache_clear()
 
 
