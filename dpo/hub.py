@@ -189,9 +189,10 @@ def dataset(path: str) -> Dataset:
                    f"its cache; nothing to read")
   # The commit read: the snapshot's folder, or the hash folder datasets prepared it under.
   commit = os.path.basename(folder) if folder else os.path.basename(os.path.dirname(files[0]))
-  if spec.revision and re.fullmatch(r"[0-9a-f]{40}", spec.revision) and commit != spec.revision:
-    raise HubError(f"{what}: the cache holds {spec.repo} at commit {commit}, not "
-                   f"{spec.revision} (HF_HUB_OFFLINE is set)")
+  if spec.revision and commit != spec.revision and folder is None and _offline():
+    raise HubError(f"{what}: offline, datasets' cache holds {spec.repo} at commit {commit}, "
+                   f"not known to be revision {spec.revision} (offline, a branch or tag "
+                   f"resolves through the Hub cache's snapshot only)")
   logging.info("%s: the Hub data set %s%s%s, split %s, commit %s: %d rows", what, spec.repo,
                f"/{spec.data_dir}" if spec.data_dir else "",
                f" subset {spec.subset}" if spec.subset else "", spec.split, commit, len(ds))
@@ -235,7 +236,7 @@ def identity(cfg) -> dict[str, str]:
     m = _SNAPSHOT.search(os.path.abspath(folder)) if folder else None
     if m:
       out[f"{flag} hub"] = f"{m['org']}/{m['name']}@{m['commit']}"
-  from dpo import data  # data imports nothing of this module's
+  from dpo import data  # here, not above: data imports this module
   for flag in data.DATA_FLAGS:
     value = _get(cfg, flag)
     for s in data.parse_sources(value) if value else ():

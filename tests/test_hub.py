@@ -246,6 +246,12 @@ def test_a_data_set_datasets_prepared_by_name_reads_as_load_dataset_reads_it(hom
     oracle = list(datasets.load_dataset("org/prefs", split=split))
     assert _read(f"org/prefs:{split}") == oracle and len(oracle) > 0
   assert hub.dataset("org/prefs:train_prefs").commit == COMMIT
+  assert _read(f"org/prefs@{COMMIT}:train_prefs") == _read("org/prefs:train_prefs")
+  with pytest.raises(ValueError, match=r"^--train_data=org/prefs@v2:train_prefs: offline, "
+                     f"datasets' cache holds org/prefs at commit {COMMIT}, not known to be "
+                     r"revision v2 \(offline, a branch or tag resolves through the Hub cache's "
+                     r"snapshot only\)$"):
+    data.check_sources("train_data", "org/prefs@v2:train_prefs")
   assert not (home / "hub").exists()  # nothing but datasets' cache was read
 
 
