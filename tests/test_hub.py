@@ -31,7 +31,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT, OTHER = "1" * 40, "2" * 40
-WORDS = ["<|endoftext|>", "[UNK]"] + [f"{k}{i}" for k in "pcrqa" for i in range(12)]
+WORDS = ["<|endoftext|>", "[UNK]"] + [f"{k}{i}" for k in "pcrqa" for i in range(12)] + ["<pad>"]
 
 
 @pytest.fixture
@@ -155,6 +155,43 @@ def test_a_hub_model_and_tokenizer_resolve_to_what_transformers_reads(home):
   # The run's identity names the repo and commit; the flags as given keep the name.
   assert hub.identity(cfg) == {"init_from hub": f"org/tiny-llama@{COMMIT}",
                                "tokenizer hub": f"org/tiny-llama@{COMMIT}"}
+
+
+@pytest.mark.slow
+def test_a_hub_reward_model_judges_as_transformers_scores(home):
+  """--judge=hf:ORG/NAME: the snapshot of a *ForSequenceClassification repo is the judge, its
+  rewards transformers' on the ids it reads."""
+  from dpo import judges
+  from dpo.data import PreferenceRecord
+  folder = _snapshot(home, "models", "org/tiny-rm", COMMIT)
+  config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, num_labels=1,
+                                    max_position_embeddings=64, pad_token_id=len(WORDS) - 1)
+  torch.manual_seed(2)
+  model = transformers.LlamaForSequenceClassification(config).float().eval()
+  with torch.no_grad():
+    model.score.weight.normal_(0.0, 1.0)
+  model.save_pretrained(folder)
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)},
+                                                         unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                       pad_token="<pad>", unk_token="[UNK]").save_pretrained(folder)
+  cfg = configs.DEFAULT.replace(judge="hf:org/tiny-rm", stage="dpo")
+  with pytest.raises(judges.JudgeError):  # the name as given is no folder: resolve makes it one
+    judges.check(cfg)
+  cfg = hub.resolve(cfg)
+  judges.check(cfg)
+  judge = judges.load(cfg, sharding.make_mesh("data:-1"), None, None)
+  records = [PreferenceRecord(f"p{i} q{i}", f" c{i}", f" r{i}") for i in range(3)]
+  rows = judge.rows(records)
+  oracle = transformers.AutoModelForSequenceClassification.from_pretrained("org/tiny-rm").eval()
+  with torch.no_grad():
+    theirs = [float(oracle(input_ids=torch.tensor(t[s > 0][None])).logits[0, 0])
+              for t, s in zip(rows["tokens"], rows["segment_ids"])]
+  np.testing.assert_allclose(judge.score(records), theirs, rtol=1e-4, atol=1e-4)
+  assert hub.identity(cfg) == {"judge hub": f"org/tiny-rm@{COMMIT}"}
 
 
 def test_a_revision_picks_its_snapshot_and_another_commit_is_another_run(home):
