@@ -7,9 +7,8 @@ save_to_disk folder, a mixture's fractions), the tokenizer and the tokenised arr
 initial model's content (a checkpoint's manifest digest, or a Hugging Face folder's files), the
 repo and commit each Hub name resolved to (`hub.identity`), and the library's source (a hash of
 each file). `checkpoint.Manager` stores it and refuses a checkpoint whose fingerprint differs,
-naming each field with its old and new value;
-a source change alone is logged with the changed files named and the run resumes, so a fork that
-edits the code can continue its runs.
+naming each field with its old and new value; a source change alone is logged with the changed
+files named and the run resumes, so a fork that edits the code can continue its runs.
 Left out, because they do not change what a step computes: the stage's length (`--steps`,
 `--sft_steps`: extending is allowed and logged, shortening below a checkpoint refused by the
 runner), paths, cadences, evaluation, the mesh (a checkpoint restores onto any mesh), `--log_kl`.
