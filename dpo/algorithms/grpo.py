@@ -54,7 +54,7 @@ class GRPOBatch(NamedTuple):
   ref_logps: np.ndarray | None = None
 
 
-def _policy(spec: train.StepConfig, frozen, trainable):
+def policy_weights(spec: train.StepConfig, frozen, trainable):
   """(params, adapter) of the policy: the base with the LoRA factors, or every weight."""
   if spec.lora.enabled:
     return frozen.params, transformer.Adapter(trainable, spec.lora.scale)
@@ -70,7 +70,7 @@ def grpo_step(spec: train.StepConfig, state: train.TrainState, frozen,
   num_items = batch.rows.loss_mask.sum() / k
 
   def loss_fn(trainable, micro):
-    params, adapter = _policy(spec, frozen, trainable)
+    params, adapter = policy_weights(spec, frozen, trainable)
     s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True)
     entropies = pg.token_entropy(s.logits)  # TRL's: logged, and read by the entropy options
     if not spec.grpo.entropy_coef:
@@ -167,7 +167,7 @@ class Generated(online_dpo.Sampled):
       rows["loss_mask"] = rows["loss_mask"] * ended[:, None].astype(np.float32)
     rows = batches.Rows.of(rows)
     device_rows = train.device_batch(self.mesh, rows, len(rows.tokens))  # the whole batch
-    params, adapter = _policy(spec, frozen, state.params)
+    params, adapter = policy_weights(spec, frozen, state.params)
     old = sharding.to_host(score(params, device_rows, adapter))
     ref = None
     if with_ref:

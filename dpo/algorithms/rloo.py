@@ -51,7 +51,7 @@ def rloo_step(spec: train.StepConfig, state: train.TrainState, frozen,
   does: the mean over each microbatch's completions, averaged); the policy's token entropies
   from its logits, logged as TRL's."""
   def loss_fn(trainable, micro):
-    params, adapter = grpo._policy(spec, frozen, trainable)
+    params, adapter = grpo.policy_weights(spec, frozen, trainable)
     s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True)
     entropies = jax.lax.stop_gradient(pg.token_entropy(s.logits))
     return pg.rloo_loss(s.logps, micro.old_logps, micro.advantages, s.mask, spec.rloo,
