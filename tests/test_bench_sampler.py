@@ -6,6 +6,7 @@ the imported logits against transformers'; neither decodes with transformers, wh
 this file adds: left padding, per-row RoPE positions and the cache, end to end.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -105,6 +106,10 @@ def test_preset_mode_times_ours_alone_with_the_decode_steps_traffic():
   item = jnp.dtype(cfg.compute_dtype).itemsize
   kv = 2 * cfg.n_layers * 3 * cfg.n_kv_heads * 40 * cfg.head_dim * item
   assert cache == kv + 3 * 40 * 4  # and the slots' int32 segment ids
+  # In bfloat16 the weights are read at 2 bytes (the float32 ones are converted once, outside
+  # the decode loop).
+  bf16 = dataclasses.replace(cfg, compute_dtype="bfloat16")
+  assert bench_sampler.decode_bytes(bf16, params, 3, 40)[0] == weights // 2
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
   run = lambda *args: subprocess.run(

@@ -31,8 +31,9 @@ per-step decode time (the difference of two medians: noisy when the call is shor
 `--preset=NAME` times our sampler alone (no torch, as on a TPU host) on a preset's model shape
 (configs.py) with random weights in our own format, stored as a run stores them (float32) and
 computed in the preset's dtype, prefill and decode split as above. A decode step reads every
-weight matrix and the whole KV cache (its attention is over all `prompt + new` slots): their
-bytes over the step's time are its HBM bandwidth use, shown against the chip's nominal
+weight matrix (in the compute dtype: the float32 weights are converted once, outside the decode
+loop) and the whole KV cache (its attention is over all `prompt + new` slots): their bytes over
+the step's time are its HBM bandwidth use, shown against the chip's nominal
 bandwidth (`NOMINAL_HBM`) on an accelerator.
 
 `--bucketed` then samples a batch of each prompt length 3..40 with `left_pad(multiple=8)` and
@@ -181,11 +182,16 @@ def _with_threads(fn, threads: int):
 
 def decode_bytes(cfg, params, batch: int, slots: int) -> tuple[int, int]:
   """(weight bytes, KV-cache bytes) one decode step reads: every parameter but the embedding
-  table (a step gathers B of its rows; a tied table is read whole as the LM head), and the
-  keys and values of all `slots` cache slots of every layer."""
-  weights = transformer.nbytes(params)
+  table (a step gathers B of its rows; a tied table is read whole as the LM head), in the
+  compute dtype where it is narrower than the stored one (XLA converts the float32 weights
+  once, outside the decode loop: counted at 4 bytes, the 1B step on a v5e would read 120% of
+  the chip's nominal bandwidth), and the keys and values of all `slots` cache slots of every
+  layer."""
+  width = jnp.dtype(cfg.compute_dtype).itemsize
+  read = lambda tree: sum(x.size * min(x.dtype.itemsize, width) for x in jax.tree.leaves(tree))
+  weights = read(params)
   if not cfg.tie_embeddings:
-    weights -= transformer.nbytes(params["embed"])
+    weights -= read(params["embed"])
   cache = jax.eval_shape(lambda: transformer.init_cache(cfg, batch, slots))
   return weights, transformer.nbytes(cache)
 
