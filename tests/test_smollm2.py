@@ -10,6 +10,8 @@ the conversations TRL's hh-rlhf script writes.
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -23,6 +25,8 @@ from dpo import chat, prepare, tokenizer  # noqa: E402
 from dpo.tools import smollm2  # noqa: E402
 from models import hf, sharding, transformer  # noqa: E402
 from numerics import rel_err  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONVERSATIONS = [
     [{"role": "user", "content": "How do I make a cup of tea?"}],
@@ -164,3 +168,33 @@ def test_the_preset_builds_its_inputs_on_first_use(tmp_path, monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
   with pytest.raises(smollm2.ConversionError, match="exists but holds no"):
     launch._prepare_inputs(cfg)  # a half folder is named, not overwritten
+
+
+def test_the_tool_without_the_transcripts_is_refused_in_one_line_before_converting(tmp_path):
+  """In a checkout without ../shared the tool stops at once with one line naming --hh_source,
+  before it builds the model (which takes minutes); its folder is never started."""
+  missing = tmp_path / "no-shared" / "harmless-base-test.jsonl.gz"
+  done = subprocess.run(
+      [sys.executable, "-m", "dpo.tools.smollm2", f"--hh_source={missing}",
+       f"--hh_out={tmp_path / 'chat.jsonl'}", f"--out_dir={tmp_path / 'hf'}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode != 0 and "Traceback" not in done.stderr
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"error: --hh_source={missing}: no such file (HH-RLHF's transcripts, ../shared/data beside "
+      "a checkout of this project); give --hh_source=FILE, or --hh_out= to write no "
+      "conversations")
+  assert not (tmp_path / "hf").exists()
+  # launch.py --config=smollm2-hh in such a checkout: the same, from the preset's preparation.
+  import configs
+  import launch
+  from dpo import data
+  cwd = os.getcwd()
+  os.chdir(tmp_path)
+  try:
+    with pytest.raises(data.DataError, match=r"is built from \.\./shared/data/hh-rlhf/"
+                                             r"harmless-base-test\.jsonl\.gz: no such file"):
+      launch._prepare_inputs(configs.get_config("smollm2-hh"))
+    assert not os.path.exists(smollm2.DEFAULT_DIR)
+  finally:
+    os.chdir(cwd)

@@ -183,6 +183,11 @@ def prepare(cfg) -> None:
   """What `--config=smollm2-hh` reads and is not there yet, built on first use (launch.py, through
   configs.PREPARE): the model folder when --init_from names DEFAULT_DIR, the conversations when
   --train_data names HH_CHAT. Inputs the flags point elsewhere are the user's to provide."""
+  if (cfg.data.train_data == HH_CHAT and not os.path.isfile(HH_CHAT)
+      and not os.path.isfile(HH_SOURCE)):  # before the conversion, which takes minutes
+    raise data.DataError(f"--train_data={HH_CHAT} is built from {HH_SOURCE}: no such file "
+                         "(HH-RLHF's transcripts, ../shared/data beside a checkout of this "
+                         "project); give --train_data=FILE")
   if cfg.checkpoint.init_from == "hf:" + DEFAULT_DIR and not is_complete(DEFAULT_DIR):
     logging.info("--init_from=hf:%s: converting %s's GGUF (once)", DEFAULT_DIR, PACKAGE)
     with progress.doing(f"converting {PACKAGE}'s GGUF"):
@@ -195,13 +200,22 @@ def prepare(cfg) -> None:
 
 def main(argv) -> None:
   del argv
+  # The transcripts are checked before the conversion, so a checkout without ../shared is
+  # refused at once, not after the model is built.
+  if FLAGS.hh_out and not os.path.exists(FLAGS.hh_out) and not os.path.isfile(FLAGS.hh_source):
+    raise SystemExit(f"error: --hh_source={FLAGS.hh_source}: no such file (HH-RLHF's "
+                     "transcripts, ../shared/data beside a checkout of this project); give "
+                     "--hh_source=FILE, or --hh_out= to write no conversations")
   try:
     out = convert(FLAGS.out_dir, FLAGS.gguf)
   except ConversionError as e:
     raise SystemExit(f"error: {e}") from None
   print(f"{out}: a Hugging Face folder (--init_from=hf:{out} --tokenizer={out})")
   if FLAGS.hh_out:
-    counts = hh_to_chat(FLAGS.hh_source, FLAGS.hh_out)
+    try:
+      counts = hh_to_chat(FLAGS.hh_source, FLAGS.hh_out)
+    except data.DataError as e:
+      raise SystemExit(f"error: {e}") from None
     print(f"{FLAGS.hh_out}: HH-RLHF as conversations"
           + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))})" if counts else ""))
 
