@@ -126,13 +126,13 @@ def test_flag_nothing_reads_is_refused(tmp_path):
 def test_sections_and_help_derive_from_the_dataclasses():
   cfg = configs.DEFAULT
   assert configs.SECTIONS == ("model", "lora", "data", "optim", "loss", "reward", "online",
-                              "iterative", "grpo", "kto", "reference", "guard", "eval",
+                              "iterative", "grpo", "rloo", "kto", "reference", "guard", "eval",
                               "checkpoint", "mesh", "run")
   sections = {name: section for name, *_, section in cli.flag_fields()}
   assert (sections["beta"], sections["label_smoothing"], sections["learning_rate"],
           sections["kl_max"], sections["eval_every"], sections["output_dir"],
-          sections["num_generations"], sections["judge"]) == (
-              "loss", "loss", "optim", "guard", "eval", "run", "grpo", "eval")
+          sections["num_generations"], sections["judge"], sections["rloo_beta"]) == (
+              "loss", "loss", "optim", "guard", "eval", "run", "grpo", "eval", "rloo")
   assert cfg.replace(output_dir="x").loss is cfg.loss  # untouched sections are shared
   import launch
   assert launch.FLAGS["simpo_gamma"].help.startswith("[loss] SimPO / AlphaPO target reward margin")
