@@ -261,6 +261,11 @@ def test_bench_profile_sums_each_ops_own_time_and_the_tool_reads_it_back(tmp_pat
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert refused.returncode != 0 and "Traceback" not in refused.stderr
   assert "--profile_dir traces the step of one --worker_json process" in refused.stderr
+  refused = subprocess.run([sys.executable, "-m", "dpo.tools.bench", f"--worker_json={out}",
+                            "--profile_steps=3"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+  assert refused.returncode != 0 and "Traceback" not in refused.stderr
+  assert "--profile_steps: the steps --profile_dir traces; give --profile_dir" in refused.stderr
 
 
 def test_profile_own_times_subtract_the_ops_inside():

@@ -510,6 +510,8 @@ def main(argv):
                          "give both, with --autotune=on")
   if FLAGS.profile_dir and not FLAGS.worker_json:
     raise app.UsageError("--profile_dir traces the step of one --worker_json process: give both")
+  if FLAGS["profile_steps"].present and not FLAGS.profile_dir:
+    raise app.UsageError("--profile_steps: the steps --profile_dir traces; give --profile_dir")
   if FLAGS.worker_probe:
     with open(FLAGS.worker_probe, "w") as f:
       json.dump(probe(FLAGS.matmul_size), f)
