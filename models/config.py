@@ -100,7 +100,10 @@ class ModelConfig:
                              "outputs, [tokens, width] each; only the elementwise work and "
                              "attention run again) or attention (the Pallas attention's output "
                              "and log-sum-exp: the projections run again, the attention forward "
-                             "does not; needs the Pallas kernel).")
+                             "does not; needs the Pallas kernel) or projections (attention's, "
+                             "plus the kernel's q, k, v, the residual stream after attention and "
+                             "the MLP's gate and up: only elementwise work and LoRA's rank-r "
+                             "products run again; needs the Pallas kernel).")
   prefix_sharing: bool = option(True, "DPO: one row per pair, prompt | chosen | rejected, so the "
                                 "prompt is computed once per model (dpo/packing.py); off where the "
                                 "pair rows do not share a prompt (logged).")
@@ -156,8 +159,10 @@ class ModelConfig:
   rope_low_freq_factor: float = option(1.0, "llama3 RoPE scaling: low-frequency factor.")
   rope_high_freq_factor: float = option(4.0, "llama3 RoPE scaling: high-frequency factor.")
   rope_original_max_len: int = option(8192, "llama3 RoPE scaling: original context length.")
-  base_quant: str = option("none", "Store the frozen base quantized: none, int8 (per-channel "
-                           "absmax) or nf4 (64-element blocks, QLoRA code book). Needs LoRA.")
+  base_quant: str = option("none", "Store the frozen base's layer matrices in less than "
+                           "float32: none, bf16 (bfloat16; exact for a bfloat16 checkpoint), int8 "
+                           "(per-channel absmax) or nf4 (64-element blocks, QLoRA code book). "
+                           "Needs LoRA.")
 
   def __post_init__(self):
     rules(self, **{k: POS for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -170,11 +175,11 @@ class ModelConfig:
           rope_original_max_len=POS, compute_dtype=one_of(("float32", "bfloat16")),
           arch=one_of(ARCHS), mlp_act=one_of(("silu", "gelu_tanh", "gelu")),
           rope_scaling=one_of(("none", "linear", "llama3")),
-          base_quant=one_of(("none", "int8", "nf4")),
+          base_quant=one_of(("none", "bf16", "int8", "nf4")),
           matmul_backward=one_of(("autodiff", "explicit")), sliding_window=NONNEG,
           sliding_pattern=at_least(1), scan_unroll=at_least(1), attention_block=NONNEG,
           logits_chunk=NONNEG, attention=one_of(("auto", "xla", "pallas")),
-          remat_policy=one_of(("nothing", "dots", "attention")),
+          remat_policy=one_of(("nothing", "dots", "attention", "projections")),
           attention_tile=(lambda v: v > 0 and v % 128 == 0, "a positive multiple of 128"))
     check(self.attention != "pallas" or not self.attention_block,
           f"--attention_block={self.attention_block}: applies to --attention=xla; the pallas "
@@ -193,9 +198,9 @@ class ModelConfig:
           "never reads it")
     check(self.remat or self.remat_policy == "nothing",
           f"--remat_policy={self.remat_policy}: applies with --remat=True")
-    check(self.remat_policy != "attention" or self.attention != "xla",
-          "--remat_policy=attention: keeps the Pallas attention's results; --attention=xla has "
-          "none")
+    check(self.remat_policy not in ("attention", "projections") or self.attention != "xla",
+          f"--remat_policy={self.remat_policy}: keeps the Pallas attention's values; "
+          "--attention=xla has none")
     check(not self.logits_chunk or self.vocab_size % self.logits_chunk == 0,
           f"--logits_chunk={self.logits_chunk}: must be 0 or a divisor of "
           f"--vocab_size={self.vocab_size}")

@@ -31,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 LANES, SUBLANES = 128, 8
 RESIDUALS = "flash_attention_out"  # the checkpoint name of the kernel's output and log-sum-exp
+INPUTS = "flash_attention_in"  # the checkpoint name of its q, k and v, in the kernel's layout
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(_MASKED - m) is 0, never NaN
 
 
@@ -352,9 +353,11 @@ def _flash(q, k, v, ids, window, spec):
 
 def _flash_fwd(q, k, v, ids, window, spec):
   o, lse = _forward(q, k, v, ids, window, spec)
-  # Named, so a remat policy can keep them (--remat_policy=attention): the backward then reads
-  # the forward kernel's results instead of running it again.
+  # Named, so a remat policy can keep them (--remat_policy=attention, projections): the backward
+  # then reads the forward kernel's results instead of running it again, and (projections) the
+  # q, k and v it was given instead of running their projections again.
   o, lse = checkpoint_name(o, RESIDUALS), checkpoint_name(lse, RESIDUALS)
+  q, k, v = (checkpoint_name(x, INPUTS) for x in (q, k, v))
   return o, (q, k, v, o, lse, ids, window)
 
 

@@ -356,8 +356,8 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bo
   """(ModelConfig, params) from a Hugging Face directory, each array born in its sharding.
 
   `base` supplies the fields config.json does not decide (compute_dtype, remat, base_quant).
-  With `quantize` (int8 / nf4: a frozen base, models/quant.py) the per-layer matrices are read
-  and quantized one layer at a time, so no stacked float32 matrix ever exists on the devices
+  With `quantize` (bf16 / int8 / nf4: a frozen base, models/quant.py) the per-layer matrices are
+  read and converted one layer at a time, so no stacked float32 matrix ever exists on the devices
   (an 8B model's are 28 GiB); the result equals `quant.quantize_params` of the float import.
   With `reward` the folder is a one-label `*ForSequenceClassification`: no LM head is read
   and the params hold the head `score` [D, 1] (`load_score`). Raises HFError naming

@@ -1,9 +1,13 @@
-"""A quantized frozen base (Q-LoRA): int8 per-channel absmax and block-wise NF4.
+"""A frozen base stored in less than float32: bfloat16, int8 per-channel absmax and block-wise
+NF4 (Q-LoRA).
 
 Only the frozen base is quantized; LoRA factors stay float32 and gradients never reach the
 quantized weights. `transformer.dense` is the single place a weight is applied, and it
 dequantizes there, on the fly, so a float copy of a matrix exists only transiently in a step.
 
+* bf16: the matrix rounded to bfloat16, a plain array: half the bytes, and exact for weights
+  imported from a bfloat16 checkpoint (most Hugging Face folders). A bfloat16 step computes with
+  it as it is, so no converted copy of it is made in the step.
 * int8: per output channel c, scale_c = max |W[:, c]| / 127 over the input axes, q = round(W /
   scale) in int8. Stored with the weight's own logical axes, so it shards exactly like W.
 * nf4: the per-layer matrix is flattened (row-major) into 64-element blocks; each block stores
@@ -111,12 +115,21 @@ def targets(specs) -> dict:
 
 
 def quantize_one(mode: str, w, n_lead: int, spec):
+  if mode == "bf16":
+    return w.astype(jnp.bfloat16)
   if mode == "int8":
     return quantize_int8(w, n_lead, spec.fan_in)
   return quantize_nf4(w, n_lead)
 
 
+def in_format(w, mode: str) -> bool:
+  """Whether the matrix `w` is already stored as --base_quant=`mode` says (e.g. imported so)."""
+  return w.dtype == jnp.bfloat16 if mode == "bf16" else is_quantized(w)
+
+
 def quantized_sharding(mode: str, mesh: Mesh, n_lead: int, spec, qw):
+  if mode == "bf16":
+    return sharding.named(mesh, spec.axes, qw.shape)
   if mode == "int8":
     return Int8Weight(sharding.named(mesh, spec.axes, qw.q.shape),
                       sharding.named(mesh, spec.axes, qw.scale.shape))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from models import flash, quant, sharding
@@ -121,10 +122,10 @@ def init(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
 
 
 def init_base(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
-  """A random frozen base as --base_quant stores it, born so. With int8 / nf4 each per-layer
-  matrix is drawn and quantized one layer at a time inside one jit (`lax.map` over the layers),
-  so no float32 copy of a stacked matrix ever exists (an 8B model's is 28 GiB): layer l of a
-  matrix is drawn from fold_in(the matrix's key, l), the same distribution as `init`'s (whose
+  """A random frozen base as --base_quant stores it, born so. With bf16 / int8 / nf4 each
+  per-layer matrix is drawn and converted one layer at a time inside one jit (`lax.map` over the
+  layers), so no float32 copy of a stacked matrix ever exists (an 8B model's is 28 GiB): layer l
+  of a matrix is drawn from fold_in(the matrix's key, l), the same distribution as `init`'s (whose
   values it does not repeat). The other leaves are `init`'s, value for value."""
   if cfg.base_quant == "none":
     return init(cfg, key, mesh)
@@ -132,7 +133,7 @@ def init_base(cfg: ModelConfig, key: jax.Array, mesh: Mesh):
 
 
 def quantized_init(cfg: ModelConfig, mesh: Mesh):
-  """`init_base`'s jitted function of the key (int8 / nf4), for its memory analysis."""
+  """`init_base`'s jitted function of the key (bf16 / int8 / nf4), for its memory analysis."""
   specs = param_specs(cfg)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
   quantized = quant.targets(specs)
@@ -444,9 +445,12 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
     attn_BTKGk = _attend_cache(cfg, q_BTKGk, *cache, inputs.mask_BTS)
   out_BTD = proj("o", attn_BTKGk.reshape(B, T, cfg.n_heads, cfg.head_dim), 2)
   x_BTD = x_BTD + (norm("post_attn_norm", out_BTD) if cfg.post_norms else out_BTD)
+  x_BTD = checkpoint_name(x_BTD, ATTN_RESIDUAL)
 
   h = norm("mlp_norm", x_BTD)
-  gated_BTF = c(_ACTIVATIONS[cfg.mlp_act](proj("gate", h, 1)) * proj("up", h, 1), _ACT_MLP)
+  gate_BTF, up_BTF = (checkpoint_name(proj(name, h, 1), name_)
+                      for name, name_ in (("gate", MLP_GATE), ("up", MLP_UP)))
+  gated_BTF = c(_ACTIVATIONS[cfg.mlp_act](gate_BTF) * up_BTF, _ACT_MLP)
   out_BTD = proj("down", gated_BTF, 1)
   x_BTD = x_BTD + (norm("post_mlp_norm", out_BTD) if cfg.post_norms else out_BTD)
   return x_BTD, cache
@@ -502,14 +506,24 @@ def _flash_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, slots: Slots, wi
   return run(q_BTKGk, k_BTKk, v_BTKk, slots.segment, slots.branch, jnp.asarray(window, jnp.int32))
 
 
+# Checkpoint names of a layer's values that --remat_policy=projections keeps: the residual stream
+# after the attention block (the MLP norm's input) and the MLP's gate and up projections, LoRA
+# deltas included.
+ATTN_RESIDUAL, MLP_GATE, MLP_UP = "attn_residual", "mlp_gate", "mlp_up"
+
 # --remat_policy: what a rematerialised layer keeps for its backward. dots keeps the outputs of
 # contractions without batch dimensions: the weight matmuls (and LoRA factors), not attention.
 # attention keeps the Pallas kernel's output and log-sum-exp (models/flash.py), so the backward
-# runs the projections again but not the attention forward.
+# runs the projections again but not the attention forward. projections adds the kernel's q, k
+# and v and the values above: what the backward reads of every matmul with a frozen or adapted
+# weight, so only elementwise work (norms, RoPE, the activation, dropout masks) and LoRA's
+# rank-r products run again.
 _REMAT_POLICIES: dict[str, Callable] = {
     "nothing": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "attention": jax.checkpoint_policies.save_only_these_names(flash.RESIDUALS),
+    "projections": jax.checkpoint_policies.save_only_these_names(
+        flash.RESIDUALS, flash.INPUTS, ATTN_RESIDUAL, MLP_GATE, MLP_UP),
 }
 
 _ACTIVATIONS: dict[str, Callable] = {
@@ -621,9 +635,9 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
     return sharding.constrain(x, _ACT_RESID), None
 
   if cfg.remat:
-    if cfg.remat_policy == "attention" and not use_flash:
-      raise ValueError("--remat_policy=attention: keeps the Pallas attention's results, and "
-                       f"this {jax.default_backend()} run's attention is XLA's "
+    if cfg.remat_policy in ("attention", "projections") and not use_flash:
+      raise ValueError(f"--remat_policy={cfg.remat_policy}: keeps the Pallas attention's "
+                       f"values, and this {jax.default_backend()} run's attention is XLA's "
                        "(--attention=auto picks the kernel on a TPU): give --attention=pallas "
                        "or another --remat_policy")
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat_policy])

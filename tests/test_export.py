@@ -66,7 +66,7 @@ def _logits(model, ids):
     return model(input_ids=torch.tensor([ids])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+@pytest.mark.parametrize("base_quant", ["none", "bf16", "nf4"])
 @pytest.mark.slow
 def test_export_loads_in_transformers_and_peft(tmp_path, base_quant):
   tok_dir = _tokenizer(tmp_path / "tok")

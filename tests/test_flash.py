@@ -157,14 +157,17 @@ def test_model_with_the_kernel_equals_the_xla_model(mesh_spec):
 
 
 @pytest.mark.slow
-def test_remat_policy_attention_keeps_the_kernels_results_and_the_gradients():
-  """--remat_policy=attention: the backward reads the kernel's output and log-sum-exp that the
-  forward kept (they are among the layer's saved residuals, which --remat_policy=nothing keeps
-  none of), and the gradients equal the plain remat's. Off the kernel the policy is refused."""
+@pytest.mark.parametrize("policy", ["attention", "projections"])
+def test_remat_policies_keep_the_kernels_values_and_the_gradients(policy):
+  """--remat_policy=attention / projections: the gradients equal the plain remat's; the backward
+  reads the kernel's output and log-sum-exp that the forward kept (among the layer's saved
+  residuals, of which --remat_policy=nothing keeps none), with projections also the kernel's q,
+  k, v and each layer's residual stream after attention and MLP gate and up. Off the kernel the
+  policy is refused."""
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   cfg = dataclasses.replace(CFG, attention="pallas", remat=True)
   want = _model_grads(cfg, mesh)
-  got = _model_grads(dataclasses.replace(cfg, remat_policy="attention"), mesh)
+  got = _model_grads(dataclasses.replace(cfg, remat_policy=policy), mesh)
   tol = numerics.reorder_tol(150, depth=numerics.backprop_depth(CFG.n_layers))
   numerics.assert_close({"loss": (got[0], want[0], tol), "grads": (got[1], want[1], tol)})
 
@@ -173,20 +176,47 @@ def test_remat_policy_attention_keeps_the_kernels_results_and_the_gradients():
   layer = lambda q, k, v: jnp.sin(flash.attention(q, k, v, segment, branch, scale=0.25,
                                                   block=128))
 
-  def saved(policy):  # jax.ad_checkpoint's printout: a line per residual the backward reads
+  def saved(fn, policy, *args):  # jax.ad_checkpoint's printout: a line per residual kept
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(layer, policy=policy), q, k, v)
+      jax.ad_checkpoint.print_saved_residuals(
+          jax.checkpoint(fn, policy=transformer._REMAT_POLICIES[policy]), *args)
     return out.getvalue().splitlines()
 
-  kept = [w for w in saved(transformer._REMAT_POLICIES["attention"]) if flash.RESIDUALS in w]
+  kept = [w for w in saved(layer, policy, q, k, v) if flash.RESIDUALS in w]
   assert len(kept) == 2  # the output [B, H, T, d] and the log-sum-exp [B, H, T]
-  assert not [w for w in saved(transformer._REMAT_POLICIES["nothing"]) if flash.RESIDUALS in w]
-  with pytest.raises(ValueError, match="--remat_policy=attention: keeps the Pallas attention's "
-                                       "results, and this cpu run's attention is XLA's"):
-    _model_grads(dataclasses.replace(cfg, attention="auto", remat_policy="attention"), mesh)
-  with pytest.raises(ValueError, match="--remat_policy=attention: .* --attention=xla has none"):
-    ModelConfig(attention="xla", remat=True, remat_policy="attention")
+  assert not [w for w in saved(layer, "nothing", q, k, v) if flash.RESIDUALS in w]
+  if policy == "projections":
+    assert len([w for w in saved(layer, policy, q, k, v) if flash.INPUTS in w]) == 3
+    # A model layer keeps exactly q, k, v and the output (the kernel's [B, heads, T, d] layout),
+    # the log-sum-exp, its input and the residual stream after attention [B, T, D], and the MLP's
+    # gate and up [B, T, F]; with --remat_policy=nothing, its input only.
+    lcfg = dataclasses.replace(cfg, n_layers=1)
+    params = transformer.init(lcfg, jax.random.key(0), mesh)
+    B, T, D, F = 2, 128, CFG.d_model, CFG.mlp_dim
+    H, K, d = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
+    inputs = transformer.Inputs(jnp.zeros((B, T), jnp.int32),
+                                jnp.broadcast_to(jnp.arange(T), (B, T)),
+                                jnp.ones((B, T), jnp.int32))
+
+    def kept_by_layers(policy):
+      out = io.StringIO()
+      with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: transformer.hidden(
+            dataclasses.replace(lcfg, remat_policy=policy), p, inputs).sum(), params)
+      return sorted(w.split()[0] for w in out.getvalue().splitlines() if "output of scan" in w
+                    and w.startswith("f32[1,"))
+
+    shape = lambda *dims: "f32[" + ",".join(map(str, (1, *dims))) + "]"
+    assert kept_by_layers("projections") == sorted(
+        [shape(B, H, T, d)] * 2 + [shape(B, K, T, d)] * 2 + [shape(B, H, T)]
+        + [shape(B, T, D)] * 2 + [shape(B, T, F)] * 2)
+    assert kept_by_layers("nothing") == [shape(B, T, D)]
+  with pytest.raises(ValueError, match=f"--remat_policy={policy}: keeps the Pallas attention's "
+                                       "values, and this cpu run's attention is XLA's"):
+    _model_grads(dataclasses.replace(cfg, attention="auto", remat_policy=policy), mesh)
+  with pytest.raises(ValueError, match=f"--remat_policy={policy}: .* --attention=xla has none"):
+    ModelConfig(attention="xla", remat=True, remat_policy=policy)
 
 
 def test_platform_picks_the_kernel_and_config_rules():

@@ -1,4 +1,5 @@
-"""Quantized frozen base: int8 / NF4 against independent numpy quantizers, logit error, sharding."""
+"""Frozen base in less than float32: bf16 / int8 / NF4 against independent numpy conversions, logit
+error, sharding."""
 
 import math
 
@@ -14,7 +15,12 @@ from models import quant, sharding, transformer
 # Stated tolerances for the tiny random model below (init_std 0.1, logits std ~0.8): relative
 # RMS logit error ||quantized - float32|| / ||float32||. Measured values are printed by
 # test_logit_error_vs_float32_and_memory (see WORKSPACE.md for the figures).
-TOL = {"int8": 0.03, "nf4": 0.4}
+TOL = {"bf16": 0.01, "int8": 0.03, "nf4": 0.4}
+
+
+def as_float(w):
+  """A stored base matrix as float32 (bf16 is a plain array)."""
+  return quant.dequantize(w) if quant.is_quantized(w) else w.astype(jnp.float32)
 
 
 def np_int8(w, n_lead, n_in):
@@ -65,7 +71,7 @@ def _batch():
   return tokens, positions, np.ones((4, 12), np.int32)
 
 
-@pytest.mark.parametrize("mode", ["int8", "nf4"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "nf4"])
 @pytest.mark.slow
 def test_logit_error_vs_float32_and_memory(mode):
   cfg = _cfg(mode)
@@ -84,7 +90,12 @@ def test_logit_error_vs_float32_and_memory(mode):
   specs = transformer.param_specs(cfg)
   mats = [s for s in specs["layers"].values() if s.fan_in]
   rest = transformer.num_params(params) - sum(math.prod(s.shape) for s in mats)
-  if mode == "int8":
+  if mode == "bf16":
+    want = sum(2 * math.prod(s.shape) for s in mats) + 4 * rest
+    for w, f in zip(jax.tree.leaves(qparams["layers"]), jax.tree.leaves(params["layers"])):
+      want_w = np.asarray(f).astype(jnp.bfloat16) if w.dtype == jnp.bfloat16 else np.asarray(f)
+      np.testing.assert_array_equal(np.asarray(w), want_w)  # round to nearest, matrices only
+  elif mode == "int8":
     scales = sum(math.prod(s.shape) // math.prod(s.shape[1:1 + s.fan_in]) for s in mats)
     want = sum(math.prod(s.shape) for s in mats) + 4 * scales + 4 * rest
   else:
@@ -95,15 +106,14 @@ def test_logit_error_vs_float32_and_memory(mode):
   assert jax.tree.structure(abstract) == jax.tree.structure(qparams)
 
 
-@pytest.mark.parametrize("mode", ["int8", "nf4"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "nf4"])
 @pytest.mark.slow
 def test_forward_is_dequantized_float_forward_sharded_and_lora_trains(mode):
   cfg = _cfg(mode)
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
   params = transformer.init(cfg, jax.random.key(0), mesh)
   qparams = quant.quantize_params(transformer.param_specs(cfg), mode, params, mesh)
-  deq = jax.tree.map(lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, qparams,
-                     is_leaf=quant.is_quantized)
+  deq = jax.tree.map(as_float, qparams, is_leaf=quant.is_quantized)
   batch = _batch()
   fwd = jax.jit(lambda p: transformer.forward(cfg, p, transformer.Inputs(*batch)))
   np.testing.assert_allclose(np.asarray(fwd(qparams)), np.asarray(fwd(deq)), atol=1e-5)
@@ -131,7 +141,7 @@ def test_none_leaves_params_alone():
   assert quant.abstract_quantized(specs, "none", base) is base
 
 
-@pytest.mark.parametrize("mode", ["int8", "nf4"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "nf4"])
 def test_base_born_quantized_one_layer_at_a_time(mode):
   """transformer.init_base: the tree, dtypes and shardings quantize_params gives the float init,
   the float leaves value for value, the quantized layers drawn from the same distribution; and
@@ -146,7 +156,7 @@ def test_base_born_quantized_one_layer_at_a_time(mode):
   for got, ref in zip(jax.tree.leaves(born), jax.tree.leaves(want)):
     assert (got.shape, got.dtype, got.sharding) == (ref.shape, ref.dtype, ref.sharding)
   np.testing.assert_array_equal(born["embed"], float_init["embed"])
-  gate = np.asarray(quant.dequantize(born["layers"]["gate"]))
+  gate = np.asarray(as_float(born["layers"]["gate"]))
   assert abs(gate.std() / cfg.init_std - 1) < 0.05 and abs(gate.mean()) < 1e-3
   assert not np.allclose(gate[0], gate[1])  # each layer its own draw
   stacked = 4 * cfg.n_layers * cfg.d_model * cfg.mlp_dim  # one stacked float32 gate matrix

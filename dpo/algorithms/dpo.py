@@ -132,13 +132,13 @@ def _reference_path(c, model: algorithms.Model) -> str:
 
 
 def _quantized_base(c, mesh, params, summary: dict):
-  """The frozen base as the policy computes with it: --base_quant's int8 or nf4 (quantized here,
+  """The frozen base as the policy computes with it: --base_quant's format (converted here,
   or already imported so: loop.initial_params), or as given."""
   if c.model.base_quant == "none":
     return params
   specs = transformer.param_specs(c.model)
   before = transformer.nbytes(transformer.abstract(specs))  # its float32 bytes
-  if not any(quant.is_quantized(w) for w in params["layers"].values()):  # not imported so
+  if not any(quant.in_format(w, c.model.base_quant) for w in params["layers"].values()):
     params = quant.quantize_params(specs, c.model.base_quant, params, mesh)
   after = transformer.nbytes(params)
   logging.info("base_quant=%s: frozen base %.1f MiB -> %.1f MiB (saved %.1f MiB, %.0f%%)",

@@ -1,4 +1,5 @@
-"""Prints the frozen-base memory of the real-size presets: float32, bfloat16, int8, nf4.
+"""Prints the frozen-base memory of the real-size presets for each --base_quant: none (float32),
+bf16, int8, nf4 (the layer matrices converted; embeddings and norms stay float32).
 
     python -m dpo.tools.base_memory [--presets=llama3.2-1b,qwen2.5-7b]
 
@@ -23,10 +24,10 @@ def main(argv) -> None:
     specs = transformer.param_specs(configs.get_config(name).model)
     base = transformer.abstract(specs)
     n = transformer.num_params(base)
-    row = [transformer.nbytes(quant.abstract_quantized(specs, q, base)) for q in ("none", "int8", "nf4")]
+    row = [transformer.nbytes(quant.abstract_quantized(specs, q, base))
+           for q in ("none", "bf16", "int8", "nf4")]
     gib = lambda b: f"{b / 2**30:8.2f}G"
-    print(f"{name:14s} {n / 1e9:7.2f}B {gib(row[0]):>10s} {gib(2 * n):>10s} {gib(row[1]):>10s} "
-          f"{gib(row[2]):>10s}")
+    print(f"{name:14s} {n / 1e9:7.2f}B " + " ".join(f"{gib(b):>10s}" for b in row))
 
 
 if __name__ == "__main__":
