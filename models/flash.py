@@ -8,11 +8,17 @@ completion key only by its own branch). Here the scores of one [block_q, block_k
 on-chip memory only: the forward keeps a running max and sum per query (online softmax) and
 saves the log-sum-exp; the backward recomputes each tile's probabilities from it (FlashAttention-2,
 Dao 2023, Algorithms 1 and 2). Tiles wholly above the causal diagonal or outside the window are
-skipped, neither computed nor fetched.
+skipped, neither computed nor fetched. Every other tile has a kind (`tile_kinds`, from the ids'
+ranges over the tile, passed to the kernels as a scalar-prefetch table): EMPTY tiles (a rejected
+completion's queries against the chosen one's keys, another packed sequence) are skipped, FULL
+tiles (every score unmasked: a completion against its prompt) build no mask, PARTIAL ones mask
+slot by slot. A grid step takes the G query heads that share a key/value head together, so each
+tile's keys, values and mask are fetched and built once for the G heads.
 
 Layout: queries [B, T, K, G, head_dim] (G query heads per kv head, grouped-query attention), keys
 and values [B, T, K, head_dim], the slots' segment and branch ids [B, T]; query and key slots are
-the same 0..T-1 (a training forward, no KV cache). The kernel runs on a TPU; elsewhere it runs in
+the same 0..T-1 (a training forward, no KV cache). Inside, the kernels read queries as
+[B, K, G, T, head_dim] and keys and values as [B, K, T, head_dim]. The kernel runs on a TPU; elsewhere it runs in
 Pallas's interpret mode (slow, for tests). A query that sees no key (a padding slot) gets 0, where
 the XLA path averages every value; no real slot is such a query (each sees itself).
 """
@@ -57,13 +63,14 @@ def attention(q_BTKGd, k_BTKd, v_BTKd, segment_BT, branch_BT, window=0, *, scale
   spec = Spec(float(scale), float(softcap), branch_BT is not None, tile, tile,
               jax.default_backend() != "tpu")
   pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-  q_BHTd = jnp.moveaxis(pad(q_BTKGd).reshape(B, Tp, K * G, d), 1, 2)
+  q_BKGTd = jnp.moveaxis(pad(q_BTKGd), 1, 3)
   k_BKTd, v_BKTd = (jnp.moveaxis(pad(x), 1, 2) for x in (k_BTKd, v_BTKd))
   branch_BT = jnp.zeros_like(segment_BT) if branch_BT is None else branch_BT
-  ids = _Ids.of(pad(segment_BT.astype(jnp.int32)), pad(branch_BT.astype(jnp.int32)))
+  segment_BT, branch_BT = (pad(x.astype(jnp.int32)) for x in (segment_BT, branch_BT))
   window = jnp.asarray(window, jnp.int32).reshape(1)
-  o_BHTd = _flash(q_BHTd, k_BKTd, v_BKTd, ids, window, spec)
-  return jnp.moveaxis(o_BHTd, 2, 1)[:, :T].reshape(B, T, K, G, d)
+  kinds = tile_kinds(segment_BT, branch_BT, window, spec)
+  o_BKGTd = _flash(q_BKGTd, k_BKTd, v_BKTd, _Ids.of(segment_BT, branch_BT), window, kinds, spec)
+  return jnp.moveaxis(o_BKGTd, 3, 1)[:, :T]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -87,6 +94,40 @@ class _Ids(NamedTuple):
 
 
 # --- which tiles can hold an unmasked score --------------------------------------------------
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's kind: no score unmasked, some, all (no mask to build)
+
+
+def tile_kinds(segment_BT, branch_BT, window, spec: Spec) -> jax.Array:
+  """The kind of every [block_q, block_k] tile of every row, flattened [B * n_q * n_k] (row-major),
+  from the ids' ranges over each tile: FULL when every query of the tile sees every key (keys
+  wholly before the queries and within the window, one segment on both sides, and keys of the
+  prompt or of the queries' one branch), EMPTY when none can (keys wholly after the queries or
+  out of the window, segment or branch ranges apart, all padding), else PARTIAL. Conservative:
+  a tile it cannot prove FULL or EMPTY is PARTIAL, and the kernels mask it slot by slot."""
+  B, T = segment_BT.shape
+  bq, bk = spec.block_q, spec.block_k
+  n_q, n_k = T // bq, T // bk
+  span = lambda x, b: (x.reshape(B, -1, b).min(-1), x.reshape(B, -1, b).max(-1))
+  (qs_lo, qs_hi), (ks_lo, ks_hi) = span(segment_BT, bq), span(segment_BT, bk)
+  (qb_lo, qb_hi), (kb_lo, kb_hi) = span(branch_BT, bq), span(branch_BT, bk)
+  q, k = (lambda x: x[:, :, None]), (lambda x: x[:, None, :])  # [B, n_q, 1], [B, 1, n_k]
+  i, j = jnp.arange(n_q)[:, None], jnp.arange(n_k)[None, :]
+  q_first, q_last, k_first, k_last = i * bq, (i + 1) * bq - 1, j * bk, (j + 1) * bk - 1
+  w = window[0]
+  full = ((k_last <= q_first) & ((w <= 0) | (q_last - k_first < w))
+          & (q(qs_lo) == q(qs_hi)) & (k(ks_lo) == k(ks_hi)) & (q(qs_lo) == k(ks_lo))
+          & (k(ks_lo) != 0))
+  empty = ((k_first > q_last) | ((w > 0) & (q_first - k_last >= w)) | (k(ks_hi) == 0)
+           | (q(qs_hi) < k(ks_lo)) | (q(qs_lo) > k(ks_hi)))
+  if spec.branches:
+    prompt_keys = (k(kb_lo) == 0) & (k(kb_hi) == 0)
+    one_branch = (q(qb_lo) == q(qb_hi)) & (k(kb_lo) == k(kb_hi)) & (q(qb_lo) == k(kb_lo))
+    full &= prompt_keys | one_branch
+    empty |= (k(kb_lo) > 0) & ((q(qb_hi) < k(kb_lo)) | (q(qb_lo) > k(kb_hi)))
+  kinds = jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL))
+  return jnp.broadcast_to(kinds, (B, n_q, n_k)).reshape(-1).astype(jnp.int32)
+
 
 def _kv_blocks(i, window, spec: Spec):
   """First and last key tile that query tile i can see: causal, and within the window."""
@@ -113,6 +154,12 @@ def _id_specs(spec: Spec, q_map, kv_map) -> list:
   column = pl.BlockSpec((1, spec.block_q, LANES), q_map)
   row = pl.BlockSpec((1, SUBLANES, spec.block_k), kv_map)
   return [column, column, row, row]
+
+
+def _each_kind(kind, live, tile) -> None:
+  """Runs `tile(masked)` for a live tile that is PARTIAL (masked) or FULL (no mask built)."""
+  pl.when(live & (kind == PARTIAL))(lambda: tile(True))
+  pl.when(live & (kind == FULL))(lambda: tile(False))
 
 
 # --- the tile math shared by the three kernels -------------------------------------------------
@@ -149,20 +196,29 @@ def _lanes(x, n: int):
   return x[:, :n] if n <= LANES else jnp.tile(x, (1, n // LANES))
 
 
-def _probabilities(q, k, lse, i, j, window, ids, spec: Spec):
-  """A tile's softmax probabilities from the forward's log-sum-exp (0 where masked), and the
-  derivative of the soft-cap (None without one)."""
+def _probabilities(q, k, lse, mask, spec: Spec):
+  """A tile's softmax probabilities from the forward's log-sum-exp (0 where `mask` is False; no
+  mask: a FULL tile), and the derivative of the soft-cap (None without one)."""
   s, t = _scores(q, k, spec)
-  mask = _mask(i, j, window, ids, spec)
-  p = jnp.where(mask, jnp.exp(s - _lanes(lse, spec.block_k)), 0.0)
+  p = jnp.exp(s - _lanes(lse, spec.block_k))
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
   return p, None if t is None else 1.0 - t * t
 
 
-# --- forward -----------------------------------------------------------------------------------
+def _kind_index(b, i, j, n_q: int, n_k: int):
+  return (b * n_q + i) * n_k + j
 
-def _forward_kernel(window_ref, q_ref, k_ref, v_ref, *refs, spec: Spec, n_k: int):
+
+# --- forward -----------------------------------------------------------------------------------
+# Each grid step takes one key tile against one query tile of all G query heads that share the
+# key/value head: the tile's mask is built once for the G heads, the keys and values are fetched
+# once, and the grid has G times fewer steps than one head a step.
+
+def _forward_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, *refs, spec: Spec, n_q: int,
+                    n_k: int, G: int):
   ids, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[:4], refs[4:]
-  i, j, window = pl.program_id(2), pl.program_id(3), window_ref[0]
+  b, i, j, window = pl.program_id(0), pl.program_id(2), pl.program_id(3), window_ref[0]
 
   @pl.when(j == 0)
   def _():
@@ -170,201 +226,207 @@ def _forward_kernel(window_ref, q_ref, k_ref, v_ref, *refs, spec: Spec, n_k: int
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  first, last = _kv_blocks(i, window, spec)
+  def tile(masked: bool):
+    k, v = k_ref[0, 0], v_ref[0, 0]
+    mask = _mask(i, j, window, ids, spec) if masked else None
+    for g in range(G):
+      s, _ = _scores(q_ref[0, 0, g], k, spec)
+      if masked:
+        s = jnp.where(mask, s, _MASKED)
+      m_prev = m_ref[g]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])  # [bq, 128]
+      p = jnp.exp(s - _lanes(m_next, spec.block_k))
+      if masked:
+        p = jnp.where(mask, p, 0.0)
+      alpha = jnp.exp(m_prev - m_next)
+      l_ref[g] = alpha * l_ref[g] + jnp.sum(p, axis=1)[:, None]
+      m_ref[g] = m_next
+      pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      acc_ref[g] = _lanes(alpha, v.shape[-1]) * acc_ref[g] + pv
 
-  @pl.when((j >= first) & (j <= last))
-  def _():
-    v = v_ref[0, 0]
-    s, _ = _scores(q_ref[0, 0], k_ref[0, 0], spec)
-    mask = _mask(i, j, window, ids, spec)
-    s = jnp.where(mask, s, _MASKED)
-    m_prev = m_ref[...]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])  # [bq, 128]
-    p = jnp.where(mask, jnp.exp(s - _lanes(m_next, spec.block_k)), 0.0)
-    alpha = jnp.exp(m_prev - m_next)
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1)[:, None]
-    m_ref[...] = m_next
-    pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    acc_ref[...] = _lanes(alpha, v.shape[-1]) * acc_ref[...] + pv
+  first, last = _kv_blocks(i, window, spec)
+  _each_kind(kinds_ref[_kind_index(b, i, j, n_q, n_k)], (j >= first) & (j <= last), tile)
 
   @pl.when(j == n_k - 1)
   def _():
-    l = l_ref[...]
-    seen = l > 0.0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    o_ref[0, 0] = (acc_ref[...] * _lanes(inv, o_ref.shape[-1])).astype(o_ref.dtype)
-    # A query that saw no key: a log-sum-exp that makes every exp(s - lse) 0 in the backward.
-    lse_ref[0, 0] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), -_MASKED)
+    for g in range(G):
+      l = l_ref[g]
+      seen = l > 0.0
+      inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      o_ref[0, 0, g] = (acc_ref[g] * _lanes(inv, o_ref.shape[-1])).astype(o_ref.dtype)
+      # A query that saw no key: a log-sum-exp that makes every exp(s - lse) 0 in the backward.
+      lse_ref[0, 0, g] = jnp.where(seen, m_ref[g] + jnp.log(jnp.where(seen, l, 1.0)), -_MASKED)
 
 
-def _forward(q, k, v, ids: _Ids, window, spec: Spec):
-  B, H, T, d = q.shape
-  K = k.shape[1]
-  G = H // K
+def _forward(q, k, v, ids: _Ids, window, kinds, spec: Spec):
+  B, K, G, T, d = q.shape
   n_q, n_k = T // spec.block_q, T // spec.block_k
 
   def kv_block(i, j, window_ref):
     first, last = _kv_blocks(i, window_ref[0], spec)
     return _clamp(j, first, last)  # a skipped tile repeats its neighbour's index: no fetch
 
-  q_map = lambda b, h, i, j, w: (b, h, i, 0)
-  kv_map = lambda b, h, i, j, w: (b, h // G, kv_block(i, j, w), 0)
-  q_ids = lambda b, h, i, j, w: (b, i, 0)
-  kv_ids = lambda b, h, i, j, w: (b, 0, kv_block(i, j, w))
+  q_map = lambda b, h, i, j, w, t: (b, h, 0, i, 0)
+  kv_map = lambda b, h, i, j, w, t: (b, h, kv_block(i, j, w), 0)
+  q_ids = lambda b, h, i, j, w, t: (b, i, 0)
+  kv_ids = lambda b, h, i, j, w, t: (b, 0, kv_block(i, j, w))
   bq, bk = spec.block_q, spec.block_k
   o, lse = pl.pallas_call(
-      functools.partial(_forward_kernel, spec=spec, n_k=n_k),
+      functools.partial(_forward_kernel, spec=spec, n_q=n_q, n_k=n_k, G=G),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, H, n_q, n_k),
-          in_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
+          num_scalar_prefetch=2, grid=(B, K, n_q, n_k),
+          in_specs=[pl.BlockSpec((1, 1, G, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
                     pl.BlockSpec((1, 1, bk, d), kv_map), *_id_specs(spec, q_ids, kv_ids)],
-          out_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bq, LANES), q_map)],
-          scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
-                          pltpu.VMEM((bq, LANES), jnp.float32),
-                          pltpu.VMEM((bq, d), jnp.float32)]),
+          out_specs=[pl.BlockSpec((1, 1, G, bq, d), q_map),
+                     pl.BlockSpec((1, 1, G, bq, LANES), q_map)],
+          scratch_shapes=[pltpu.VMEM((G, bq, LANES), jnp.float32),
+                          pltpu.VMEM((G, bq, LANES), jnp.float32),
+                          pltpu.VMEM((G, bq, d), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((B, H, T, LANES), jnp.float32)],
+                 jax.ShapeDtypeStruct((B, K, G, T, LANES), jnp.float32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=spec.interpret,
-  )(window, q, k, v, *ids)
+  )(window, kinds, q, k, v, *ids)
   return o, lse[..., 0]
 
 
 # --- backward ----------------------------------------------------------------------------------
 
-def _dq_kernel(window_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, spec: Spec,
-               n_k: int):
+def _dq_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
+               spec: Spec, n_q: int, n_k: int, G: int):
   ids, (dq_ref, acc_ref) = refs[:4], refs[4:]
-  i, j, window = pl.program_id(2), pl.program_id(3), window_ref[0]
+  b, i, j, window = pl.program_id(0), pl.program_id(2), pl.program_id(3), window_ref[0]
 
   @pl.when(j == 0)
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  first, last = _kv_blocks(i, window, spec)
+  def tile(masked: bool):
+    k, v = k_ref[0, 0], v_ref[0, 0]
+    mask = _mask(i, j, window, ids, spec) if masked else None
+    for g in range(G):
+      do = do_ref[0, 0, g]
+      p, cap = _probabilities(q_ref[0, 0, g], k, lse_ref[0, 0, g], mask, spec)
+      dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      ds = p * (dp - _lanes(di_ref[0, 0, g], spec.block_k))
+      ds = (ds if cap is None else ds * cap) * spec.scale
+      acc_ref[g] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  @pl.when((j >= first) & (j <= last))
-  def _():
-    k, do = k_ref[0, 0], do_ref[0, 0]
-    p, cap = _probabilities(q_ref[0, 0], k, lse_ref[0, 0], i, j, window, ids, spec)
-    dp = jax.lax.dot_general(do, v_ref[0, 0], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    ds = p * (dp - _lanes(di_ref[0, 0], spec.block_k))
-    ds = (ds if cap is None else ds * cap) * spec.scale
-    acc_ref[...] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+  first, last = _kv_blocks(i, window, spec)
+  _each_kind(kinds_ref[_kind_index(b, i, j, n_q, n_k)], (j >= first) & (j <= last), tile)
 
   @pl.when(j == n_k - 1)
   def _():
     dq_ref[0, 0] = acc_ref[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(window_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, spec: Spec,
-                n_q: int, G: int):
+def _dkv_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
+                spec: Spec, n_q: int, n_k: int, G: int):
   ids, (dk_ref, dv_ref, dk_acc, dv_acc) = refs[:4], refs[4:]
-  j, g, i, window = pl.program_id(2), pl.program_id(3), pl.program_id(4), window_ref[0]
+  b, j, i, window = pl.program_id(0), pl.program_id(2), pl.program_id(3), window_ref[0]
 
-  @pl.when((g == 0) & (i == 0))
+  @pl.when(i == 0)
   def _():
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
+  def tile(masked: bool):
+    k, v = k_ref[0, 0], v_ref[0, 0]
+    mask = _mask(i, j, window, ids, spec) if masked else None
+    for g in range(G):
+      q, do = q_ref[0, 0, g], do_ref[0, 0, g]
+      p, cap = _probabilities(q, k, lse_ref[0, 0, g], mask, spec)
+      dv_acc[...] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+      dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      ds = p * (dp - _lanes(di_ref[0, 0, g], spec.block_k))
+      ds = (ds if cap is None else ds * cap) * spec.scale
+      dk_acc[...] += jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+
   first, last = _q_blocks(j, window, n_q, spec)
+  _each_kind(kinds_ref[_kind_index(b, i, j, n_q, n_k)], (i >= first) & (i <= last), tile)
 
-  @pl.when((i >= first) & (i <= last))
-  def _():
-    q, do = q_ref[0, 0], do_ref[0, 0]
-    p, cap = _probabilities(q, k_ref[0, 0], lse_ref[0, 0], i, j, window, ids, spec)
-    dv_acc[...] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dp = jax.lax.dot_general(do, v_ref[0, 0], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    ds = p * (dp - _lanes(di_ref[0, 0], spec.block_k))
-    ds = (ds if cap is None else ds * cap) * spec.scale
-    dk_acc[...] += jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
-
-  @pl.when((g == G - 1) & (i == n_q - 1))
+  @pl.when(i == n_q - 1)
   def _():
     dk_ref[0, 0] = dk_acc[...].astype(dk_ref.dtype)
     dv_ref[0, 0] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward(q, k, v, o, lse, do, ids: _Ids, window, spec: Spec):
-  B, H, T, d = q.shape
-  K = k.shape[1]
-  G = H // K
+def _backward(q, k, v, o, lse, do, ids: _Ids, window, kinds, spec: Spec):
+  B, K, G, T, d = q.shape
   n_q, n_k = T // spec.block_q, T // spec.block_k
   bq, bk = spec.block_q, spec.block_k
-  lanes = lambda x: jax.lax.broadcast_in_dim(x, (*x.shape, LANES), (0, 1, 2))
-  di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, T]
+  lanes = lambda x: jax.lax.broadcast_in_dim(x, (*x.shape, LANES), tuple(range(x.ndim)))
+  di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, K, G, T]
   lse_lanes, di_lanes = lanes(lse), lanes(di)
-  params = lambda n: pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + (
-      "arbitrary",) * n)
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",))
+  kernel_args = dict(spec=spec, n_q=n_q, n_k=n_k, G=G)
 
   def kv_block(i, j, window_ref):
     first, last = _kv_blocks(i, window_ref[0], spec)
     return _clamp(j, first, last)
 
-  q_map = lambda b, h, i, j, w: (b, h, i, 0)
-  kv_map = lambda b, h, i, j, w: (b, h // G, kv_block(i, j, w), 0)
+  q_map = lambda b, h, i, j, w, t: (b, h, 0, i, 0)
+  kv_map = lambda b, h, i, j, w, t: (b, h, kv_block(i, j, w), 0)
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, spec=spec, n_k=n_k),
+      functools.partial(_dq_kernel, **kernel_args),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, H, n_q, n_k),
-          in_specs=[pl.BlockSpec((1, 1, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
-                    pl.BlockSpec((1, 1, bk, d), kv_map), pl.BlockSpec((1, 1, bq, d), q_map),
-                    pl.BlockSpec((1, 1, bq, LANES), q_map),
-                    pl.BlockSpec((1, 1, bq, LANES), q_map),
-                    *_id_specs(spec, lambda b, h, i, j, w: (b, i, 0),
-                               lambda b, h, i, j, w: (b, 0, kv_block(i, j, w)))],
-          out_specs=pl.BlockSpec((1, 1, bq, d), q_map),
-          scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
+          num_scalar_prefetch=2, grid=(B, K, n_q, n_k),
+          in_specs=[pl.BlockSpec((1, 1, G, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
+                    pl.BlockSpec((1, 1, bk, d), kv_map), pl.BlockSpec((1, 1, G, bq, d), q_map),
+                    pl.BlockSpec((1, 1, G, bq, LANES), q_map),
+                    pl.BlockSpec((1, 1, G, bq, LANES), q_map),
+                    *_id_specs(spec, lambda b, h, i, j, w, t: (b, i, 0),
+                               lambda b, h, i, j, w, t: (b, 0, kv_block(i, j, w)))],
+          out_specs=pl.BlockSpec((1, 1, G, bq, d), q_map),
+          scratch_shapes=[pltpu.VMEM((G, bq, d), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=params(1), interpret=spec.interpret,
-  )(window, q, k, v, do, lse_lanes, di_lanes, *ids)
+      compiler_params=params, interpret=spec.interpret,
+  )(window, kinds, q, k, v, do, lse_lanes, di_lanes, *ids)
 
   def q_block(j, i, window_ref):
     first, last = _q_blocks(j, window_ref[0], n_q, spec)
     return _clamp(i, first, last)
 
-  qh_map = lambda b, kh, j, g, i, w: (b, kh * G + g, q_block(j, i, w), 0)
-  k_map = lambda b, kh, j, g, i, w: (b, kh, j, 0)
+  qh_map = lambda b, h, j, i, w, t: (b, h, 0, q_block(j, i, w), 0)
+  k_map = lambda b, h, j, i, w, t: (b, h, j, 0)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, spec=spec, n_q=n_q, G=G),
+      functools.partial(_dkv_kernel, **kernel_args),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, K, n_k, G, n_q),
-          in_specs=[pl.BlockSpec((1, 1, bq, d), qh_map), pl.BlockSpec((1, 1, bk, d), k_map),
-                    pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, bq, d), qh_map),
-                    pl.BlockSpec((1, 1, bq, LANES), qh_map),
-                    pl.BlockSpec((1, 1, bq, LANES), qh_map),
-                    *_id_specs(spec, lambda b, kh, j, g, i, w: (b, q_block(j, i, w), 0),
-                               lambda b, kh, j, g, i, w: (b, 0, j))],
+          num_scalar_prefetch=2, grid=(B, K, n_k, n_q),
+          in_specs=[pl.BlockSpec((1, 1, G, bq, d), qh_map), pl.BlockSpec((1, 1, bk, d), k_map),
+                    pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, G, bq, d), qh_map),
+                    pl.BlockSpec((1, 1, G, bq, LANES), qh_map),
+                    pl.BlockSpec((1, 1, G, bq, LANES), qh_map),
+                    *_id_specs(spec, lambda b, h, j, i, w, t: (b, q_block(j, i, w), 0),
+                               lambda b, h, j, i, w, t: (b, 0, j))],
           out_specs=[pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, bk, d), k_map)],
           scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params(2), interpret=spec.interpret,
-  )(window, q, k, v, do, lse_lanes, di_lanes, *ids)
+      compiler_params=params, interpret=spec.interpret,
+  )(window, kinds, q, k, v, do, lse_lanes, di_lanes, *ids)
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, ids, window, spec):
-  return _forward(q, k, v, ids, window, spec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, ids, window, kinds, spec):
+  return _forward(q, k, v, ids, window, kinds, spec)[0]
 
 
-def _flash_fwd(q, k, v, ids, window, spec):
-  o, lse = _forward(q, k, v, ids, window, spec)
+def _flash_fwd(q, k, v, ids, window, kinds, spec):
+  o, lse = _forward(q, k, v, ids, window, kinds, spec)
   # Named, so a remat policy can keep them (--remat_policy=attention, projections): the backward
   # then reads the forward kernel's results instead of running it again, and (projections) the
   # q, k and v it was given instead of running their projections again.
   o, lse = checkpoint_name(o, RESIDUALS), checkpoint_name(lse, RESIDUALS)
   q, k, v = (checkpoint_name(x, INPUTS) for x in (q, k, v))
-  return o, (q, k, v, o, lse, ids, window)
+  return o, (q, k, v, o, lse, ids, window, kinds)
 
 
 def _flash_bwd(spec, res, do):
-  q, k, v, o, lse, ids, window = res
-  dq, dk, dv = _backward(q, k, v, o, lse, do, ids, window, spec)
-  return dq, dk, dv, None, None
+  q, k, v, o, lse, ids, window, kinds = res
+  dq, dk, dv = _backward(q, k, v, o, lse, do, ids, window, kinds, spec)
+  return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -70,7 +70,38 @@ CASES = {  # name: (rows, window, softcap, G, T)
     "window_across_tiles": (dict(branches=True), 170, 0.0, 2, 384),
     "softcap": (dict(branches=True), 0, 5.0, 2, 200),
     "softcap_window": (dict(), 50, 3.0, 1, 256),
+    # Tile-aligned rows: FULL tiles (no mask built) and EMPTY ones (skipped) inside the causal range.
+    "branches_tile_aligned": (dict(branches=True), 0, 0.0, 4, 384),
+    "packed_tile_aligned": (dict(packed=True), 0, 0.0, 2, 512),
+    "window_whole_tiles": (dict(), 256, 0.0, 2, 512),
 }
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tile_kinds_against_the_mask(case):
+  """flash.tile_kinds: a FULL tile has every score unmasked and an EMPTY one none (the
+  definition's mask, transformer.attention_mask); on the tile-aligned rows every tile is
+  classified exactly, and FULL and EMPTY tiles both occur."""
+  rows, window, _, _, T = CASES[case]
+  segment, branch = _rows(2, T, **rows)
+  tile = 128
+  Tp = -(-T // tile) * tile
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)])
+  branch_ids = jnp.zeros_like(segment) if branch is None else branch
+  spec = flash.Spec(1.0, 0.0, branch is not None, tile, tile, True)
+  kinds = np.asarray(flash.tile_kinds(pad(segment), pad(branch_ids), jnp.asarray([window]), spec))
+  index = jnp.broadcast_to(jnp.arange(Tp), (2, Tp))
+  slots = transformer.Slots(pad(segment), index, None if branch is None else pad(branch))
+  mask = np.asarray(transformer.attention_mask(slots, slots, window))  # [B, Tp, Tp]
+  n = Tp // tile
+  seen = mask.reshape(2, n, tile, n, tile).transpose(0, 1, 3, 2, 4).reshape(2, n, n, -1)
+  kinds = kinds.reshape(2, n, n)
+  assert seen[kinds == flash.FULL].all() and not seen[kinds == flash.EMPTY].any()
+  if "aligned" in case or "whole" in case:
+    exact = np.where(seen.all(-1), flash.FULL, np.where(seen.any(-1), flash.PARTIAL, flash.EMPTY))
+    np.testing.assert_array_equal(kinds, exact)
+    causal = np.broadcast_to(np.tril(np.ones((n, n), bool)), kinds.shape)
+    assert (kinds == flash.FULL).any() and (kinds[causal] == flash.EMPTY).any()
 
 
 @pytest.mark.slow
@@ -184,11 +215,11 @@ def test_remat_policies_keep_the_kernels_values_and_the_gradients(policy):
     return out.getvalue().splitlines()
 
   kept = [w for w in saved(layer, policy, q, k, v) if flash.RESIDUALS in w]
-  assert len(kept) == 2  # the output [B, H, T, d] and the log-sum-exp [B, H, T]
+  assert len(kept) == 2  # the output [B, K, G, T, d] and the log-sum-exp [B, K, G, T]
   assert not [w for w in saved(layer, "nothing", q, k, v) if flash.RESIDUALS in w]
   if policy == "projections":
     assert len([w for w in saved(layer, policy, q, k, v) if flash.INPUTS in w]) == 3
-    # A model layer keeps exactly q, k, v and the output (the kernel's [B, heads, T, d] layout),
+    # A model layer keeps exactly q, k, v and the output (the kernel's [B, K, G, T, d] layout),
     # the log-sum-exp, its input and the residual stream after attention [B, T, D], and the MLP's
     # gate and up [B, T, F]; with --remat_policy=nothing, its input only.
     lcfg = dataclasses.replace(cfg, n_layers=1)
@@ -209,7 +240,7 @@ def test_remat_policies_keep_the_kernels_values_and_the_gradients(policy):
 
     shape = lambda *dims: "f32[" + ",".join(map(str, (1, *dims))) + "]"
     assert kept_by_layers("projections") == sorted(
-        [shape(B, H, T, d)] * 2 + [shape(B, K, T, d)] * 2 + [shape(B, H, T)]
+        [shape(B, K, H // K, T, d)] * 2 + [shape(B, K, T, d)] * 2 + [shape(B, K, H // K, T)]
         + [shape(B, T, D)] * 2 + [shape(B, T, F)] * 2)
     assert kept_by_layers("nothing") == [shape(B, T, D)]
   with pytest.raises(ValueError, match=f"--remat_policy={policy}: keeps the Pallas attention's "

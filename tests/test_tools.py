@@ -109,6 +109,8 @@ def _tool_commands(out: str) -> dict[str, tuple[int, list[str]]]:
                             "--max_target_length=8"]),
       "base_memory": (1, []),
       "refault": (1, ["--mib=8", "--gaps=0,0.1", "--repeats=2"]),
+      "flash_check": (1, ["--rows=1", "--slots=256", "--heads=4", "--kv_heads=2", "--tile=128",
+                          "--repeats=1", "--cases=packed,branches,window,softcap"]),
   }
 
 
@@ -346,11 +348,26 @@ def test_base_memory_prints_the_real_size_presets(tool_output):
   assert lines[0].split() == ["preset", "params", "float32", "bf16", "int8", "nf4"]
   rows = {l.split()[0]: l.split()[1:] for l in lines[1:]}
   assert list(rows) == ["llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma2-2b"]
-  # Llama 3.1 8B: 8,030,261,248 parameters (see the test above); float32 4 bytes, bf16 2 each.
+  # Llama 3.1 8B: 8,030,261,248 parameters (see the test above), float32 4 bytes each; bf16 (as
+  # --base_quant=bf16 stores it): the 32 layers' 218,103,808 matrix weights 2 bytes each.
+  matrices = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
   assert rows["llama3.1-8b"][:3] == ["8.03B", f"{8_030_261_248 * 4 / 2**30:.2f}G",
-                                     f"{8_030_261_248 * 2 / 2**30:.2f}G"]
+                                     f"{(8_030_261_248 * 4 - matrices * 2) / 2**30:.2f}G"]
   for params, f32, bf16, int8, nf4 in rows.values():
     assert float(f32[:-1]) > float(bf16[:-1]) > float(int8[:-1]) > float(nf4[:-1])
+
+
+def test_flash_check_compares_the_kernel_with_the_xla_path(tool_output):
+  """`python -m dpo.tools.flash_check` (here in interpret mode): a row per mask asked for, the
+  float32 kernel within float32 rounding of the XLA path, the bfloat16 kernel no further from
+  the float32 result than the bfloat16 XLA path."""
+  lines = tool_output("flash_check")
+  assert lines[0].startswith("platform cpu") and "tile 128" in lines[0]
+  rows = {l.split()[0]: l.replace("|", " ").split()[1:] for l in lines[2:]}
+  assert list(rows) == ["packed", "branches", "window", "softcap"]
+  for out, grads, low_kernel, low_xla, *_ in rows.values():
+    assert float(out) < 1e-5 and float(grads) < 1e-5
+    assert float(low_kernel) <= 1.5 * float(low_xla)
 
 
 def test_curves_draws_a_run_directory_with_its_rollbacks(tmp_path):

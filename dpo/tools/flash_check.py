@@ -33,6 +33,11 @@ flags.DEFINE_integer("head_dim", 64, "Head width.")
 flags.DEFINE_integer("tile", 512, "The kernel's tile (--attention_tile).")
 flags.DEFINE_string("dtype", "bfloat16", "The low-precision dtype compared beside float32.")
 flags.DEFINE_integer("repeats", 5, "Timed calls a path (after one warm-up).")
+flags.DEFINE_list("cases", ["causal", "packed", "branches", "window", "softcap"],
+                  "The masks compared, from causal, packed, branches, window, softcap.")
+flags.register_validator("cases", lambda names: set(names) <= {
+    "causal", "packed", "branches", "window", "softcap"},
+                         "--cases must name masks from causal, packed, branches, window, softcap")
 
 
 def _rows(B: int, T: int, case: str):
@@ -80,7 +85,8 @@ def main(argv):
   w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
   print(f"{'mask':<9} {'out f32':>9} {'grads f32':>9} | {FLAGS.dtype} vs f32 xla: "
         f"{'kernel':>8} {'xla':>8} | fwd+bwd ms: {'kernel':>8} {'xla':>8}")
-  for case, (window, softcap) in CASES.items():
+  for case in FLAGS.cases:
+    window, softcap = CASES[case]
     segment, branch = _rows(B, T, case)
     real = (segment != 0)[:, :, None, None, None]
     paths = _paths(segment, branch, window, softcap, d)
