@@ -342,9 +342,9 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-  stage: str = option("all", "The recipe: algorithms (dpo/algorithms) run in order, "
-                      "comma-separated, e.g. sft, dpo or sft,dpo; all = sft,dpo (SFT, then DPO "
-                      "against the SFT model).")
+  stage: str = option("sft,dpo", "The recipe: algorithms (dpo/algorithms, registered in "
+                      "dpo/registry.py) run in order, comma-separated, e.g. dpo, sft,kto or "
+                      "sft,rm,dpo; the default is SFT, then DPO against the SFT model.")
   seed: int = option(0, "Seed for init, data order and dropout.")
   log_every: int = option(10, "Log one line and one metrics.jsonl record every N steps.")
   output_dir: str = option("runs/default", "Everything the run writes goes under this directory.")
@@ -376,8 +376,8 @@ class RunConfig:
 
   @property
   def stages(self) -> tuple[str, ...]:
-    """The recipe's algorithm names, in order (`all` is sft, dpo)."""
-    return ("sft", "dpo") if self.stage == "all" else tuple(self.stage.split(","))
+    """The recipe's algorithm names, in order."""
+    return tuple(self.stage.split(","))
 
 
 # Stages that sample from the policy as they train (they read the online section and a judge).

@@ -131,6 +131,23 @@ def parse_sources(value: str) -> tuple[Source, ...]:
   return sources
 
 
+def hub_identity(cfg) -> dict[str, str]:
+  """{"<flag> hub": "REPO[/DIR]:[SUBSET:]SPLIT@COMMIT, ..."} for each data flag whose sources name
+  Hub data sets (what `hub.dataset` resolved them to); {} for none."""
+  out = {}
+  for flag in DATA_FLAGS:
+    value = getattr(cfg.data, flag)
+    names = []
+    for s in parse_sources(value) if value else ():
+      if hub.data_name(s.path):
+        d = hub.dataset(s.path)
+        where = "/".join(x for x in (d.repo, d.data_dir) if x)
+        names.append(f"{where}:{d.subset + ':' if d.subset else ''}{d.split}@{d.commit}")
+    if names:
+      out[f"{flag} hub"] = ", ".join(names)
+  return out
+
+
 def source_files(path: str) -> list[str]:
   """The files one source reads, in reading order: the file itself, the sorted files a glob
   matches (`**` spans folders), the Arrow files a save_to_disk folder's state.json lists, or,
@@ -542,7 +559,9 @@ def encode_completion(tok, completion: str, max_len: int, stats: TruncationStats
   return ids
 
 
-def _pack_rows(rows: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict:
+def pack_rows(rows: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict:
+  """[N, seq_len] right-padded rows of (prompt ids, completion ids): tokens, positions, segment
+  ids (1 on each row's tokens) and a loss mask over the completion's slots."""
   n = len(rows)
   tokens = np.full((n, seq_len), pad_id, np.int32)
   positions = np.zeros((n, seq_len), np.int32)
@@ -578,7 +597,7 @@ def tokenize_pairs(records: Sequence[PreferenceRecord], tok, max_prompt_length: 
     rejected.append((p, encode_completion(tok, r.rejected, max_target_length, stats, add_eos)))
   stats.report(what)
   seq_len = packing.round_up(max(len(p) + len(c) for p, c in chosen + rejected), 8)
-  c, r = _pack_rows(chosen, seq_len, tok.pad_id), _pack_rows(rejected, seq_len, tok.pad_id)
+  c, r = pack_rows(chosen, seq_len, tok.pad_id), pack_rows(rejected, seq_len, tok.pad_id)
   return {k: np.stack([c[k], r[k]], axis=1) for k in c}
 
 
@@ -593,7 +612,7 @@ def tokenize_sft(records: Sequence[SFTRecord], tok, max_prompt_length: int,
           for r in records]
   stats.report(what)
   seq_len = packing.round_up(max(len(p) + len(c) for p, c in rows), 8)
-  return _pack_rows(rows, seq_len, tok.pad_id)
+  return pack_rows(rows, seq_len, tok.pad_id)
 
 
 # --- unpaired examples (KTO) ----------------------------------------------------------------------

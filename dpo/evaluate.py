@@ -79,26 +79,12 @@ def _pair_logps(model, params, batch: PairBatch, adapter=None):
   return s.logps, s.tokens
 
 
-def in_batches(mesh, fn, rows, batch_size: int) -> tuple[np.ndarray, ...]:
-  """Runs fn(batch) -> pytree of [batch_size, ...] arrays over every row of `rows` (a typed
-  batch of host arrays), in fixed-size batches (the last one filled with wrapped-around rows,
-  dropped from the result). Every process holds all rows, so each passes the whole batch; fn's
-  outputs must be replicated."""
-  n = len(jax.tree.leaves(rows)[0])
-  outs = []
-  for start in range(0, n, batch_size):
-    idx = np.arange(start, start + batch_size) % n
-    batch = train.device_batch(mesh, jax.tree.map(lambda v: v[idx], rows), batch_size)
-    outs.append([x[:min(batch_size, n - start)] for x in jax.tree.leaves(jax.device_get(fn(batch)))])
-  return tuple(np.concatenate(xs) for xs in zip(*outs))
-
-
 def pair_metrics(cfg, mesh, policy: Weights, ref_params, arrays: dict,
                  batch_size: int) -> dict[str, float]:
   """Held-out implicit-reward statistics (`losses.pair_statistics`, the same function the
   training metrics use, over all pairs of `arrays`) and the chosen-token perplexity."""
   fn = _jitted_scores(_pair_logps, cfg.model, cfg.lora, mesh)
-  pol, counts, ref, _ = in_batches(
+  pol, counts, ref, _ = train.in_batches(
       mesh, lambda b: fn(policy, ref_params, b), PairBatch(Rows.of(arrays)), batch_size)
   lp = losses.Logps(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
   stats = {k: float(v) for k, v in losses.pair_statistics(lp, cfg.loss.beta).items()}
@@ -194,10 +180,10 @@ def completion_logps(cfg, mesh, policy: Weights, ref_params,
   (prompt ids, completion ids) `pairs`."""
   rows = [(list(p), list(c)) for p, c in pairs]
   seq_len = -(-max(len(p) + len(c) for p, c in rows) // 8) * 8
-  arrays = data_lib._pack_rows(rows, seq_len, pad_id)
+  arrays = data_lib.pack_rows(rows, seq_len, pad_id)
   bs = cfg.eval.eval_batch_size + (-cfg.eval.eval_batch_size % sharding.batch_shards(mesh))
   fn = _jitted_scores(logprobs.sequence_logps, cfg.model, cfg.lora, mesh)
-  pol, counts, ref, _ = in_batches(mesh, lambda b: fn(policy, ref_params, b),
+  pol, counts, ref, _ = train.in_batches(mesh, lambda b: fn(policy, ref_params, b),
                                     Rows.of(arrays), bs)
   return pol, ref, counts
 

@@ -227,8 +227,8 @@ _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--(?P<org>[^/]+?)--(?P<name>[^/
 
 
 def identity(cfg) -> dict[str, str]:
-  """{"<flag> hub": "ORG/NAME@COMMIT"} for each flag a Hub name resolved (a model folder in the
-  Hub cache, a Hub data source's repo, data dir, subset, split and commit); {} for none."""
+  """{"<flag> hub": "ORG/NAME@COMMIT"} for each model flag a Hub name resolved to a folder in the
+  Hub cache; {} for none. The data flags' are `data.hub_identity`."""
   out = {}
   for flag in ("init_from", "ref_init_from", "judge", "tokenizer"):
     value = _get(cfg, flag)
@@ -236,13 +236,4 @@ def identity(cfg) -> dict[str, str]:
     m = _SNAPSHOT.search(os.path.abspath(folder)) if folder else None
     if m:
       out[f"{flag} hub"] = f"{m['org']}/{m['name']}@{m['commit']}"
-  from dpo import data  # here, not above: data imports this module
-  for flag in data.DATA_FLAGS:
-    value = _get(cfg, flag)
-    for s in data.parse_sources(value) if value else ():
-      if data_name(s.path):
-        d = dataset(s.path)
-        where = "/".join(x for x in (d.repo, d.data_dir) if x)
-        name = f"{where}:{d.subset + ':' if d.subset else ''}{d.split}@{d.commit}"
-        out[f"{flag} hub"] = ", ".join(filter(None, (out.get(f"{flag} hub"), name)))
   return out

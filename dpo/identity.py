@@ -5,8 +5,8 @@ hyperparameters that change the run (the model, LoRA, optimizer, loss, reference
 sections, the seed, the data settings), content hashes of the data (every shard of a glob or a
 save_to_disk folder, a mixture's fractions), the tokenizer and the tokenised arrays, the
 initial model's content (a checkpoint's manifest digest, or a Hugging Face folder's files), the
-repo and commit each Hub name resolved to (`hub.identity`), and the library's source (a hash of
-each file). `checkpoint.Manager` stores it and refuses a checkpoint whose fingerprint differs,
+repo and commit each Hub name resolved to (`hub.identity`, `data.hub_identity`), and the
+library's source (a hash of each file). `checkpoint.Manager` stores it and refuses a checkpoint whose fingerprint differs,
 naming each field with its old and new value; a source change alone is logged with the changed
 files named and the run resumes, so a fork that edits the code can continue its runs.
 Left out, because they do not change what a step computes: the stage's length (`--steps`,
@@ -118,6 +118,7 @@ def fingerprint(cfg, hyperparameters: dict | None = None, data_files: tuple[str,
     fp["data arrays sha256"] = arrays_digest(arrays)
     fp["initial model"] = initial
     fp.update(hub.identity(cfg))  # what a Hub name resolved to: repo and commit
+    fp.update(data.hub_identity(cfg))
     fp.update(hyperparameters)
   fp[checkpoint.SOURCE] = source_digests()
   return _plain(fp)

@@ -9,7 +9,7 @@ A judge maps (prompt, response) records to one number each, higher meaning bette
   * `RewardFunctions` (--reward_fn=a:f,b:g with --reward_weights): several functions as one
     judge, the weighted sum of their rewards (TRL GRPOTrainer's reward_funcs/reward_weights);
     GRPO also logs each function's rewards.
-  * `RewardModelJudge` (--judge=): a reward model (dpo/algorithms/rm.py's scalar head on the
+  * `RewardModelJudge` (--judge=): a reward model (dpo/reward_model.py's scalar head on the
     transformer): `hf:DIR`, a transformers `*ForSequenceClassification` folder with one label
     and its tokenizer; a reward-model checkpoint (checkpoints/rm_model of an rm stage), which
     reads text with the tokenizer and chat template it was trained with, the run's; or `rm`,
@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import chat, checkpoint, formats
+from dpo import chat, checkpoint, formats, reward_model, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.batches import Rows
@@ -229,9 +229,8 @@ class RewardModelJudge:
     """[N] float64 rewards of the records' chosen sides."""
     if not records:
       return np.zeros(0)
-    from dpo import evaluate  # evaluate imports this module
     fn = _score_fn(self.model, self.mesh)
-    (r,) = evaluate.in_batches(self.mesh, lambda b: fn(self.params, b),
+    (r,) = train.in_batches(self.mesh, lambda b: fn(self.params, b),
                                Rows.of(self.rows(records)), self.batch_size)
     return np.asarray(r, np.float64)
 
@@ -242,8 +241,8 @@ _SCORE_FNS: dict = {}
 def _score_fn(model, mesh):
   key = (model, id(mesh))
   if key not in _SCORE_FNS:
-    from dpo.algorithms import rm
-    _SCORE_FNS[key] = jax.jit(lambda p, rows: rm.sequence_rewards(model, p, p["score"], rows),
+    _SCORE_FNS[key] = jax.jit(
+        lambda p, rows: reward_model.sequence_rewards(model, p, p["score"], rows),
                               out_shardings=NamedSharding(mesh, P()))
   return _SCORE_FNS[key]
 
@@ -301,7 +300,6 @@ def _checkpoint_meta(flag: str, path: str) -> dict:
 
 def _checkpoint_judge(cfg, mesh, path: str, run_tok, run_template) -> RewardModelJudge:
   """The reward-model checkpoint at `path`, named as --judge names it (`rm`: the run's own)."""
-  from dpo.algorithms import rm
   from models.config import ModelConfig
   flag = f"--judge={cfg.eval.judge}"
   meta = _checkpoint_meta(flag, path)
@@ -316,7 +314,7 @@ def _checkpoint_judge(cfg, mesh, path: str, run_tok, run_template) -> RewardMode
   model = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields})
   model = dataclasses.replace(model, **{k: tuple(v) for k, v in dataclasses.asdict(model).items()
                                         if isinstance(v, list)})
-  params = rm.load(path, model, mesh)
+  params = reward_model.load(path, model, mesh)
   return RewardModelJudge(cfg.eval.judge, model, params, run_tok, run_template, mesh,
                           cfg.eval.eval_batch_size, cfg.data.max_prompt_length,
                           cfg.data.max_target_length, _checkpoint_digest(flag, path))

@@ -26,7 +26,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from dpo import algorithms, autotune, chat, checkpoint, cli, curves, evaluate, formats
+from dpo import algorithms  # noqa: F401 (importing it registers every stage)
+from dpo import autotune, chat, checkpoint, cli, curves, evaluate, formats, registry
 from dpo import hub, identity, judges, packing, prepare, progress, task
 from dpo import tracking, train
 from dpo import data as data_lib
@@ -129,12 +130,12 @@ class Data:
     the held-out pairs of --eval_data, or None. Its --eval_split examples (self.unpaired_held)
     give the evaluation's sampling prompts."""
     d = cfg.data
-    pairless = [a.name for a in algorithms.recipe(cfg.run.stages) if not a.unpaired]
+    pairless = [a.name for a in registry.recipe(cfg.run.stages) if not a.unpaired]
     if pairless:
       raise data_lib.DataError(
           f"--train_data={d.train_data}: holds unpaired records {{prompt, completion, label}}; "
           f"the {', '.join(pairless)} stage needs preference pairs (only "
-          f"{', '.join(a.name for a in algorithms.ALGORITHMS.values() if a.unpaired)} read "
+          f"{', '.join(a.name for a in registry.ALGORITHMS.values() if a.unpaired)} read "
           f"unpaired ones)")
     if d.eval_data and d.eval_split:
       raise ValueError("give either --eval_data or --eval_split, not both")
@@ -422,11 +423,11 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   given, cfg = cfg, hub.resolve(cfg)  # Hub model names -> snapshot folders; flags.txt: as given
   if cfg.data.inspect_data != 0:
     return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
-  recipe = algorithms.recipe(cfg.run.stages)
+  recipe = registry.recipe(cfg.run.stages)
   identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
-  writer = MetricsWriter(out, cfg.run.stages, algorithms.ALGORITHMS)
+  writer = MetricsWriter(out, cfg.run.stages, registry.ALGORITHMS)
   _write_flags(given, writer)
   init = lambda c: ((c, init_params) if init_params is not None else
                     initial_params(c, jax.random.fold_in(jax.random.key(c.run.seed), 0), mesh))
@@ -456,7 +457,7 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   mirror = tracking.Mirror(cfg, writer)
   program = Program(cfg, mesh, data, writer, extra_hooks or {}, summary)
   init_from = cfg.checkpoint.init_from
-  model = algorithms.Model(params, os.path.abspath(init_from)
+  model = registry.Model(params, os.path.abspath(init_from)
                            if init_from and not init_from.startswith("hf:") else init_from)
   for algorithm in recipe:
     with progress.doing(f"the {algorithm.name} stage"):

@@ -389,6 +389,20 @@ def device_batch(mesh: Mesh, local, global_batch: int | None = None):
   return jax.tree.map(one, local)
 
 
+def in_batches(mesh, fn, rows, batch_size: int) -> tuple[np.ndarray, ...]:
+  """Runs fn(batch) -> pytree of [batch_size, ...] arrays over every row of `rows` (a typed
+  batch of host arrays), in fixed-size batches (the last one filled with wrapped-around rows,
+  dropped from the result). Every process holds all rows, so each passes the whole batch; fn's
+  outputs must be replicated."""
+  n = len(jax.tree.leaves(rows)[0])
+  outs = []
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size) % n
+    batch = device_batch(mesh, jax.tree.map(lambda v: v[idx], rows), batch_size)
+    outs.append([x[:min(batch_size, n - start)] for x in jax.tree.leaves(jax.device_get(fn(batch)))])
+  return tuple(np.concatenate(xs) for xs in zip(*outs))
+
+
 def process_block(mesh: Mesh, whole):
   """This process's block of a batch that every process holds whole (a pytree of numpy arrays,
   one leading row axis: the online stages' sampled rows), the rows the offline stages' loader

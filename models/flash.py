@@ -1,7 +1,7 @@
 """Attention without [T, T] scores in memory: a Pallas flash-attention kernel, forward and backward.
 
 The definition it must equal is the XLA path in models/transformer.py (`attention_mask` and
-`_attend`): softmax over scaled (and optionally soft-capped) query-key scores, masked by the
+`attend`): softmax over scaled (and optionally soft-capped) query-key scores, masked by the
 slots' segments (same segment, never a padding key), causality, an optional sliding window and
 the shared-prefix rows' branches (a prompt key is seen by every later query of its segment, a
 completion key only by its own branch). Here the scores of one [block_q, block_k] tile live in

@@ -381,7 +381,7 @@ def dense(x: jax.Array, w, n_in: int, lora: Delta | None = None,
   return y
 
 
-def _attend(cfg: ModelConfig, q_BTKGk, k_BSKk, v_BSKk, mask_BTS) -> jax.Array:
+def attend(cfg: ModelConfig, q_BTKGk, k_BSKk, v_BSKk, mask_BTS) -> jax.Array:
   """Masked softmax attention of T queries over S keys (scores and softmax in float32)."""
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGk, k_BSKk).astype(jnp.float32)
   scores = soft_cap(scores / math.sqrt(cfg.query_scale or cfg.head_dim), cfg.attn_softcap)
@@ -457,7 +457,7 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
 
 
 def _attend_cache(cfg: ModelConfig, q_BTKGk, k_BKSk, v_BKSk, mask_BTS) -> jax.Array:
-  """`_attend` over a KV cache laid out [B, K, S, head_dim]. The G x T queries of a kv head form
+  """`attend` over a KV cache laid out [B, K, S, head_dim]. The G x T queries of a kv head form
   one matrix (Q rows), so both contractions are plain matmuls batched over (B, K) that read the
   cache as it lies; with one query slot (a decode step) regrouping the queries moves no data."""
   B, T, K, G, Hd = q_BTKGk.shape
@@ -472,21 +472,21 @@ def _attend_cache(cfg: ModelConfig, q_BTKGk, k_BKSk, v_BKSk, mask_BTS) -> jax.Ar
 
 
 def _blocked_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, mask_BTS):
-  """`_attend` over query blocks of cfg.attention_block slots. Query and key slots are the same
+  """`attend` over query blocks of cfg.attention_block slots. Query and key slots are the same
   0..T-1 (no cache), so a block of queries ending at slot e can only see keys before e (causal
   by slot), and the blocks above the diagonal are skipped."""
   T = q_BTKGk.shape[1]
   block = cfg.attention_block if cfg.attention_block < T else 0
   if not block:
-    return _attend(cfg, q_BTKGk, k_BTKk, v_BTKk, mask_BTS)
+    return attend(cfg, q_BTKGk, k_BTKk, v_BTKk, mask_BTS)
   return jnp.concatenate([
-      _attend(cfg, q_BTKGk[:, s:s + block], k_BTKk[:, :s + block], v_BTKk[:, :s + block],
+      attend(cfg, q_BTKGk[:, s:s + block], k_BTKk[:, :s + block], v_BTKk[:, :s + block],
               mask_BTS[:, s:s + block, :s + block])
       for s in range(0, T, block)], axis=1)
 
 
 def _flash_attention(cfg: ModelConfig, q_BTKGk, k_BTKk, v_BTKk, slots: Slots, window):
-  """`_attend` under `attention_mask(slots, slots, window)` by the Pallas kernel (models/flash.py),
+  """`attend` under `attention_mask(slots, slots, window)` by the Pallas kernel (models/flash.py),
   which never holds more than a tile of scores. Under a mesh it runs per shard (`shard_map`):
   rows split as the batch, kv heads as the tensor axis; a row's slots are never split."""
   scale = 1.0 / math.sqrt(cfg.query_scale or cfg.head_dim)

@@ -146,7 +146,7 @@ def test_resume_is_bitwise_across_interruptions(tmp_path, reference_run):
 
 @pytest.mark.slow
 def test_stage_handoff_and_export(tmp_path, reference_run):
-  """--stage=dpo --init_from=<the SFT output> equals the DPO half of --stage=all; the exported
+  """--stage=dpo --init_from=<the SFT output> equals the DPO half of --stage=sft,dpo; the exported
   policy is base + merged LoRA and loads as --init_from of a later run."""
   all_dir, dpo_dir = reference_run, tmp_path / "dpo"
   sft_model = str(all_dir / "checkpoints" / "sft_model")

@@ -75,7 +75,7 @@ def test_export_loads_in_transformers_and_peft(tmp_path, base_quant):
   out = tmp_path / "export"
   cfg = configs.DEFAULT.replace(
       init_from=f"hf:{src}", tokenizer=tok_dir, train_data=_data(tmp_path / "d.json"),
-      stage="all", sft_steps=3, steps=3, sft_learning_rate=1e-2, learning_rate=1e-2,
+      stage="sft,dpo", sft_steps=3, steps=3, sft_learning_rate=1e-2, learning_rate=1e-2,
       lora_rank=2, lora_alpha=4.0, global_batch_size=8, max_prompt_length=24,
       max_target_length=16, eval_every=0, log_every=1, log_kl=False, base_quant=base_quant,
       export_hf=str(out), output_dir=str(tmp_path / "run"))

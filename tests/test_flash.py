@@ -1,6 +1,6 @@
 """The Pallas attention kernel (models/flash.py) against the XLA path it must equal.
 
-The XLA path (`transformer.attention_mask` and `transformer._attend`) is the definition. On a
+The XLA path (`transformer.attention_mask` and `transformer.attend`) is the definition. On a
 CPU the kernel runs in Pallas's interpret mode, the same tile program a TPU runs. Outputs are
 compared at real query slots only: a padding slot sees no key, and the kernel gives it 0 where
 the XLA path averages every value; no real slot depends on it.
@@ -43,7 +43,7 @@ def _xla(q, k, v, segment, branch, window, scale, softcap):
   index = jnp.broadcast_to(jnp.arange(q.shape[1]), segment.shape)
   slots = transformer.Slots(segment, index, branch)
   cfg = ModelConfig(head_dim=q.shape[-1], query_scale=scale ** -2, attn_softcap=softcap)
-  return transformer._attend(cfg, q, k, v, transformer.attention_mask(slots, slots, window))
+  return transformer.attend(cfg, q, k, v, transformer.attention_mask(slots, slots, window))
 
 
 def _inputs(B, T, K, G, d, dtype=jnp.float32, seed=0):

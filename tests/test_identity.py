@@ -11,7 +11,7 @@ import jax
 import pytest
 
 import configs
-from dpo import algorithms, checkpoint, identity, loop
+from dpo import checkpoint, identity, loop, registry
 from models import sharding, transformer
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
@@ -129,18 +129,18 @@ def test_sft_steps_extended_under_a_started_dpo_stage_refused(tmp_path, caplog):
   out = tmp_path / "run"
   loop.run(tiny_cfg(out, stage="sft"))
   with caplog.at_level(logging.WARNING):
-    loop.run(tiny_cfg(out, stage="all", sft_steps=3, steps=1))
+    loop.run(tiny_cfg(out, stage="sft,dpo", sft_steps=3, steps=1))
   assert "--sft_steps=3 extends it" in caplog.text
   sft_model = out / "checkpoints" / "sft_model"
   before = checkpoint.read_meta(str(sft_model))
   with pytest.raises(checkpoint.CheckpointError) as e:
-    loop.run(tiny_cfg(out, stage="all", sft_steps=5, steps=1))
+    loop.run(tiny_cfg(out, stage="sft,dpo", sft_steps=5, steps=1))
   assert str(e.value) == (f"--sft_steps=5 would extend {sft_model} (step 3), but "
                           f"dpo/step_00000001 was trained from it; give --sft_steps=3 to "
                           f"resume, or a fresh --output_dir")
   assert checkpoint.read_meta(str(sft_model)) == before  # nothing trained, nothing replaced
   assert not os.path.exists(out / "checkpoints" / "sft" / "step_00000005")
-  loop.run(tiny_cfg(out, stage="all", sft_steps=3, steps=1))  # the original still resumes
+  loop.run(tiny_cfg(out, stage="sft,dpo", sft_steps=3, steps=1))  # the original still resumes
 
 
 def test_resume_policy(tmp_path, finished):
@@ -158,7 +158,7 @@ def test_resume_policy(tmp_path, finished):
 def test_fingerprint_leaves_out_what_does_not_change_the_run():
   cfg = tiny_cfg("/tmp/x")
   of = lambda cfg, a: identity.fingerprint(cfg, a.hyperparameters(cfg), a.data_files, {}, "random")
-  dpo, sft = algorithms.ALGORITHMS["dpo"], algorithms.ALGORITHMS["sft"]
+  dpo, sft = registry.ALGORITHMS["dpo"], registry.ALGORITHMS["sft"]
   fp = of(cfg, dpo)
   other = cfg.replace(output_dir="/tmp/y", log_every=7, checkpoint_every=5, eval_every=3,
                       mesh="data:1", log_kl=False, steps=50, keep_checkpoints=9)

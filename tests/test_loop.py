@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import configs
-from dpo import algorithms, batches, hooks, identity, loop, train
+from dpo import batches, hooks, identity, loop, registry, train
 from dpo.program import Start
 from models import sharding
 
@@ -124,10 +124,10 @@ def _run_embed_only(p, model):
   p.summary["embed_only_changed"] = sorted(
       k for k in params if not all(jax.tree.leaves(jax.tree.map(
           lambda a, b: bool((a == b).all()), params[k], model.params[k]))))
-  return algorithms.Model(params, "")
+  return registry.Model(params, "")
 
 
-EMBED_ONLY = algorithms.Algorithm(
+EMBED_ONLY = registry.Algorithm(
     name="embed_only", step=_embed_only_step, batch=batches.Rows.of,
     step_config=train.StepConfig.sft,
     run=_run_embed_only, hyperparameters=lambda cfg: {"lr": cfg.optim.sft_learning_rate},
@@ -138,7 +138,7 @@ EMBED_ONLY = algorithms.Algorithm(
 def test_an_algorithm_registered_from_a_test_runs_as_a_stage(tmp_path, monkeypatch):
   """A module that registers an Algorithm is all a new stage needs: the recipe runs it after
   SFT on Program.stage (its own checkpoints and metrics records) and hands it the SFT model."""
-  monkeypatch.setitem(algorithms.ALGORITHMS, EMBED_ONLY.name, EMBED_ONLY)
+  monkeypatch.setitem(registry.ALGORITHMS, EMBED_ONLY.name, EMBED_ONLY)
   out = tmp_path / "run"
   cfg = configs.DEFAULT.replace(**TINY, output_dir=str(out), stage="sft,embed_only")
   summary = loop.run(cfg, mesh=sharding.make_mesh("data:1", jax.devices()[:1]))

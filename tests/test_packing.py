@@ -386,7 +386,7 @@ def test_packing_without_a_shared_prompt_is_refused_before_sft(tmp_path, varied_
   bad.write_text(varied_pairs.read_text() + json.dumps({"prompt": "", "chosen": " a",
                                                         "rejected": " b"}) + "\n")
   cfg = configs.DEFAULT.replace(
-      stage="all", sft_steps=5, steps=3, train_data=str(bad), tokenizer=gpt2, bos_token="none",
+      stage="sft,dpo", sft_steps=5, steps=3, train_data=str(bad), tokenizer=gpt2, bos_token="none",
       vocab_size=50304,
       packing=True, global_batch_size=8, output_dir=str(tmp_path / "out"))
   with pytest.raises(data.DataError, match=r"--packing packs shared-prefix rows, and prefix "

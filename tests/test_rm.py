@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 trl_rm = pytest.importorskip("trl.trainer.reward_trainer")
 
 from dpo import batches, train  # noqa: E402
+from dpo import reward_model as reward_lib  # noqa: E402
 from dpo.algorithms import rm  # noqa: E402
 from models import hf, sharding  # noqa: E402
 from test_checkpoint import deny_each, permission_cases, tiny_cfg  # noqa: E402
@@ -98,7 +99,7 @@ def trl_loss(model, rows, margin=None, center=None):
 def test_rewards_equal_transformers_logits(reward_model):
   model, cfg, params, score = reward_model
   rows = pair_rows()
-  ours = np.asarray(rm.rewards(cfg, params, score, batches.PairBatch(rows)))
+  ours = np.asarray(reward_lib.rewards(cfg, params, score, batches.PairBatch(rows)))
   theirs = transformers_rewards(model, rows)
   np.testing.assert_allclose(ours, theirs, **TOL)
   print(f"max |reward ours - transformers| = {np.abs(ours - theirs).max():.2e}")
@@ -111,7 +112,7 @@ def test_loss_and_metrics_equal_trl_reward_trainer(reward_model, margin, center)
   rows = pair_rows(1)
   m = np.random.default_rng(2).uniform(-1, 1, B).astype(np.float32) if margin else None
   batch = batches.PairBatch(rows, margin=m)
-  r = rm.rewards(cfg, params, score, batch)
+  r = reward_lib.rewards(cfg, params, score, batch)
   loss, metrics = rm.bradley_terry(r, None if m is None else jnp.asarray(m), center or 0.0)
   want_loss, want = trl_loss(model, rows, m, center)
   assert set(metrics) == set(want)  # TRL's names: accuracy, margin, min/mean/max_reward
@@ -137,7 +138,7 @@ def test_import_of_a_transformers_reward_model_gives_its_scores(tmp_path):
   cfg, params = hf.load(str(tmp_path / "rm"), mesh, reward=True)
   assert "lm_head" not in params and params["score"].shape == (32, 1)
   rows = pair_rows(7)
-  ours = np.asarray(rm.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
+  ours = np.asarray(reward_lib.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
   np.testing.assert_allclose(ours, transformers_rewards(model, rows), **TOL)
   transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "lm"))
   with pytest.raises(hf.HFError, match=r"lm: tensor 'score.weight' is missing"):
@@ -168,8 +169,8 @@ def test_shared_prefix_rows_give_the_same_rewards(reward_model):
   arrays = dict(rows._asdict())
   shared, note = packing.shared_prefix(arrays)
   assert shared is not None, note
-  plain = rm.rewards(cfg, params, score, batches.PairBatch(rows))
-  both = rm.rewards(cfg, params, score, batches.PairBatch.of({**arrays, **shared}))
+  plain = reward_lib.rewards(cfg, params, score, batches.PairBatch(rows))
+  both = reward_lib.rewards(cfg, params, score, batches.PairBatch.of({**arrays, **shared}))
   np.testing.assert_allclose(np.asarray(both), np.asarray(plain), **TOL)
 
 
@@ -187,7 +188,7 @@ def test_exported_reward_model_loads_in_transformers_with_our_rewards(reward_mod
   assert type(loaded).__name__ == "LlamaForSequenceClassification"
   assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == PAD
   rows = pair_rows(5)
-  ours = np.asarray(rm.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
+  ours = np.asarray(reward_lib.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
   theirs = transformers_rewards(loaded.float().eval(), rows)
   np.testing.assert_allclose(ours, theirs, **TOL)
   print(f"max |reward ours - exported in transformers| = {np.abs(ours - theirs).max():.2e}")
@@ -211,7 +212,7 @@ def test_step_trains_the_head_and_the_body(reward_model, lora_rank):
   state = train.init_state(trainable, opt, 0, mesh)
   frozen = train.Frozen(params) if cfg.lora.enabled else None
   batch = batches.PairBatch(pair_rows(4))
-  want, _ = rm.bradley_terry(rm.rewards(cfg.model, params, score, batch), None, 0.0)
+  want, _ = rm.bradley_terry(reward_lib.rewards(cfg.model, params, score, batch), None, 0.0)
   step = train.jit_step(rm.rm_step, spec, mesh, state, frozen)
   new, metrics = step(state, frozen, train.device_batch(mesh, batch))
   np.testing.assert_allclose(float(metrics["loss"]), float(want), **TOL)
@@ -247,11 +248,11 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
   assert held["eval_accuracy"] == summary["rm_eval_accuracy"] and held["eval_pairs"] == 8
   # The trained reward model, exported: transformers scores pairs as we do (byte PAD = 256).
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
-  params = rm.load(summary["rm_model"], cfg.model, mesh)
+  params = reward_lib.load(summary["rm_model"], cfg.model, mesh)
   loaded = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf"))
   rows = pair_rows(6)
   rows = rows._replace(tokens=np.where(rows.segment_ids != 0, rows.tokens, 256).astype(np.int32))
-  ours = np.asarray(rm.rewards(cfg.model, params, params["score"], batches.PairBatch(rows)))
+  ours = np.asarray(reward_lib.rewards(cfg.model, params, params["score"], batches.PairBatch(rows)))
   theirs = transformers_rewards(loaded.float().eval(), rows, pad=256)
   np.testing.assert_allclose(ours, theirs, **TOL)
   # With LoRA, the PEFT adapter over the exported base scores the same.
@@ -336,7 +337,7 @@ def test_rm_stage_starts_from_an_imported_reward_model(tmp_path):
       export_rm_hf=str(tmp_path / "rm_out"))
   loop.run(cfg)
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
-  params = rm.load(os.path.join(out, "checkpoints", "rm_model"), loop.initial_params(
+  params = reward_lib.load(os.path.join(out, "checkpoints", "rm_model"), loop.initial_params(
       cfg, jax.random.key(0), mesh)[0].model, mesh)
   np.testing.assert_allclose(np.asarray(params["score"])[:, 0],
                              model.score.weight.detach().numpy()[0], atol=1e-6)
@@ -383,7 +384,7 @@ def test_every_architecture_imports_and_exports_reward_models(arch, tmp_path):
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
   cfg, params = hf.load(str(tmp_path / "in"), mesh, reward=True)
   rows = pair_rows(10)
-  ours = np.asarray(rm.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
+  ours = np.asarray(reward_lib.rewards(cfg, params, params["score"], batches.PairBatch(rows)))
   theirs = transformers_rewards(model, rows)
   np.testing.assert_allclose(ours, theirs, **TOL)
   hf.save_reward_model(str(tmp_path / "out"), cfg, params, PAD, hf.SaveOptions(
@@ -410,7 +411,7 @@ def test_peft_loads_the_reward_adapter_with_our_rewards(reward_model, tmp_path):
   lora = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), lora)
   head = score + 0.5
   rows = pair_rows(11)
-  ours = np.asarray(rm.rewards(cfg, params, head, batches.PairBatch(rows),
+  ours = np.asarray(reward_lib.rewards(cfg, params, head, batches.PairBatch(rows),
                                transformer.Adapter(lora, lcfg.scale)))
   hf.save_reward_model(str(tmp_path / "base"), cfg, {**params, "score": score}, PAD)
   hf.save_peft_reward(str(tmp_path / "adapter"), cfg, lora, lcfg, head, str(tmp_path / "base"))

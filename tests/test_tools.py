@@ -83,6 +83,83 @@ def test_library_never_imports_the_launcher_or_the_tools():
   assert not offenders
 
 
+def _module_files() -> dict[str, str]:
+  """{dotted name: path} of the library, its tools, configs.py and launch.py."""
+  out = {"configs": os.path.join(ROOT, "configs.py"), "launch": os.path.join(ROOT, "launch.py")}
+  for package in ("dpo", "models"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, package)):
+      for f in files:
+        if f.endswith(".py"):
+          name = os.path.relpath(os.path.join(dirpath, f[:-3]), ROOT).replace(os.sep, ".")
+          out[name.removesuffix(".__init__")] = os.path.join(dirpath, f)
+  return out
+
+
+def _runtime_imports(path: str, modules) -> tuple[set[str], list[str]]:
+  """(the project modules the file imports at run time, anywhere in it but under `if
+  TYPE_CHECKING:`; the private names it takes from another project module: `from m import _x` or
+  `m._x` with m an imported project module)."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+  found, private, aliases = set(), [], {}
+  for node in ast.walk(tree):
+    if id(node) in typing_only:
+      continue
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name in modules:
+          found.add(a.name)
+          aliases[a.asname or a.name] = a.name
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      for a in node.names:
+        full = f"{node.module}.{a.name}"
+        if full in modules:
+          found.add(full)
+          aliases[a.asname or a.name] = full
+        elif node.module in modules:
+          found.add(node.module)
+          if a.name.startswith("_"):
+            private.append(f"{path}: from {node.module} import {a.name}")
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and node.attr.startswith("_")
+        and not node.attr.startswith("__")):
+      private.append(f"{path}: {aliases[node.value.id]}.{node.attr}")
+  return found, private
+
+
+def test_no_import_circles_and_no_private_names_across_modules():
+  """The library, its tools, configs.py and launch.py: no circle among the imports that run (a
+  function's own imports included), and no module reads another's private name."""
+  modules = _module_files()
+  graph, private = {}, []
+  for name, path in modules.items():
+    found, bad = _runtime_imports(path, modules)
+    graph[name] = found - {name}
+    private += bad
+  assert not private
+  circles, state = [], {}
+
+  def visit(name, trail):
+    state[name] = "open"
+    for dep in sorted(graph[name]):
+      if state.get(dep) == "open":
+        circles.append(" -> ".join(trail[trail.index(dep):] + [dep]))
+      elif dep not in state:
+        visit(dep, trail + [dep])
+    state[name] = "done"
+
+  for name in sorted(graph):
+    if name not in state:
+      visit(name, [name])
+  assert not circles
+  # The check sees what it must: the package that registers the algorithms imports each one.
+  assert {"dpo.algorithms.dpo", "dpo.algorithms.rm"} <= graph["dpo.algorithms"]
+  assert "dpo.registry" in graph["dpo.algorithms.rm"] and "dpo.reward_model" in graph["dpo.judges"]
+
+
 # --- each tool as a user runs it -------------------------------------------------------------------
 
 TINY_MODEL = ["--d_model=32", "--n_layers=1", "--n_heads=2", "--n_kv_heads=1", "--head_dim=16",

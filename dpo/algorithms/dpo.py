@@ -12,7 +12,7 @@ from typing import Sequence
 
 import jax
 
-from dpo import algorithms, batches, chat, checkpoint, evaluate, hooks, identity, packing
+from dpo import batches, chat, checkpoint, evaluate, hooks, identity, packing, registry
 from dpo import judges, reference
 from dpo import tokenizer as tokenizer_lib
 from dpo import train
@@ -36,15 +36,15 @@ def _evaluate(evaluator: evaluate.Evaluator, policy: evaluate.Weights, step: int
   return metrics, examples
 
 
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   """The DPO stage from `model` (the policy's start and, unless --ref_init_from names another,
   the frozen reference), then export and the final evaluation (into the run's summary); hands
   on the policy (LoRA merged) and where it is saved."""
   return preference_stage(p, model, DPO)
 
 
-def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm,
-                     online=None, kl_estimate: str | None = "") -> algorithms.Model:
+def preference_stage(p, model: registry.Model, algorithm: registry.Algorithm,
+                     online=None, kl_estimate: str | None = "") -> registry.Model:
   """A preference stage of `algorithm` from `model`: the DPO stage on the training pairs, or
   with `online(p, judge, base) -> (prompt arrays, Program.stage's online)` a stage that samples
   its pairs as it trains (dpo/algorithms/online_dpo.py; the online object's `hooks`, if it has
@@ -115,7 +115,7 @@ def preference_stage(p, model: algorithms.Model, algorithm: algorithms.Algorithm
   return handed_on
 
 
-def _reference_path(c, model: algorithms.Model) -> str:
+def _reference_path(c, model: registry.Model) -> str:
   """Where the reference is saved, which a resume must find unchanged: --ref_init_from, the
   model the stage starts from, or (a random base) checkpoints/dpo_base, saved here once so
   the reference has a content digest."""
@@ -197,7 +197,7 @@ def _write_jsonl(path: str, records: Sequence[dict]) -> None:
 
 
 def _save_policy(c, weights: evaluate.Weights, step: int, reference_path: str,
-                 stage: str = "dpo") -> algorithms.Model:
+                 stage: str = "dpo") -> registry.Model:
   """The policy (LoRA merged) as a dpo-jax params checkpoint, checkpoints/policy. With a
   quantized base there is no float policy to save (the adapters are in the step checkpoints):
   what is handed on is Model(None, "")."""
@@ -206,12 +206,12 @@ def _save_policy(c, weights: evaluate.Weights, step: int, reference_path: str,
   if c.model.base_quant != "none":
     logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
                  c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
-    return algorithms.Model(None, "")
+    return registry.Model(None, "")
   merged = lora_lib.merge(params, lora, c.lora) if lora is not None else params
   checkpoint.save_params(policy_out, merged, c.model, stage=stage, step=step,
                          reference=reference_path)
   logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
-  return algorithms.Model(merged, os.path.abspath(policy_out))
+  return registry.Model(merged, os.path.abspath(policy_out))
 
 
 def _export_hf(c, weights: evaluate.Weights, step: int, data, started_from: str) -> None:
@@ -277,7 +277,7 @@ def _export_hf(c, weights: evaluate.Weights, step: int, data, started_from: str)
                  "chat_template": template.name, "tokenizer": tok.name}, f, indent=2)
 
 
-DPO = algorithms.register(algorithms.Algorithm(
+DPO = registry.register(registry.Algorithm(
     name="dpo", step=train.dpo_step, batch=batches.PairBatch.of,
     step_config=train.StepConfig.dpo, run=run,
     hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "loss", "reference",

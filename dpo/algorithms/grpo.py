@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpo import algorithms, batches, identity, judges, logprobs, train
+from dpo import batches, identity, judges, logprobs, registry, train
 from dpo import policy_gradient as pg
 from dpo.algorithms import dpo, online_dpo
 from models import sharding, transformer
@@ -161,7 +161,7 @@ class Generated(online_dpo.Sampled):
     batch, comps, ended = sampled
     G = len(comps) // len(batch["tokens"])
     prompts = [row[seg != 0] for row, seg in zip(batch["tokens"], batch["segment_ids"])] * G
-    rows = online_dpo.data_lib._pack_rows([(list(p), list(x)) for p, x in zip(prompts, comps)],
+    rows = online_dpo.data_lib.pack_rows([(list(p), list(x)) for p, x in zip(prompts, comps)],
                                           self.seq_len, self.tok.pad_id)
     if mask_truncated:
       rows["loss_mask"] = rows["loss_mask"] * ended[:, None].astype(np.float32)
@@ -228,7 +228,7 @@ def generated(p, judge, base, kind: type[Generated] | None = None):
   return table, kind(**{**fields, "scfg": scfg, "seq_len": seq_len})
 
 
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   """The GRPO stage: the KL guard watches the k3 KL the step logs with --grpo_beta > 0."""
   estimate = "kl" if p.cfg.grpo.grpo_beta > 0 else None
   return dpo.preference_stage(p, model, GRPO, generated, estimate)
@@ -239,7 +239,7 @@ def step_config(cfg) -> train.StepConfig:
                              loss=None, kl=False, grpo=cfg.grpo)
 
 
-GRPO = algorithms.register(algorithms.Algorithm(
+GRPO = registry.register(registry.Algorithm(
     name="grpo", step=grpo_step, batch=lambda host: host, step_config=step_config, run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "online",
                                                           "grpo")),

@@ -42,7 +42,7 @@ import time
 import jax
 import numpy as np
 
-from dpo import algorithms, batches, checkpoint, identity, judges, packing, prepare, train
+from dpo import batches, checkpoint, identity, judges, packing, prepare, registry, train
 from dpo import data as data_lib
 from dpo.algorithms import dpo, online_dpo
 from dpo.runner import Hook
@@ -249,7 +249,7 @@ def sampled_rounds(p, judge, base):
   return table, Rounds(c, sampled, table, how, lengths)
 
 
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   """The iterative stage; with --iterative_ref_update it runs as TR-DPO with a hard update at
   the end of each round (the config it runs with says so)."""
   it = p.cfg.iterative
@@ -268,7 +268,7 @@ def step_config(cfg) -> train.StepConfig:
                              total_steps=it.iterative_rounds * it.iterative_steps_per_round)
 
 
-ITERATIVE_DPO = algorithms.register(algorithms.Algorithm(
+ITERATIVE_DPO = registry.register(registry.Algorithm(
     name="iterative_dpo", step=train.dpo_step, batch=batches.PairBatch.of,
     step_config=step_config, run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "loss", "reference",

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from dpo import algorithms, batches, identity, logprobs, packing, train
+from dpo import batches, identity, logprobs, packing, registry, train
 from dpo import data as data_lib
 from dpo import unpaired
 from dpo.algorithms import dpo
@@ -75,7 +75,7 @@ def mismatched_rows(rows: dict, shift: int, width: int, pad_id: int) -> dict:
   source = (np.arange(len(tokens)) - shift) % len(tokens)
   joined = [(list(tokens[i, :prompt[i]]), list(tokens[j, prompt[j]:prompt[j] + completion[j]]))
             for i, j in enumerate(source)]
-  return data_lib._pack_rows(joined, width, pad_id)
+  return data_lib.pack_rows(joined, width, pad_id)
 
 
 @dataclasses.dataclass
@@ -188,12 +188,12 @@ def training_rows(p, judge, base):
   return table, Unpaired(k, mismatched_width(table), data.tok.pad_id, c.kto.reference_point)
 
 
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   """The KTO stage: the DPO stage's reference, hooks, export and evaluation on unpaired rows."""
   return dpo.preference_stage(p, model, KTO, training_rows, "logratio")
 
 
-KTO = algorithms.register(algorithms.Algorithm(
+KTO = registry.register(registry.Algorithm(
     name="kto", step=kto_step, batch=lambda host: host, step_config=step_config, run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "guard",
                                                           "kto")), "beta": cfg.loss.beta},

@@ -33,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from dpo import algorithms, batches, identity, judges, packing, train
+from dpo import batches, identity, judges, packing, registry, train
 from dpo import data as data_lib
 from dpo.algorithms import dpo
 from models import sampler, sharding, transformer
@@ -51,7 +51,7 @@ def prompt_table(pairs: dict, pad_id: int) -> tuple[dict, list[int]]:
 
 def pair_rows(prompts, chosen, rejected, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
   """[B, 2, seq_len] pair arrays (dpo/data.py's layout) of prompt + chosen / rejected ids."""
-  side = lambda comps: data_lib._pack_rows([(list(p), list(c)) for p, c in zip(prompts, comps)],
+  side = lambda comps: data_lib.pack_rows([(list(p), list(c)) for p, c in zip(prompts, comps)],
                                            seq_len, pad_id)
   c, r = side(chosen), side(rejected)
   return {k: np.stack([c[k], r[k]], axis=1) for k in c}
@@ -175,7 +175,7 @@ def sampled(p, judge, base):
                         base if c.lora.enabled else None, scfg, seq_len)
 
 
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   return dpo.preference_stage(p, model, ONLINE_DPO, sampled)
 
 
@@ -186,7 +186,7 @@ def step_config(cfg) -> train.StepConfig:
                              or cfg.data.max_target_length)
 
 
-ONLINE_DPO = algorithms.register(algorithms.Algorithm(
+ONLINE_DPO = registry.register(registry.Algorithm(
     name="online_dpo", step=train.dpo_step, batch=batches.PairBatch.of, step_config=step_config,
     run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "loss", "reference",

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpo import algorithms, batches, identity, judges, logprobs, train
+from dpo import batches, identity, judges, logprobs, registry, train
 from dpo import policy_gradient as pg
 from dpo.algorithms import dpo, grpo
 
@@ -107,7 +107,7 @@ class Generated(grpo.Generated):
     return RLOOBatch(rows, advantages, (old * mask).sum(-1).astype(np.float32)), info
 
 
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   """The RLOO stage: the KL guard watches the KL the step logs with --rloo_beta > 0."""
   estimate = "kl" if p.cfg.rloo.rloo_beta > 0 else None
   online = lambda p_, judge, base: grpo.generated(p_, judge, base, Generated)
@@ -119,7 +119,7 @@ def step_config(cfg) -> train.StepConfig:
                              loss=None, kl=False, rloo=cfg.rloo)
 
 
-RLOO = algorithms.register(algorithms.Algorithm(
+RLOO = registry.register(registry.Algorithm(
     name="rloo", step=rloo_step, batch=lambda host: host, step_config=step_config, run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "online",
                                                           "rloo")),

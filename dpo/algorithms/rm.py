@@ -4,10 +4,7 @@ the Bradley-Terry objective of TRL's `RewardTrainer` (Ouyang et al. 2022, eq. 1;
 `modules_to_save` keeps `score` trainable) or every weight.
 
 The reward of a sequence is the final hidden state (after the final norm) at its last scored
-token times the head `score` [D, 1], as transformers' `*ForSequenceClassification` reads the last
-non-padding token with `score.weight`. Pair rows are right-padded, so that is the last slot
-whose segment id is not 0; in shared-prefix rows (--prefix_sharing) it is the last slot of each
-side's branch.
+token times the head `score` [D, 1] (dpo/reward_model.py, which the judges score with too).
 
 The stage's trainable tree is {"body": the LoRA factors or every weight, "score": [D, 1]}; with
 LoRA the frozen part is the base (`train.Frozen`), else None.
@@ -23,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import algorithms, batches, chat, checkpoint, evaluate, hooks, identity, packing, train
+from dpo import batches, chat, checkpoint, hooks, identity, packing, registry, train
+from dpo import reward_model as reward_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.batches import PairBatch
 from dpo.program import Start
@@ -46,44 +44,6 @@ def initial_trainable(model, lora, base, key: jax.Array, mesh, head=None):
       lambda k: transformer.init_from_specs(spec, k, model.init_std),
       out_shardings=transformer.shardings(spec, mesh))(k_head)
   return {"body": train.initial_trainable(model, lora, base, k_body, mesh), "score": head}
-
-
-def _last_slot(valid_BT: jax.Array) -> jax.Array:
-  """[B] int32: the last slot where `valid_BT` holds (0 for a row with none)."""
-  T = valid_BT.shape[1]
-  return jnp.max(jnp.where(valid_BT, jnp.arange(T), 0), axis=1)
-
-
-def sequence_rewards(model, params, score_D1, rows: batches.Rows) -> jax.Array:
-  """[N] float32 rewards of right-padded sequences `rows` ([N, T]): the final hidden state at
-  each one's last token that is not padding times `score_D1` (a judge's scores)."""
-  inputs = transformer.Inputs(rows.tokens, rows.positions, rows.segment_ids)
-  h_NTD = transformer.hidden(model, params, inputs)
-  last_N = _last_slot(rows.segment_ids != 0)
-  h_ND = jnp.take_along_axis(h_NTD, last_N[:, None, None], axis=1)[:, 0]
-  return jnp.einsum("nd,do->n", h_ND.astype(jnp.float32), score_D1.astype(jnp.float32))
-
-
-def rewards(model, params, score_D1, batch: PairBatch, adapter=None) -> jax.Array:
-  """[B, 2] float32 rewards of chosen and rejected: the final hidden state at each sequence's
-  last scored token times `score_D1`. Runs on the shared-prefix rows when the batch has them
-  (one pair a row; packed rows are refused by the stage)."""
-  if batch.shared is None:
-    rows = batch.pairs
-    B, _, T = rows.tokens.shape
-    flat = lambda x: x.reshape(2 * B, T)
-    inputs = transformer.Inputs(flat(rows.tokens), flat(rows.positions), flat(rows.segment_ids))
-    h_NTD = transformer.hidden(model, params, inputs, adapter)
-    last_N = _last_slot(inputs.segment_ids_BT != 0)
-    h_ND = jnp.take_along_axis(h_NTD, last_N[:, None, None], axis=1)[:, 0]
-    h_B2D = h_ND.reshape(B, 2, -1)
-  else:
-    sh = batch.shared
-    h_BSD = transformer.hidden(model, params, sh.inputs(), adapter)
-    live_BS = sh.segment_ids != 0
-    last_B2 = jnp.stack([_last_slot(live_BS & (sh.branch == b)) for b in (1, 2)], axis=1)
-    h_B2D = jnp.take_along_axis(h_BSD, last_B2[:, :, None], axis=1)
-  return jnp.einsum("bsd,do->bs", h_B2D.astype(jnp.float32), score_D1.astype(jnp.float32))
 
 
 def bradley_terry(r_B2: jax.Array, margin_B: jax.Array | None, center_coef: float):
@@ -109,7 +69,7 @@ def microbatch_loss(spec: train.StepConfig, frozen, trainable, batch: PairBatch,
   if spec.lora.enabled:
     params, adapter = frozen.params, transformer.Adapter.training(
         trainable["body"], spec.lora, dropout_key)
-  r_B2 = rewards(spec.model, params, trainable["score"], batch, adapter)
+  r_B2 = reward_lib.rewards(spec.model, params, trainable["score"], batch, adapter)
   return bradley_terry(r_B2, batch.margin, spec.reward.center_rewards_coefficient)
 
 
@@ -140,33 +100,17 @@ def held_out_metrics(c, mesh, params, arrays: dict) -> dict[str, float]:
   """The reward model `params` (transformer and `score`) over every pair of `arrays`: TRL's
   evaluation loss and metrics (accuracy, margin, min/mean/max reward) and the pair count."""
   replicated = NamedSharding(mesh, P())
-  fn = jax.jit(lambda p, b: rewards(c.model, p, p["score"], b), out_shardings=replicated)
+  fn = jax.jit(lambda p, b: reward_lib.rewards(c.model, p, p["score"], b),
+               out_shardings=replicated)
   rows = PairBatch(batches.Rows.of(arrays), margin=arrays.get("margin"))
-  (r_B2,) = evaluate.in_batches(mesh, lambda b: fn(params, b), rows, c.optim.global_batch_size)
+  (r_B2,) = train.in_batches(mesh, lambda b: fn(params, b), rows, c.optim.global_batch_size)
   margin = arrays.get("margin")
   loss, metrics = bradley_terry(jnp.asarray(r_B2), None if margin is None else
                                 jnp.asarray(margin), c.reward.center_rewards_coefficient)
   return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}, "pairs": len(r_B2)}
 
 
-def load(path: str, model_cfg, mesh) -> dict:
-  """A reward model the stage saved (checkpoints/rm_model): the transformer's params and
-  `score`, sharded for `mesh` (without an LM head when it was imported from a sequence
-  classifier, which has none); a checkpoint of another stage is a CheckpointError naming it."""
-  meta = checkpoint.read_meta(path)
-  stage = meta.get("stage")
-  if stage != "rm":
-    raise checkpoint.CheckpointError(f"{path}: a {stage!r} checkpoint, not a reward model "
-                                     f"(checkpoints/rm_model of an rm stage)")
-  specs = {**transformer.param_specs(model_cfg), "score": transformer.score_spec(model_cfg)}
-  if not any(e["path"].startswith("['lm_head']") for e in meta.get("leaves", ())):
-    specs.pop("lm_head", None)
-  like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      transformer.abstract(specs), transformer.shardings(specs, mesh))
-  return checkpoint.load(path, like)[0]
-
-
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   """The reward stage from `model` (the transformer the head is put on); saves the reward model
   to checkpoints/rm_model and hands on `model` unchanged (a reward model is not a policy)."""
   c, mesh = p.cfg, p.mesh  # configs.Config refuses --packing and --base_quant with an rm stage
@@ -253,7 +197,7 @@ def _rows(c, pairs: dict) -> dict:
   return pairs if shared is None else {**pairs, **shared}
 
 
-RM = algorithms.register(algorithms.Algorithm(
+RM = registry.register(registry.Algorithm(
     name="rm", step=rm_step, batch=batches.PairBatch.of, step_config=step_config, run=run,
     hyperparameters=lambda cfg: {k: v for k, v in identity.sections(
         cfg, ("lora", "optim", "reward")).items() if k != "learning_rate"},  # DPO's, not read

@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from dpo import algorithms, batches, checkpoint, data, hooks, identity, packing, train
+from dpo import batches, checkpoint, data, hooks, identity, packing, registry, train
 from dpo.program import Start
 
 # What the SFT stage's result depends on besides the model, seed and data (dpo/identity.py).
@@ -31,7 +31,7 @@ def rows(cfg, examples: dict) -> dict:
   return packed
 
 
-def run(p, model: algorithms.Model) -> algorithms.Model:
+def run(p, model: registry.Model) -> registry.Model:
   """The SFT stage from `model`; hands on the SFT model, saved to checkpoints/sft_model (reused
   as it is when a rerun finds it complete and of the same run)."""
   c = p.cfg
@@ -42,7 +42,7 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps",
                        downstream=os.path.join(os.path.dirname(sft_out), "dpo")):
     logging.info("sft: %s exists; stage done", sft_out)
-    return algorithms.Model(checkpoint.load_params(sft_out, c.model, p.mesh),
+    return registry.Model(checkpoint.load_params(sft_out, c.model, p.mesh),
                             os.path.abspath(sft_out))
   opt, _ = SFT.step_config(c).optimizer()
   fresh = lambda: train.init_state(jax.tree.map(lambda x: x.copy(), model.params), opt,
@@ -56,10 +56,10 @@ def run(p, model: algorithms.Model) -> algorithms.Model:
   checkpoint.save_params(sft_out, state.params, c.model, stage="sft", step=int(state.step),
                          metrics_records=p.writer.count, **stage.ckpts.identity)
   logging.info("sft: model -> %s", sft_out)
-  return algorithms.Model(state.params, os.path.abspath(sft_out))
+  return registry.Model(state.params, os.path.abspath(sft_out))
 
 
-SFT = algorithms.register(algorithms.Algorithm(
+SFT = registry.register(registry.Algorithm(
     name="sft", step=train.sft_step, batch=batches.Rows.of,
     step_config=train.StepConfig.sft, run=run,
     hyperparameters=lambda cfg: {k: getattr(cfg.optim, k) for k in _OPTIM},

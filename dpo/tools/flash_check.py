@@ -62,7 +62,7 @@ def _paths(segment, branch, window, softcap, d):
   slots = transformer.Slots(segment, index, branch)
   mask = transformer.attention_mask(slots, slots, window)
   cfg = ModelConfig(head_dim=d, attn_softcap=softcap)
-  xla = lambda q, k, v: transformer._attend(cfg, q, k, v, mask)
+  xla = lambda q, k, v: transformer.attend(cfg, q, k, v, mask)
   kernel = lambda q, k, v: flash.attention(q, k, v, segment, branch, window, scale=scale,
                                            softcap=softcap, block=FLAGS.tile)
   return {"kernel": kernel, "xla": xla}
