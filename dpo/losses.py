@@ -71,7 +71,7 @@ class Hyperparameter(NamedTuple):
 class Loss(NamedTuple):
   name: str
   fn: Callable
-  # fn on a LossConfig c, its hyperparameters written out: lambda lp, c: fn(lp, c.beta, ...).
+  # fn on a LossConfig c, each hyperparameter passed by name: fn(lp, beta=c.beta, ...).
   call: Callable[[Logps, Any], tuple[jax.Array, dict]]
   hyperparameters: tuple[Hyperparameter, ...]
   reference: bool                    # reads reference log-probs (False: reference-free)
@@ -157,15 +157,18 @@ _F = (F_DIVERGENCE, F_ALPHA)
 _ALL = tuple(MODIFIERS)
 
 
-def register(name: str, *hyperparameters: Hyperparameter, call: Callable,
-             reference: bool = True, modifiers: tuple[str, ...] = _ALL, trl: str = "-"):
-  """Decorator: adds the loss to LOSSES; its signature must be (lp, *hyperparameter names), and
-  `call` is it applied to a LossConfig c: `lambda lp, c: fn(lp, c.name1, c.name2, ...)` in the
-  declared order (tests/test_losses.py checks what each call reads)."""
+def register(name: str, *hyperparameters: Hyperparameter, reference: bool = True,
+             modifiers: tuple[str, ...] = _ALL, trl: str = "-"):
+  """Decorator: adds the loss to LOSSES. Its signature is (lp, *hyperparameter names), in the
+  declared order, and a run calls it with the LossConfig fields of those names; LossConfig's
+  fields, flags, help and rules are the registry's (`LossConfig` below), so a new loss with a new
+  hyperparameter is its `Hyperparameter`, this decorator and the function."""
   def add(fn):
     params = list(inspect.signature(fn).parameters)[1:]
     if params != [h.name for h in hyperparameters]:
       raise TypeError(f"loss {name}: signature {params} != declared hyperparameters")
+    names = tuple(params)
+    call = lambda lp, c: fn(lp, **{n: getattr(c, n) for n in names})
     LOSSES[name] = Loss(name, fn, call, hyperparameters, reference, modifiers, trl)
     return fn
   return add
@@ -251,8 +254,7 @@ def length_desensitised(total: jax.Array, shared: jax.Array, ld_alpha: float) ->
 
 # --- losses with a reference ----------------------------------------------------------------------
 
-@register("sigmoid", BETA, LABEL_SMOOTHING, *_F, trl="DPO `sigmoid`",
-          call=lambda lp, c: sigmoid(lp, c.beta, c.label_smoothing, c.f_divergence, c.f_alpha))
+@register("sigmoid", BETA, LABEL_SMOOTHING, *_F, trl="DPO `sigmoid`")
 def sigmoid(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   """DPO (Rafailov et al. 2023, eq. 7) with conservative label smoothing eps (cDPO, Mitchell 2023):
 
@@ -262,8 +264,7 @@ def sigmoid(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   return _smoothed_logistic(beta * f_margin(lp, f_divergence, f_alpha), label_smoothing), {}
 
 
-@register("robust", BETA, LABEL_SMOOTHING, *_F, trl="DPO `robust`",
-          call=lambda lp, c: robust(lp, c.beta, c.label_smoothing, c.f_divergence, c.f_alpha))
+@register("robust", BETA, LABEL_SMOOTHING, *_F, trl="DPO `robust`")
 def robust(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   """Robust DPO (Chowdhury et al. 2024, "Provably Robust DPO", the de-biased loss), unbiased under label flips
   with rate eps: [-(1 - eps) log sig(beta h) + eps log sig(-beta h)] / (1 - 2 eps)."""
@@ -272,16 +273,14 @@ def robust(lp: Logps, beta, label_smoothing, f_divergence, f_alpha):
   return losses / (1 - 2 * label_smoothing), {}
 
 
-@register("hinge", BETA, *_F, trl="DPO `hinge`",
-          call=lambda lp, c: hinge(lp, c.beta, c.f_divergence, c.f_alpha))
+@register("hinge", BETA, *_F, trl="DPO `hinge`")
 def hinge(lp: Logps, beta, f_divergence, f_alpha):
   """SLiC-HF calibration hinge (Zhao et al. 2023; the rank-calibration hinge, on the DPO margin h):
   max(0, 1 - beta h), i.e. a margin of 1/beta on h."""
   return jax.nn.relu(1.0 - beta * f_margin(lp, f_divergence, f_alpha)), {}
 
 
-@register("ipo", BETA, *_F, trl="DPO `ipo`",
-          call=lambda lp, c: ipo(lp, c.beta, c.f_divergence, c.f_alpha))
+@register("ipo", BETA, *_F, trl="DPO `ipo`")
 def ipo(lp: Logps, beta, f_divergence, f_alpha):
   """IPO (Azar et al. 2023, "A General Theoretical Paradigm", the sampled IPO loss): (h - 1/(2 tau))^2 with
   tau = beta, on per-token AVERAGE log-ratios (the f-scores divided by token counts, as TRL)."""
@@ -290,8 +289,7 @@ def ipo(lp: Logps, beta, f_divergence, f_alpha):
   return (sw / nc - sl / nr - 1.0 / (2.0 * beta)) ** 2, {}
 
 
-@register("exo_pair", BETA, EXO_EPSILON, *_F, trl="DPO `exo_pair` (`label_smoothing`=eps)",
-          call=lambda lp, c: exo_pair(lp, c.beta, c.exo_epsilon, c.f_divergence, c.f_alpha))
+@register("exo_pair", BETA, EXO_EPSILON, *_F, trl="DPO `exo_pair` (`label_smoothing`=eps)")
 def exo_pair(lp: Logps, beta, exo_epsilon, f_divergence, f_alpha):
   """EXO, pairwise (Ji et al. 2024, "Towards Efficient Exact Optimization of LM Alignment", pairwise EXO):
   KL(p_theta || p_target) between the model's preference p = sigmoid(beta h) and the smoothed
@@ -303,8 +301,7 @@ def exo_pair(lp: Logps, beta, exo_epsilon, f_divergence, f_alpha):
   return losses, {}
 
 
-@register("nca_pair", BETA, trl="DPO `nca_pair`",
-          call=lambda lp, c: nca_pair(lp, c.beta))
+@register("nca_pair", BETA, trl="DPO `nca_pair`")
 def nca_pair(lp: Logps, beta):
   """NCA, pairwise (Chen et al. 2024, "Noise Contrastive Alignment", pairwise NCA) with r = beta * ratio:
   -log sig(r_w) - 1/2 log sig(-r_w) - 1/2 log sig(-r_l)."""
@@ -313,8 +310,7 @@ def nca_pair(lp: Logps, beta):
   return -log_sigmoid(zw) - 0.5 * log_sigmoid(-zw) - 0.5 * log_sigmoid(-zl), {}
 
 
-@register("bco_pair", BETA, BCO_SHIFT, trl="DPO `bco_pair` (`bco_shift` off)",
-          call=lambda lp, c: bco_pair(lp, c.beta, c.bco_shift))
+@register("bco_pair", BETA, BCO_SHIFT, trl="DPO `bco_pair` (`bco_shift` off)")
 def bco_pair(lp: Logps, beta, bco_shift):
   """BCO on pairs (Jung et al. 2024, "Binary Classifier Optimization", with reward shift delta): chosen -> 1,
   rejected -> 0: -log sig(beta rw - delta) - log sig(-(beta rl - delta)).
@@ -331,8 +327,7 @@ def bco_pair(lp: Logps, beta, bco_shift):
   return -log_sigmoid(zw - delta) - log_sigmoid(-(zl - delta)), {"bco/delta": delta}
 
 
-@register("sppo_hard", BETA, trl="DPO `sppo_hard`",
-          call=lambda lp, c: sppo_hard(lp, c.beta))
+@register("sppo_hard", BETA, trl="DPO `sppo_hard`")
 def sppo_hard(lp: Logps, beta):
   """SPPO with hard labels (Wu et al. 2024, "Self-Play Preference Optimization", the SPPO
   square loss with P(y_w > y_l) = 1, eta = 1/beta): (rw - 1/(2 beta))^2 + (rl + 1/(2 beta))^2."""
@@ -341,8 +336,7 @@ def sppo_hard(lp: Logps, beta):
 
 
 # Sorting across the batch misaligns per-pair weights, so AOT takes no WPO (TRL refuses it too).
-@register("aot", BETA, LABEL_SMOOTHING, modifiers=("rpo", "ld"), trl="DPO `aot`",
-          call=lambda lp, c: aot(lp, c.beta, c.label_smoothing))
+@register("aot", BETA, LABEL_SMOOTHING, modifiers=("rpo", "ld"), trl="DPO `aot`")
 def aot(lp: Logps, beta, label_smoothing):
   """AOT, paired (Melnyk et al. 2024, "Distributional Preference Alignment via Optimal Transport"):
   the batch's sorted policy log-ratios log pi(y_w)/pi(y_l) must dominate the sorted
@@ -353,8 +347,7 @@ def aot(lp: Logps, beta, label_smoothing):
 
 
 @register("aot_unpaired", BETA, LABEL_SMOOTHING, modifiers=("rpo", "ld"),
-          trl="DPO `aot_unpaired`",
-          call=lambda lp, c: aot_unpaired(lp, c.beta, c.label_smoothing))
+          trl="DPO `aot_unpaired`")
 def aot_unpaired(lp: Logps, beta, label_smoothing):
   """AOT, unpaired (Melnyk et al. 2024): the sorted chosen ratios rw must dominate the
   sorted rejected ratios rl across the batch; logistic loss on the sorted differences."""
@@ -362,8 +355,7 @@ def aot_unpaired(lp: Logps, beta, label_smoothing):
   return _smoothed_logistic(beta * (jnp.sort(rw) - jnp.sort(rl)), label_smoothing), {}
 
 
-@register("apo_zero", BETA, trl="DPO `apo_zero`",
-          call=lambda lp, c: apo_zero(lp, c.beta))
+@register("apo_zero", BETA, trl="DPO `apo_zero`")
 def apo_zero(lp: Logps, beta):
   """APO-zero (D'Oosterlinck et al. 2024, "Anchored Preference Optimization"): raise the
   chosen and lower the rejected likelihood: (1 - sig(beta rw)) + sig(beta rl)."""
@@ -371,8 +363,7 @@ def apo_zero(lp: Logps, beta):
   return (1 - jax.nn.sigmoid(beta * rw)) + jax.nn.sigmoid(beta * rl), {}
 
 
-@register("apo_down", BETA, trl="DPO `apo_down`",
-          call=lambda lp, c: apo_down(lp, c.beta))
+@register("apo_down", BETA, trl="DPO `apo_down`")
 def apo_down(lp: Logps, beta):
   """APO-down (D'Oosterlinck et al. 2024, "Anchored Preference Optimization"): lower both likelihoods, the rejected more:
   sig(beta rw) + (1 - sig(beta (rw - rl)))."""
@@ -380,8 +371,7 @@ def apo_down(lp: Logps, beta):
   return jax.nn.sigmoid(beta * rw) + (1 - jax.nn.sigmoid(beta * (rw - rl))), {}
 
 
-@register("discopop", BETA, DISCOPOP_TAU, *_F, trl="DPO `discopop`",
-          call=lambda lp, c: discopop(lp, c.beta, c.discopop_tau, c.f_divergence, c.f_alpha))
+@register("discopop", BETA, DISCOPOP_TAU, *_F, trl="DPO `discopop`")
 def discopop(lp: Logps, beta, discopop_tau, f_divergence, f_alpha):
   """DiscoPOP / log-ratio modulated loss (Lu et al. 2024, "Discovering Preference Optimization
   Algorithms", LRML): with z = beta h and m = sig(z / tau), (1 - m) * -log sig(z) + m * exp(-z).
@@ -395,8 +385,7 @@ def discopop(lp: Logps, beta, discopop_tau, f_divergence, f_alpha):
   return losses, {"discopop/modulation": m.mean()}
 
 
-@register("sigmoid_norm", BETA, *_F, trl="DPO `sigmoid_norm`",
-          call=lambda lp, c: sigmoid_norm(lp, c.beta, c.f_divergence, c.f_alpha))
+@register("sigmoid_norm", BETA, *_F, trl="DPO `sigmoid_norm`")
 def sigmoid_norm(lp: Logps, beta, f_divergence, f_alpha):
   """Length-normalised DPO (LN-DPO; Ahrabian et al. 2024, "A Practical Analysis of Human Alignment
   with *PO"): DPO eq. 7 on per-token AVERAGE log-ratios (the f-scores divided by token counts)."""
@@ -408,8 +397,7 @@ def sigmoid_norm(lp: Logps, beta, f_divergence, f_alpha):
 # --- reference-free losses ------------------------------------------------------------------------
 # TRL's CPO and ORPO trainers have no RPO, WPO or LD-DPO; `sft` (TRL's DPO loss type) takes WPO.
 
-@register("sft", NLL_PER_PAIR, reference=False, modifiers=("wpo",), trl="DPO `sft`",
-          call=lambda lp, c: sft(lp, c.nll_per_pair))
+@register("sft", NLL_PER_PAIR, reference=False, modifiers=("wpo",), trl="DPO `sft`")
 def sft(lp: Logps, nll_per_pair):
   """Supervised NLL on the chosen completion (the NLL term of RPO, Pang et al. 2024; no reference,
   averaged as `nll_chosen` says)."""
@@ -429,8 +417,7 @@ def _simpo_reward_margin(lp: Logps, simpo_beta, alpha=None) -> jax.Array:
 
 
 @register("simpo", SIMPO_BETA, SIMPO_GAMMA, LABEL_SMOOTHING, reference=False, modifiers=(),
-          trl="CPO `simpo`, `cpo_alpha`=0, `beta`=simpo_beta",
-          call=lambda lp, c: simpo(lp, c.simpo_beta, c.simpo_gamma, c.label_smoothing))
+          trl="CPO `simpo`, `cpo_alpha`=0, `beta`=simpo_beta")
 def simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing):
   """SimPO (Meng et al. 2024, eq. 6): reward = beta * AVERAGE log-prob, no reference;
   -log sig(beta/|y_w| log pi(y_w) - beta/|y_l| log pi(y_l) - gamma) (label smoothing as cDPO)."""
@@ -440,9 +427,7 @@ def simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing):
 
 
 @register("cpo_simpo", SIMPO_BETA, SIMPO_GAMMA, LABEL_SMOOTHING, CPO_ALPHA, NLL_PER_PAIR,
-          reference=False, modifiers=(), trl="CPO `simpo`, `beta`=simpo_beta",
-          call=lambda lp, c: cpo_simpo(lp, c.simpo_beta, c.simpo_gamma, c.label_smoothing,
-                                       c.cpo_alpha, c.nll_per_pair))
+          reference=False, modifiers=(), trl="CPO `simpo`, `beta`=simpo_beta")
 def cpo_simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing, cpo_alpha, nll_per_pair):
   """SimPO with CPO's NLL term (Meng et al. 2024, eq. 6, plus Xu et al. 2024's L_NLL, as TRL's CPO
   trainer runs loss_type simpo): `simpo` + alpha * NLL(y_w)."""
@@ -453,9 +438,7 @@ def cpo_simpo(lp: Logps, simpo_beta, simpo_gamma, label_smoothing, cpo_alpha, nl
 
 
 @register("alphapo", SIMPO_BETA, SIMPO_GAMMA, ALPHAPO_ALPHA, LABEL_SMOOTHING, reference=False,
-          modifiers=(), trl="CPO `alphapo`, `alpha`=alphapo_alpha, `beta`=simpo_beta",
-          call=lambda lp, c: alphapo(lp, c.simpo_beta, c.simpo_gamma, c.alphapo_alpha,
-                                     c.label_smoothing))
+          modifiers=(), trl="CPO `alphapo`, `alpha`=alphapo_alpha, `beta`=simpo_beta")
 def alphapo(lp: Logps, simpo_beta, simpo_gamma, alphapo_alpha, label_smoothing):
   """AlphaPO (Gupta et al. 2025, "AlphaPO: Reward Shape Matters for LLM Alignment", arXiv:2501.03884): SimPO
   with the reward r = beta (1 - p^-alpha) / alpha, p = exp(AVERAGE log-prob):
@@ -466,8 +449,7 @@ def alphapo(lp: Logps, simpo_beta, simpo_gamma, alphapo_alpha, label_smoothing):
 
 
 @register("cpo", BETA, CPO_ALPHA, LABEL_SMOOTHING, NLL_PER_PAIR, reference=False, modifiers=(),
-          trl="CPO `sigmoid`",
-          call=lambda lp, c: cpo(lp, c.beta, c.cpo_alpha, c.label_smoothing, c.nll_per_pair))
+          trl="CPO `sigmoid`")
 def cpo(lp: Logps, beta, cpo_alpha, label_smoothing, nll_per_pair):
   """CPO (Xu et al. 2024, "Contrastive Preference Optimization": L_prefer + L_NLL): DPO with a
   uniform reference, -log sig(beta (log pi(y_w) - log pi(y_l))), plus alpha * NLL(y_w)."""
@@ -477,8 +459,7 @@ def cpo(lp: Logps, beta, cpo_alpha, label_smoothing, nll_per_pair):
 
 
 @register("cpo_hinge", BETA, CPO_ALPHA, NLL_PER_PAIR, reference=False, modifiers=(),
-          trl="CPO `hinge`",
-          call=lambda lp, c: cpo_hinge(lp, c.beta, c.cpo_alpha, c.nll_per_pair))
+          trl="CPO `hinge`")
 def cpo_hinge(lp: Logps, beta, cpo_alpha, nll_per_pair):
   """CPO, hinge variant (Xu et al. 2024, with SLiC's hinge of Zhao et al. 2023 as L_prefer):
   max(0, 1 - beta (log pi(y_w) - log pi(y_l))) + alpha * NLL(y_w)."""
@@ -488,8 +469,7 @@ def cpo_hinge(lp: Logps, beta, cpo_alpha, nll_per_pair):
 
 
 @register("cpo_ipo", BETA, CPO_ALPHA, NLL_PER_PAIR, reference=False, modifiers=(),
-          trl="CPO `ipo`",
-          call=lambda lp, c: cpo_ipo(lp, c.beta, c.cpo_alpha, c.nll_per_pair))
+          trl="CPO `ipo`")
 def cpo_ipo(lp: Logps, beta, cpo_alpha, nll_per_pair):
   """CPO, IPO variant (Xu et al. 2024, with IPO's square loss of Azar et al. 2023 as L_prefer):
   (avg log pi(y_w) - avg log pi(y_l) - 1/(2 beta))^2 on per-token AVERAGE log-probs (as TRL),
@@ -501,8 +481,7 @@ def cpo_ipo(lp: Logps, beta, cpo_alpha, nll_per_pair):
 
 
 @register("orpo", ORPO_LAMBDA, NLL_PER_PAIR, reference=False, modifiers=(),
-          trl="ORPO (`beta`=lambda)",
-          call=lambda lp, c: orpo(lp, c.orpo_lambda, c.nll_per_pair))
+          trl="ORPO (`beta`=lambda)")
 def orpo(lp: Logps, orpo_lambda, nll_per_pair):
   """ORPO (Hong et al. 2024, eqs. 6-7): NLL(y_w) + lambda * -log sig(log odds(y_w) - log odds(y_l)),
   odds(y) = P / (1 - P) with P = exp(AVERAGE log-prob of y).
@@ -629,32 +608,8 @@ def _field(h: Hyperparameter):
   return dataclasses.field(default=h.default, metadata={"help": h.help})
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """The preference objective: which losses, their weights, and every loss's and modifier's
-  hyperparameter. Each hyperparameter field is one `Hyperparameter` above (its default, help and
-  valid range; `register` lists which losses read it); tests/test_losses.py checks that the
-  fields are exactly the registry's."""
-  loss_type: tuple[str, ...] = dataclasses.field(default=("sigmoid",), metadata={
-      "help": f"Comma-separated losses, from {', '.join(LOSSES)}."})
-  loss_weights: tuple[float, ...] = dataclasses.field(default=(), metadata={
-      "help": "Weights of loss_type's losses (empty = all 1.0)."})
-  beta: float = _field(BETA)
-  label_smoothing: float = _field(LABEL_SMOOTHING)
-  f_divergence: str = _field(F_DIVERGENCE)
-  f_alpha: float = _field(F_ALPHA)
-  exo_epsilon: float = _field(EXO_EPSILON)
-  bco_shift: bool = _field(BCO_SHIFT)
-  discopop_tau: float = _field(DISCOPOP_TAU)
-  nll_per_pair: bool = _field(NLL_PER_PAIR)
-  simpo_beta: float = _field(SIMPO_BETA)
-  simpo_gamma: float = _field(SIMPO_GAMMA)
-  cpo_alpha: float = _field(CPO_ALPHA)
-  alphapo_alpha: float = _field(ALPHAPO_ALPHA)
-  orpo_lambda: float = _field(ORPO_LAMBDA)
-  rpo_alpha: float = _field(MODIFIERS["rpo"])
-  wpo: bool = _field(MODIFIERS["wpo"])
-  ld_alpha: float = _field(MODIFIERS["ld"])
+class _LossConfigMethods:
+  """What LossConfig adds to its fields."""
 
   def __post_init__(self):
     _validate(self)
@@ -666,6 +621,23 @@ class LossConfig:
   @property
   def reference_free(self) -> bool:
     return not any(LOSSES[t].reference for t in self.loss_type)
+
+
+# The preference objective: which losses, their weights, and one field per hyperparameter of the
+# registry (losses' and modifiers'), in the order each first appears there, with its default,
+# help and type; `_validate` checks its value against the `Hyperparameter`'s rule and which
+# losses read it. Built from the registry, so a hyperparameter is declared once.
+LossConfig = dataclasses.make_dataclass(
+    "LossConfig",
+    [("loss_type", tuple[str, ...], dataclasses.field(default=("sigmoid",), metadata={
+        "help": f"Comma-separated losses, from {', '.join(LOSSES)}."})),
+     ("loss_weights", tuple[float, ...], dataclasses.field(default=(), metadata={
+         "help": "Weights of loss_type's losses (empty = all 1.0)."})),
+     *((h.name, type(h.default), _field(h)) for h in hyperparameters().values())],
+    bases=(_LossConfigMethods,), frozen=True)
+LossConfig.__module__ = __name__  # pickling and reprs name it here
+LossConfig.__doc__ = ("The preference objective: loss_type, loss_weights and one field per loss "
+                      "or modifier hyperparameter of the registry (dpo/losses.py).")
 
 
 def _citation(doc: str) -> str:

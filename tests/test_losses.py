@@ -1,6 +1,7 @@
 """dpo/losses.py against independent numpy implementations of each paper's formula."""
 
 import math
+import os
 import zlib
 
 import jax
@@ -112,9 +113,10 @@ def to_logps(x) -> Logps:
   return Logps(f("pw"), f("pl"), f("rw"), f("rl"), f("nw"), f("nl"))
 
 
-HP = dict(f_divergence="reverse_kl", f_alpha=0.5, discopop_tau=0.05, simpo_beta=2.0,
-          simpo_gamma=1.0, cpo_alpha=1.0, orpo_lambda=0.1, exo_epsilon=1e-3, bco_shift=False,
-          alphapo_alpha=0.25, nll_per_pair=False)
+# Every loss hyperparameter at its registry default (beta and label_smoothing are each case's).
+HP = {name: h.default for name, h in losses.hyperparameters().items()
+      if name not in ("beta", "label_smoothing") and name not in
+      {m.name for m in losses.MODIFIERS.values()}}
 
 
 @pytest.mark.parametrize("flag", [False, True], ids=["trl", "paper"])
@@ -268,8 +270,8 @@ def test_each_loss_declares_exactly_the_hyperparameters_it_reads():
     got, _ = loss.fn(lp, **{h.name: h.default for h in loss.hyperparameters})
     assert got.shape == (B,), name
   with pytest.raises(TypeError, match="signature"):
-    losses.register("bad", losses.BETA, call=lambda lp, c: (lp.policy_chosen, {}))(
-        lambda lp, beta, extra: (lp.policy_chosen, {}))
+    losses.register("bad", losses.BETA)(lambda lp, beta, extra: (lp.policy_chosen, {}))
+  assert "bad" not in losses.LOSSES
 
 
 class _Reads:
@@ -298,8 +300,9 @@ def test_each_loss_call_reads_exactly_its_declared_hyperparameters():
 
 
 def test_loss_config_fields_are_the_registry_hyperparameters():
-  """LossConfig is written out field by field: exactly loss_type, loss_weights and one field per
-  registry hyperparameter (losses' and modifiers'), each of its default's type."""
+  """LossConfig is built from the registry: exactly loss_type, loss_weights and one field per
+  registry hyperparameter (losses' and modifiers'), each of its default's type, with its help;
+  docs/flags.md counts the losses there are."""
   import dataclasses
   import typing
   hints = typing.get_type_hints(losses.LossConfig)
@@ -308,6 +311,10 @@ def test_loss_config_fields_are_the_registry_hyperparameters():
   assert fields == ["loss_type", "loss_weights", *registry]
   for name, h in registry.items():
     assert hints[name] is type(h.default), name
+  helps = {f.name: f.metadata["help"] for f in dataclasses.fields(losses.LossConfig)}
+  assert all(helps[name] == h.help for name, h in registry.items())
+  with open(os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")) as f:
+    assert f"preference losses ({len(losses.LOSSES)}, comma-combinable" in f.read()
 
 
 @pytest.mark.parametrize("flags,match", [
