@@ -99,7 +99,7 @@ def test_settings_rloo_cannot_honour_are_one_line_errors(tmp_path):
   # Flags nothing would read: RLOO's without an rloo stage, GRPO's (but --reward_weights) with
   # one; --reward_weights weighs the functions for either.
   with pytest.raises(ValueError, match=r"^--rloo_beta=0.1: must go with a rloo stage \(--stage="
-                                       r"all has none\)$"):
+                                       r"sft,dpo has none\)$"):
     configs.DEFAULT.replace(rloo_beta=0.1)
   with pytest.raises(ValueError, match=r"^--num_generations=4: must go with a grpo stage"):
     _cfg(tmp_path, num_generations=4)
