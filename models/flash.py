@@ -206,6 +206,14 @@ def _probabilities(q, k, lse, mask, spec: Spec):
   return p, None if t is None else 1.0 - t * t
 
 
+def _score_grads(p, cap, do, v, di, spec: Spec):
+  """A tile's gradient of the scaled scores: p * (dO . V^T - D_i), through the soft-cap's
+  derivative `cap` when there is one, times the score scale (`di`: [bq, 128] lanes of D_i)."""
+  dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  ds = p * (dp - _lanes(di, spec.block_k))
+  return (ds if cap is None else ds * cap) * spec.scale
+
+
 def _kind_index(b, i, j, n_q: int, n_k: int):
   return (b * n_q + i) * n_k + j
 
@@ -308,9 +316,7 @@ def _dq_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_r
     for g in range(G):
       do = do_ref[0, 0, g]
       p, cap = _probabilities(q_ref[0, 0, g], k, lse_ref[0, 0, g], mask, spec)
-      dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-      ds = p * (dp - _lanes(di_ref[0, 0, g], spec.block_k))
-      ds = (ds if cap is None else ds * cap) * spec.scale
+      ds = _score_grads(p, cap, do, v, di_ref[0, 0, g], spec)
       acc_ref[g] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   first, last = _kv_blocks(i, window, spec)
@@ -338,9 +344,7 @@ def _dkv_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_
       q, do = q_ref[0, 0, g], do_ref[0, 0, g]
       p, cap = _probabilities(q, k, lse_ref[0, 0, g], mask, spec)
       dv_acc[...] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-      dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-      ds = p * (dp - _lanes(di_ref[0, 0, g], spec.block_k))
-      ds = (ds if cap is None else ds * cap) * spec.scale
+      ds = _score_grads(p, cap, do, v, di_ref[0, 0, g], spec)
       dk_acc[...] += jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
   first, last = _q_blocks(j, window, n_q, spec)
