@@ -1,7 +1,9 @@
 """Configuration as data: frozen dataclasses by concern, and the named presets.
 
-A `Config` has one section per concern (model, lora, data, optim, loss, reward, reference, guard,
-eval, checkpoint, mesh, run). Every field of every section is an absl flag of the same name
+A `Config` has one section per concern (model, lora, data, optim, loss, reference, guard, eval,
+checkpoint, mesh, run) and the sections each training algorithm declares as its own
+(registry.Algorithm.sections: reward, online, grpo, ...; with the cross-checks that are its, in
+its module under dpo/algorithms/). Every field of every section is an absl flag of the same name
 (dpo/cli.py), so a field's name, default and help text are written exactly once. Field names
 are unique across sections so flags stay flat (`--beta`, `--lora_rank`). `ModelConfig` and
 `LoraConfig` live with the models (models/config.py, with the `option`, `rules` and `check`
@@ -21,18 +23,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dpo import algorithms  # noqa: F401 (importing it registers every algorithm and its sections)
 from dpo import data as data_lib
+from dpo import registry
 from dpo.losses import LossConfig
-from dpo.policy_gradient import GRPOConfig, RLOOConfig
-from dpo.unpaired import KTOConfig
 from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARGETS, NONNEG, POS,
                            UNIT, LoraConfig, ModelConfig, at_least, check, one_of, option, rules,
                            shown)
 
 __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "LossConfig",
-           "RewardConfig", "IterativeConfig", "ReferenceConfig", "GuardConfig", "EvalConfig",
-           "CheckpointConfig", "MeshConfig", "RunConfig", "SECTIONS", "PRESETS", "get_config",
-           "ARCHS", "LORA_TARGETS"]
+           "ReferenceConfig", "GuardConfig", "EvalConfig", "CheckpointConfig", "MeshConfig",
+           "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS", "LORA_TARGETS"]
 
 
 def _distinct_names(stage: str) -> bool:
@@ -146,79 +147,6 @@ class OptimConfig:
     check(k >= 1 and self.global_batch_size % k == 0,
           f"--gradient_accumulation_steps={k}: must be >= 1 and divide --global_batch_size="
           f"{self.global_batch_size}")
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-  """The reward-model stage (--stage=rm, dpo/algorithms/rm.py): TRL RewardTrainer's
-  Bradley-Terry objective on the preference pairs, with LoRA (head trainable) or full weights
-  as the lora section says."""
-  rm_steps: int = option(1000, "Reward-model optimizer steps (stage rm).")
-  rm_learning_rate: float = option(1e-5, "Peak reward-model learning rate (AdamW).")
-  center_rewards_coefficient: float = option(
-      0.0, "Adds coef * mean((r_chosen + r_rejected)^2) to the reward loss, pulling rewards "
-      "towards zero mean (TRL's center_rewards_coefficient, Eisenstein et al. 2023); 0 = none.")
-  rm_split: float = option(0.0, "With an rm stage and other stages in --stage: the fraction of the "
-                           "training prompts (by a hash of each prompt) the rm stage trains on; "
-                           "the other stages train on the rest, so a judge (--judge=rm) does not "
-                           "score the policy on the prompts it learnt from. 0 = every stage "
-                           "trains on every pair.")
-  export_rm_hf: str = option("", "Also export the trained reward model to this directory as a "
-                             "transformers *ForSequenceClassification folder (one label, "
-                             "score.weight) with the tokenizer; empty = none.")
-
-  def __post_init__(self):
-    rules(self, rm_steps=NONNEG, rm_learning_rate=FINITE_POS,
-          center_rewards_coefficient=FINITE_NONNEG, rm_split=(lambda v: 0.0 <= v < 1.0,
-                                                              "in [0, 1)"))
-
-
-@dataclass(frozen=True)
-class OnlineConfig:
-  """Online preference stages (dpo/algorithms/online_dpo.py): each step samples from the
-  current policy and the judge (--judge / --reward_fn) labels the samples."""
-  online_steps: int = option(200, "Online DPO optimizer steps (stage online_dpo); each samples two "
-                             "completions for each of --global_batch_size training prompts.")
-  online_temperature: float = option(0.9, "Sampling temperature of the online stages' samples "
-                                     "(TRL's default 0.9).")
-  online_max_new_tokens: int = option(0, "Tokens sampled per online completion (0 = "
-                                      "max_target_length).")
-  grpo_steps: int = option(200, "GRPO optimizer steps (stage grpo); a batch of samples is drawn "
-                           "every --num_iterations of them.")
-  rloo_steps: int = option(200, "RLOO optimizer steps (stage rloo); a batch of samples is drawn "
-                           "every --rloo_num_iterations of them.")
-  missing_eos_penalty: float = option(0.0, "Subtracted from the judge's reward of a sample that "
-                                      "does not end (no EOS or end-of-turn within the token "
-                                      "budget), as TRL's missing_eos_penalty; 0 = none.")
-
-  def __post_init__(self):
-    rules(self, online_steps=NONNEG, grpo_steps=NONNEG, rloo_steps=NONNEG, online_temperature=FINITE_NONNEG,
-          online_max_new_tokens=NONNEG, missing_eos_penalty=FINITE_NONNEG)
-
-
-@dataclass(frozen=True)
-class IterativeConfig:
-  """Iterative DPO (dpo/algorithms/iterative_dpo.py): rounds of sampling a preference file from
-  the policy, labelled by the judge, and offline DPO steps on it. Sampling reads the online
-  section's --online_temperature, --online_max_new_tokens and --missing_eos_penalty."""
-  iterative_rounds: int = option(4, "Iterative DPO rounds (stage iterative_dpo): each samples "
-                                 "a preference file from the policy and trains on it.")
-  iterative_steps_per_round: int = option(50, "DPO optimizer steps of each iterative round "
-                                          "(the stage's length is rounds x this).")
-  iterative_prompts: int = option(0, "Training prompts sampled (two completions each) per "
-                                  "iterative round: the next slice of the distinct training "
-                                  "prompts, epoch after epoch in a seeded shuffle (a prompt "
-                                  "recurs once the table is used up); 0 = "
-                                  "--iterative_steps_per_round x --global_batch_size (each pair "
-                                  "trained on once).")
-  iterative_ref_update: bool = option(False, "Iterative DPO: the policy at the end of each round "
-                                      "becomes the next round's reference (TR-DPO's hard "
-                                      "update every --iterative_steps_per_round steps); False = "
-                                      "the reference stays the model the stage started from.")
-
-  def __post_init__(self):
-    rules(self, iterative_rounds=at_least(1), iterative_steps_per_round=at_least(1),
-          iterative_prompts=NONNEG)
 
 
 @dataclass(frozen=True)
@@ -365,8 +293,8 @@ class RunConfig:
                               "the run's own record, the cache, else a measurement.")
 
   def __post_init__(self):
-    rules(self, stage=(_distinct_names, "all or algorithm names, each at most once, separated "
-                                        "by commas"),
+    rules(self, stage=(_distinct_names, "algorithm names, each at most once, separated by "
+                                        "commas"),
           log_every=at_least(1), wandb_mode=one_of(("online", "offline")),
           autotune=one_of(("off", "on")))
     check(self.autotune == "on" or not self.autotune_from,
@@ -380,71 +308,33 @@ class RunConfig:
     return tuple(self.stage.split(","))
 
 
-# Stages that sample from the policy as they train (they read the online section and a judge).
-ONLINE_STAGES = ("online_dpo", "grpo", "rloo", "iterative_dpo")
-
-_SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
-             "loss": LossConfig, "reward": RewardConfig, "online": OnlineConfig,
-             "iterative": IterativeConfig,
-             "grpo": GRPOConfig,
-             "rloo": RLOOConfig,
-             "kto": KTOConfig,
-             "reference": ReferenceConfig,
-             "guard": GuardConfig,
-             "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
-             "run": RunConfig}
+# The sections every run has; each algorithm adds its own (registry.Algorithm.sections), after
+# these, in the order dpo/algorithms/__init__.py imports them.
+_CORE = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": OptimConfig,
+         "loss": LossConfig, "reference": ReferenceConfig, "guard": GuardConfig,
+         "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig, "run": RunConfig}
+_SECTIONS = {**_CORE, **registry.sections()}
 SECTIONS = tuple(_SECTIONS)
 _FIELD_SECTION = {f.name: s for s, t in _SECTIONS.items() for f in dataclasses.fields(t)}
 assert len(_FIELD_SECTION) == sum(len(dataclasses.fields(t)) for t in _SECTIONS.values()), (
     "config field names must be unique across sections")
 
 
-@dataclass(frozen=True)
-class Config:
-  model: ModelConfig = ModelConfig()
-  lora: LoraConfig = LoraConfig()
-  data: DataConfig = DataConfig()
-  optim: OptimConfig = OptimConfig()
-  loss: LossConfig = LossConfig()
-  reward: RewardConfig = RewardConfig()
-  online: OnlineConfig = OnlineConfig()
-  iterative: IterativeConfig = IterativeConfig()
-  grpo: GRPOConfig = GRPOConfig()
-  rloo: RLOOConfig = RLOOConfig()
-  kto: KTOConfig = KTOConfig()
-  reference: ReferenceConfig = ReferenceConfig()
-  guard: GuardConfig = GuardConfig()
-  eval: EvalConfig = EvalConfig()
-  checkpoint: CheckpointConfig = CheckpointConfig()
-  mesh: MeshConfig = MeshConfig()
-  run: RunConfig = RunConfig()
+class _ConfigMethods:
+  """`Config`'s checks and views; `Config` itself is this with one attribute per section."""
 
   def __post_init__(self):
-    """Checks that span sections."""
-    chosen = shown(self.loss.loss_type)
-    check("sft" not in self.run.stages or self.optim.sft_steps >= 1,
-          f"--sft_steps={self.optim.sft_steps}: must be >= 1 with --stage={self.run.stage} "
-          f"(--stage=dpo skips SFT)")
-    check(not self.optim.sft_packing or "sft" in self.run.stages,
-          f"--sft_packing={self.optim.sft_packing}: packs the sft stage's rows; --stage="
-          f"{self.run.stage} has none")
-    check("rm" not in self.run.stages or self.reward.rm_steps >= 1,
-          f"--rm_steps={self.reward.rm_steps}: must be >= 1 with --stage={self.run.stage}")
-    check("rm" not in self.run.stages or not self.model.packing,
-          f"--packing=True: the rm stage reads one pair a row; not with --stage={self.run.stage}")
-    check("rm" not in self.run.stages or self.model.base_quant == "none",
-          f"--base_quant={self.model.base_quant!r}: the rm stage trains on a float base; not "
-          f"with --stage={self.run.stage}")
+    """Checks that span sections: the recipe's own here, each algorithm's in its module
+    (registry.Algorithm.check)."""
+    stages = self.run.stages
     check(not (self.eval.judge and self.eval.reward_fn),
           f"--judge={self.eval.judge!r}: give either --judge or --reward_fn, not both")
-    stages = self.run.stages
-    trains = [s for s in stages if s in ("dpo", "kto", *ONLINE_STAGES)]
-    check(self.eval.judge != "rm" or ("rm" in stages and trains
-                                      and stages.index("rm") < stages.index(trains[0])),
-          f"--judge=rm: must go with an rm stage before the dpo stage (--stage={self.run.stage})")
-    check(not self.reward.rm_split or ("rm" in stages and len(stages) > 1),
-          f"--rm_split={self.reward.rm_split}: must go with an rm stage and another stage to "
-          f"split the prompts with (--stage={self.run.stage})")
+    scorer = registry.judge_stage(self.eval.judge)
+    judged = [s for s in stages if s in registry.ALGORITHMS and registry.ALGORITHMS[s].judged]
+    check(scorer is None or (scorer.name in stages and judged
+                             and stages.index(scorer.name) < stages.index(judged[0])),
+          f"--judge={self.eval.judge}: must go with an {self.eval.judge} stage before the "
+          f"{judged[0] if judged else 'policy'} stage (--stage={self.run.stage})")
     online = self.online_stages
     check(not online or stages.count(online[0]) == 1,
           f"--stage={self.run.stage}: an online stage runs once in a recipe")
@@ -457,61 +347,22 @@ class Config:
     check(not online or bool(self.eval.judge or self.eval.reward_fn or not self.data.train_data),
           f"--stage={self.run.stage}: an online stage needs a judge to label its samples: give "
           f"--judge or --reward_fn")
-    check(not (online and self.eval.judge == "rm" and "rm" in stages
-               and stages.index("rm") > stages.index(online[0])),
-          f"--judge=rm: must go with an rm stage before the online stage (--stage={self.run.stage})")
-    for stage, prefix, section, group in (("grpo", "", self.grpo, "G"),
-                                          ("rloo", "rloo_", self.rloo, "k")):
-      generations = getattr(section, f"{prefix}num_generations")
-      iterations = getattr(section, f"{prefix}num_iterations")
-      steps = getattr(self.online, f"{stage}_steps")
-      check(stage not in stages or self.optim.global_batch_size % generations == 0,
-            f"--{prefix}num_generations={generations}: must divide --global_batch_size="
-            f"{self.optim.global_batch_size} (a step's completions, {group} per prompt)")
-      check(stage not in stages or (steps % iterations == 0 and
-                                    self.checkpoint.checkpoint_every % iterations == 0),
-            f"--{prefix}num_iterations={iterations}: must divide --{stage}_steps={steps} and "
-            f"--checkpoint_every={self.checkpoint.checkpoint_every} (checkpoints fall between "
-            f"generation batches)")
-    unread = [n for n in self._grpo_changed() if n != "reward_weights"]
-    check("rloo" not in stages or "grpo" in stages or not unread,
-          f"--{(unread + [''])[0]}={shown(getattr(self.grpo, (unread + ['grpo_beta'])[0]))}: "
-          f"must go with a grpo stage (--stage={self.run.stage} has none; the rloo stage reads "
-          f"only --reward_weights of its section)")
-    for name, section, readers in (("kto", self.kto, ("kto",)),
-                                   ("grpo", self.grpo, ("grpo", "rloo")),
-                                   ("rloo", self.rloo, ("rloo",)),
-                                   ("online", self.online, ONLINE_STAGES),
-                                   ("iterative", self.iterative, ("iterative_dpo",))):
+    for name in _SECTIONS.keys() - _CORE.keys():
+      section, readers = getattr(self, name), registry.readers(name)
       changed = [f"--{f.name}={shown(getattr(section, f.name))}"
                  for f in dataclasses.fields(section) if getattr(section, f.name) != f.default]
+      what = readers[0] if len(readers) == 1 else name  # "an rm stage", "an online stage"
       check(any(s in stages for s in readers) or not changed,
-            f"{(changed or [''])[0]}: must go with a{'n' if name[0] in 'aeiou' else ''} {name} "
+            f"{(changed or [''])[0]}: must go with a{'n' if what[0] in 'aeiou' else ''} {what} "
             f"stage (--stage={self.run.stage} has none)")
-    it = self.iterative
-    check(not it.iterative_prompts or it.iterative_prompts >= self.optim.global_batch_size,
-          f"--iterative_prompts={it.iterative_prompts}: must be 0 or at least "
-          f"--global_batch_size={self.optim.global_batch_size} (a round's pairs fill its batches)")
-    check(not it.iterative_ref_update or self.reference.ref_update == "none",
-          f"--iterative_ref_update=True: the policy already becomes the reference each round; "
-          f"not with --ref_update={self.reference.ref_update!r}")
-    check(not (it.iterative_ref_update and self.reference.ref_init_from and self.lora.enabled),
-          f"--iterative_ref_update=True with --ref_init_from={self.reference.ref_init_from!r}: "
-          f"must go with full fine-tuning, --lora_rank=0 (with LoRA the updated reference is the "
-          f"policy's own base plus its adapter)")
-    check(not (it.iterative_ref_update and self.loss.reference_free),
-          f"--iterative_ref_update=True: must go with a loss that reads the reference, not the "
-          f"reference-free --loss_type={chosen}")
-    self._check_reward_weights()
-    check("kto" not in stages or not self.reference.precompute_ref,
-          f"--precompute_ref=True: the kto stage computes the reference in its step; not with "
-          f"--stage={self.run.stage}")
-    check("kto" not in stages or not self.model.packing,
-          f"--packing=True: the kto stage reads one example a row; not with "
-          f"--stage={self.run.stage}")
-    check(not self.reward.export_rm_hf or "rm" in self.run.stages,
-          f"--export_rm_hf={self.reward.export_rm_hf!r}: must go with an rm stage (--stage="
-          f"{self.run.stage} has none)")
+    for algorithm in registry.ALGORITHMS.values():
+      if algorithm.check is not None:
+        algorithm.check(self)
+    self._check_reference()
+
+  def _check_reference(self) -> None:
+    """The frozen base, the reference and the KL guard."""
+    chosen = shown(self.loss.loss_type)
     check(self.model.base_quant == "none" or self.lora.enabled,
           f"--base_quant={self.model.base_quant!r}: must go with LoRA, not --lora_rank=0 (a "
           f"quantized base is frozen)")
@@ -531,25 +382,11 @@ class Config:
           f"--precompute_ref or a reference-free loss: it bounds the exact token KL of the KL "
           f"guard (the --kl_spike_factor test runs there, on an estimate)")
 
-  def _grpo_changed(self) -> list[str]:
-    """The GRPO section's fields off their defaults."""
-    return [f.name for f in dataclasses.fields(self.grpo)
-            if getattr(self.grpo, f.name) != f.default]
-
-  def _check_reward_weights(self) -> None:
-    """--reward_weights: one weight per --reward_fn function (TRL's reward_weights)."""
-    weights, functions = self.grpo.reward_weights, len(self.eval.reward_fn.split(","))
-    check(not weights or bool(self.eval.reward_fn),
-          f"--reward_weights={shown(weights)}: weighs the functions of --reward_fn=a:f,b:g; "
-          f"give them")
-    check(not weights or len(weights) == functions,
-          f"--reward_weights={shown(weights)}: give one weight per --reward_fn function "
-          f"({functions}: {self.eval.reward_fn}), not {len(weights)}")
-
   @property
   def online_stages(self) -> tuple[str, ...]:
-    """The recipe's stages that sample as they train (`ONLINE_STAGES`)."""
-    return tuple(s for s in self.run.stages if s in ONLINE_STAGES)
+    """The recipe's stages that sample as they train (registry.Algorithm.samples)."""
+    return tuple(s for s in self.run.stages
+                 if s in registry.ALGORITHMS and registry.ALGORITHMS[s].samples)
 
   @property
   def kl_estimate(self) -> str:
@@ -579,6 +416,15 @@ class Config:
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
+
+
+# One attribute per section, its default the section's defaults: Config(model=..., grpo=...).
+Config = dataclasses.make_dataclass(
+    "Config", [(name, cls, cls()) for name, cls in _SECTIONS.items()], bases=(_ConfigMethods,),
+    frozen=True)
+Config.__module__ = __name__
+Config.__doc__ = ("A run's configuration: one frozen section per concern (`SECTIONS`), the core "
+                  "ones of this file and each registered algorithm's own.")
 
 
 # --- Presets -----------------------------------------------------------------------------------

@@ -1,37 +1,42 @@
 """A run's metrics.jsonl drawn as one PNG page (matplotlib, the `matplotlib` extra).
 
-Panels over steps: SFT and DPO loss, reward accuracy and margin (training, and held-out at each
-evaluation), chosen / rejected rewards, token KL (the step's, and the evaluation's on-policy KL
-per token), gradient norm, learning rate, evaluation win rate and chosen perplexity. KL-spike
-rollbacks are dashed red lines on every DPO panel. `python -m dpo.tools.curves --run_dir=DIR`
+Panels over steps: each registered algorithm's lines (registry.Algorithm.curves: SFT and DPO
+loss, reward accuracy and margin, chosen / rejected rewards, token KL, gradient norm, learning
+rate, ...) with the evaluation's beside them (held-out accuracy and margin, on-policy KL per
+token, win rate, chosen perplexity). KL-spike rollbacks are dashed red lines on every panel of
+a judged stage or the evaluation. `python -m dpo.tools.curves --run_dir=DIR`
 draws any run; the default job writes <output_dir>/curves.png itself.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+
+from dpo import registry
 
 INSTALL = "pip install 'dpo-jax[matplotlib]'"
 
-# (title, [(stage, key, label)]); stage "eval" series are the evaluation records.
-PANELS = (
-    ("SFT loss (NLL per token)", [("sft", "loss", "sft")]),
-    ("DPO loss", [("dpo", "loss", "train")]),
-    ("reward accuracy", [("dpo", "rewards/accuracies", "train"),
-                         ("eval", "eval/reward_accuracy", "held-out")]),
-    ("reward margin", [("dpo", "rewards/margins", "train"),
-                       ("eval", "eval/reward_margin", "held-out")]),
-    ("implicit rewards", [("dpo", "rewards/chosen", "chosen"),
-                          ("dpo", "rewards/rejected", "rejected")]),
-    ("KL(pi || ref) per token", [("dpo", "kl", "in step"),
-                                 ("eval", "eval/kl_per_token", "on-policy samples")]),
-    ("gradient norm", [("dpo", "grad_norm", "dpo"), ("sft", "grad_norm", "sft")]),
-    ("learning rate", [("dpo", "learning_rate", "dpo"), ("sft", "learning_rate", "sft")]),
-    ("evaluation win rate (judge)", [("eval", "eval/win_rate", "policy vs reference"),
-                                     ("eval", "eval/lc_win_rate", "length-controlled")]),
-    ("held-out chosen perplexity", [("eval", "eval/perplexity", "policy")]),
-)
+# The evaluation's lines, (title, key, label), joining an algorithm's panel of the same title.
+EVAL = (("reward accuracy", "eval/reward_accuracy", "held-out"),
+        ("reward margin", "eval/reward_margin", "held-out"),
+        ("KL(pi || ref) per token", "eval/kl_per_token", "on-policy samples"),
+        ("evaluation win rate (judge)", "eval/win_rate", "policy vs reference"),
+        ("evaluation win rate (judge)", "eval/lc_win_rate", "length-controlled"),
+        ("held-out chosen perplexity", "eval/perplexity", "policy"))
+
+
+def panels() -> list[tuple[str, list[tuple[str, str, str]]]]:
+  """[(title, [(stage, key, label)])]: the registered algorithms' lines in registration order,
+  then the evaluation's ("eval" records); a title names one panel."""
+  out: dict[str, list] = {}
+  for algorithm in registry.ALGORITHMS.values():
+    for title, key, label in algorithm.curves:
+      out.setdefault(title, []).append((algorithm.name, key, label))
+  for title, key, label in EVAL:
+    out.setdefault(title, []).append(("eval", key, label))
+  return list(out.items())
 
 
 def read(path: str) -> list[dict]:
@@ -55,12 +60,18 @@ def series(records: list[dict], stage: str, key: str) -> tuple[list[int], list[f
 
 
 def render(records: list[dict], out: str, title: str = "") -> str:
-  """Draws PANELS from `records` into the PNG `out`; returns `out`."""
+  """Draws `panels()` from `records` into the PNG `out`; returns `out`."""
   from matplotlib.figure import Figure  # the object API: no pyplot, no global backend
   rollbacks = [r["step"] for r in records if r.get("event") == "rollback"]
-  fig = Figure(figsize=(22, 8.5), layout="constrained")
-  axes = fig.subplots(2, 5).ravel()
-  for ax, (name, lines) in zip(axes, PANELS):
+  guarded = {"eval", *(a.name for a in registry.ALGORITHMS.values() if a.judged)}
+  present = {r.get("stage") for r in records}  # a stage the run did not have gets no panel
+  shown = [p for p in panels() if any(stage in present for stage, *_ in p[1])] or panels()
+  rows = math.ceil(len(shown) / 5)
+  fig = Figure(figsize=(22, 4.25 * rows), layout="constrained")
+  axes = fig.subplots(rows, 5).ravel()
+  for ax in axes[len(shown):]:
+    ax.set_axis_off()
+  for ax, (name, lines) in zip(axes, shown):
     drawn, marked = 0, False
     for stage, key, label in lines:
       x, y = series(records, stage, key)
@@ -70,7 +81,7 @@ def render(records: list[dict], out: str, title: str = "") -> str:
     if not drawn:
       ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes,
               color="gray")
-    if rollbacks and any(stage in ("dpo", "eval") for stage, *_ in lines):
+    if rollbacks and any(stage in guarded for stage, *_ in lines):
       marked = True
       for n, step in enumerate(rollbacks):
         ax.axvline(step, color="red", ls="--", lw=1, label=None if n else "rollback")

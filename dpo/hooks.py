@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from dpo import checkpoint, guards, reference
+from dpo import checkpoint, guards, reference, registry
 from dpo.runner import Hook, Rollback, Stage
 
 
@@ -46,21 +46,13 @@ class LogMetrics(Hook):
     self.t_last, self.tokens_last, self.paused = now, run.tokens, 0.0
     eta = (now - self.t0) / max(step - self.first, 1) * (run.steps - step)
     m = to_python(metrics)
-    if run.name == "dpo":
-      # The exact token KL is a column only when the step computed it (--log_kl, --kl_max with
-      # the reference in the step): a figure not computed is left out, never printed as NaN.
-      kl = f"  kl {m['kl']:.4f}" if "kl" in m else ""
-      logging.info("dpo %5d/%d  loss %.4f  acc %.3f  margin %+.4f%s  |g| %.3f  lr %.2e  "
-                   "skipped %d  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"],
-                   m["rewards/accuracies"], m["rewards/margins"], kl, m["grad_norm"],
-                   m["learning_rate"], m["skipped_steps"], tps, eta)
-    elif run.name == "rm":
-      logging.info("rm %5d/%d  loss %.4f  acc %.3f  margin %+.4f  reward %+.3f  |g| %.3f  "
-                   "lr %.2e  %.0f tok/s  eta %.0fs", step, run.steps, m["loss"], m["accuracy"],
-                   m["margin"], m["mean_reward"], m["grad_norm"], m["learning_rate"], tps, eta)
-    else:
-      logging.info("%s %5d/%d  loss %.4f  |g| %.3f  lr %.2e  %.0f tok/s  eta %.0fs", run.name,
-                   step, run.steps, m["loss"], m["grad_norm"], m["learning_rate"], tps, eta)
+    # The algorithm's columns (registry.Algorithm.columns); one the step did not compute (the
+    # exact token KL without --log_kl) is left out, never printed as NaN.
+    algorithm = registry.ALGORITHMS.get(run.name)
+    columns = algorithm.columns if algorithm is not None else registry.COLUMNS
+    shown = "  ".join(f"{label} {'%' + fmt}" % m[key] for label, key, fmt in columns if key in m)
+    logging.info("%s %5d/%d  %s  %.0f tok/s  eta %.0fs", run.name, step, run.steps, shown, tps,
+                 eta)
     run.writer.write({"stage": run.name, "step": step, **m, "tokens_per_sec": tps})
 
 

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import chat, checkpoint, formats, reward_model, train
+from dpo import chat, checkpoint, formats, registry, reward_model, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.batches import Rows
@@ -292,7 +292,7 @@ def _checkpoint_meta(flag: str, path: str) -> dict:
     meta = checkpoint.read_meta(path)
   except (OSError, checkpoint.CheckpointError, ValueError) as e:
     raise JudgeError(f"{flag}: {path} is not a readable reward-model checkpoint ({e})") from None
-  if meta.get("stage") != "rm" or "model" not in meta:
+  if registry.judge_stage(meta.get("stage", "")) is None or "model" not in meta:
     raise JudgeError(f"{flag}: {path} is a {meta.get('stage')!r} checkpoint, not a reward "
                      f"model (checkpoints/rm_model of an rm stage)")
   return meta
@@ -345,7 +345,7 @@ def check(cfg) -> None:
   _functions(cfg)
   if e.judge.startswith("hf:"):
     _check_hf_folder(e.judge[3:])
-  elif e.judge and e.judge != "rm":
+  elif e.judge and registry.judge_stage(e.judge) is None:
     if not os.path.isdir(e.judge):
       raise JudgeError(f"--judge={e.judge}: no such directory (give a reward-model checkpoint, "
                        f"hf:DIR or rm)")
@@ -353,19 +353,20 @@ def check(cfg) -> None:
 
 
 def _rm_path(cfg) -> str:
-  """--judge=rm: the reward model this run's rm stage saves."""
-  return os.path.join(cfg.run.output_dir, "checkpoints", "rm_model")
+  """--judge=NAME of a stage that trains a reward model (`rm`): the model it saves,
+  checkpoints/NAME_model (registry.Algorithm.scores)."""
+  return os.path.join(cfg.run.output_dir, "checkpoints", f"{cfg.eval.judge}_model")
 
 
 def load(cfg, mesh, run_tok, run_template) -> Judge | None:
   """The judge --judge or --reward_fn names; on the embedded task without either, its true
   reward; else None."""
   e = cfg.eval
-  if e.judge == "rm":
+  if registry.judge_stage(e.judge) is not None:
     path = _rm_path(cfg)
     if not os.path.isdir(path):
-      raise JudgeError(f"--judge=rm: {path} does not exist; --judge=rm is the reward model an "
-                       f"rm stage earlier in --stage trains")
+      raise JudgeError(f"--judge={e.judge}: {path} does not exist; --judge={e.judge} is the "
+                       f"reward model an {e.judge} stage earlier in --stage trains")
     return _checkpoint_judge(cfg, mesh, path, run_tok, run_template)
   if e.judge.startswith("hf:"):
     return _hf_judge(cfg, mesh, e.judge[3:])
@@ -449,8 +450,9 @@ def fingerprint(cfg) -> str:
   one. A stage trained on the judge's labels carries it in its fingerprint, so a resume onto
   another judge is refused, naming the flag."""
   e = cfg.eval
-  if e.judge == "rm":
-    return f"--judge=rm: this run's reward model, sha256 {_checkpoint_digest('--judge=rm', _rm_path(cfg))}"
+  if registry.judge_stage(e.judge) is not None:
+    flag = f"--judge={e.judge}"
+    return f"{flag}: this run's reward model, sha256 {_checkpoint_digest(flag, _rm_path(cfg))}"
   if e.judge.startswith("hf:"):
     return (f"--judge=hf:DIR: config, weights and tokenizer sha256 "
             f"{_hf_digest(f'--judge={e.judge}', e.judge[3:])}")
@@ -486,7 +488,8 @@ def rehearse(cfg, records: Sequence | None, what: str = "training record") -> No
   if judge is None:
     return
   score = judge.each if isinstance(judge, RewardFunctions) else judge.score
-  if isinstance(judge, FunctionJudge) and cfg.online_stages in (("grpo",), ("rloo",)):  # TRL's
+  online = [registry.ALGORITHMS[s] for s in cfg.online_stages]
+  if isinstance(judge, FunctionJudge) and len(online) == 1 and online[0].abstain:  # TRL's
     score = functools.partial(judge.score, allow_none=True)
   for i, rec in enumerate(list(records)[:_REHEARSAL]):
     sides = (rec.chosen, rec.rejected) if hasattr(rec, "rejected") else (rec.completion,)

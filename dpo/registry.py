@@ -3,7 +3,10 @@
 
 An algorithm module (dpo/algorithms/) imports this module and calls `register`; the package
 dpo/algorithms imports each module, so importing it fills the registry. Nothing here imports an
-algorithm.
+algorithm. What is an algorithm's own is declared on its `Algorithm`: its config sections
+(`configs.Config` gains one attribute, and every field one flag, per section), the sections of
+others it reads, its cross-checks, its log line and its curves; configs.py, the loop, the hooks
+and the curves ask the registry and never name a stage.
 """
 
 
@@ -11,6 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, NamedTuple
+
+
+# A stage's log line unless it names its own: (label, metric key, %-format).
+COLUMNS = (("loss", "loss", ".4f"), ("|g|", "grad_norm", ".3f"), ("lr", "learning_rate", ".2e"))
 
 
 class Model(NamedTuple):
@@ -36,16 +43,73 @@ class Algorithm:
   steps_flag: str                # the flag that sets its length (StepConfig.total_steps)
   unpaired: bool = False         # it trains on unpaired --train_data ({prompt, completion,
                                  # label}; loop.Data refuses such data for a recipe with others)
+  sections: tuple[tuple[str, type], ...] = ()
+                                 # config sections it owns: (Config attribute, frozen dataclass of
+                                 # models.config `option`s); each field is a flag (dpo/cli.py)
+  reads: tuple[str, ...] = ()    # others' sections it reads too (a field off its default must go
+                                 # with a stage that owns or reads its section)
+  check: Callable[[Any], None] | None = None
+                                 # its cross-checks, cfg -> None (models.config.check), run on
+                                 # every Config whether or not it is in --stage
+  rows: str = ""                 # the loop.Data table it trains on: "pairs", "rm_pairs", "sft",
+                                 # or "" (none: it samples its own, or reads its own file);
+                                 # each must hold one global batch before any stage runs
+  trains_base: bool = False      # it trains the base weights (else a run without such a stage
+                                 # holds the base frozen from the start, in --base_quant's format)
+  samples: bool = False          # it samples from the policy as it trains (an online stage: it
+                                 # needs a judge, fresh reference log-probs, one pair a row)
+  judged: bool = False           # its policy is what the evaluation's judge scores (a reward
+                                 # model it is judged with is trained before it)
+  scores: bool = False           # it trains a reward model, saved to checkpoints/<name>_model
+                                 # (`--judge=<name>` names it; a sequence classifier --init_from
+                                 # starts only it)
+  abstain: bool = False          # a reward function may return None for its samples, scored NaN
+                                 # (TRL's GRPO and RLOO), when it is the recipe's one online stage
+  columns: tuple[tuple[str, str, str], ...] = COLUMNS
+                                 # its log line: (label, metric key, %-format); a key the step did
+                                 # not return is left out, never printed as nan
+  curves: tuple[tuple[str, str, str], ...] = ()
+                                 # its lines on curves.png: (panel title, metric key, label)
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
+# Set by configs.py when it builds `Config` from the sections registered so far: an algorithm
+# with sections of its own registers before that (dpo/algorithms/__init__.py imports it).
+_closed: list[str] = []
 
 
 def register(algorithm: Algorithm) -> Algorithm:
   if algorithm.name in ALGORITHMS:
     raise ValueError(f"two algorithms are named {algorithm.name}")
+  names = [n for n, _ in algorithm.sections]
+  if algorithm.sections and _closed:
+    raise ValueError(f"algorithm {algorithm.name}: its config sections {names} register after "
+                     f"configs.Config was built; import its module in dpo/algorithms/__init__.py")
+  owned = {n for a in ALGORITHMS.values() for n, _ in a.sections}
+  if set(names) & owned:
+    raise ValueError(f"algorithm {algorithm.name}: config section {sorted(set(names) & owned)} "
+                     f"already has an owner")
   ALGORITHMS[algorithm.name] = algorithm
   return algorithm
+
+
+def sections() -> dict[str, type]:
+  """{Config attribute: section class} of every registered algorithm, in registration order;
+  configs.py builds `Config` from them once, after which no algorithm adds a section."""
+  _closed.append("configs")
+  return {n: cls for a in ALGORITHMS.values() for n, cls in a.sections}
+
+
+def readers(section: str) -> tuple[str, ...]:
+  """The algorithms that own or read config section `section`."""
+  return tuple(a.name for a in ALGORITHMS.values()
+               if section in a.reads or section in dict(a.sections))
+
+
+def judge_stage(judge: str) -> Algorithm | None:
+  """The algorithm `--judge=NAME` names: a registered stage that trains a reward model."""
+  algorithm = ALGORITHMS.get(judge)
+  return algorithm if algorithm is not None and algorithm.scores else None
 
 
 def recipe(stages: tuple[str, ...]) -> list[Algorithm]:

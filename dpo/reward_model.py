@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpo import checkpoint
+from dpo import checkpoint, registry
 from dpo.batches import PairBatch, Rows
 from models import transformer
 
@@ -62,7 +62,7 @@ def load(path: str, model_cfg, mesh) -> dict:
   classifier, which has none); a checkpoint of another stage is a CheckpointError naming it."""
   meta = checkpoint.read_meta(path)
   stage = meta.get("stage")
-  if stage != "rm":
+  if registry.judge_stage(stage or "") is None:
     raise checkpoint.CheckpointError(f"{path}: a {stage!r} checkpoint, not a reward model "
                                      f"(checkpoints/rm_model of an rm stage)")
   specs = {**transformer.param_specs(model_cfg), "score": transformer.score_spec(model_cfg)}

@@ -58,10 +58,8 @@ class StepConfig:
   loss: Any = None          # DPO: LossConfig; SFT: None
   kl: bool = False          # DPO: also compute the token KL(pi || ref) metric
   score_slots: int = 0      # DPO: most tokens a pair row scores (LM head only there); 0 = all
-  reward: Any = None        # RM: RewardConfig (dpo/algorithms/rm.py)
-  grpo: Any = None          # GRPO: policy_gradient.GRPOConfig (dpo/algorithms/grpo.py)
-  rloo: Any = None          # RLOO: policy_gradient.RLOOConfig (dpo/algorithms/rloo.py)
-  kto: Any = None           # KTO: unpaired.Objective (dpo/algorithms/kto.py)
+  own: Any = None           # what the algorithm's own step reads of its own sections (rm: its
+                            # RewardConfig, grpo: GRPOConfig, kto: unpaired.Objective, ...)
 
   @classmethod
   def sft(cls, cfg) -> "StepConfig":

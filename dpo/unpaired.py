@@ -66,7 +66,7 @@ class KTOConfig:
 
 
 class Objective(NamedTuple):
-  """What the KTO step's loss reads (its `train.StepConfig.kto`): the kto section and the loss
+  """What the KTO step's loss reads (its `train.StepConfig.own`): the kto section and the loss
   section's beta."""
   config: KTOConfig
   beta: float

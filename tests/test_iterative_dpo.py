@@ -41,7 +41,7 @@ def _records(out, stage="iterative_dpo"):
 
 
 def test_settings_the_iterative_stage_cannot_honour_are_one_line_errors():
-  with pytest.raises(ValueError, match=r"^--iterative_rounds=3: must go with an iterative stage "
+  with pytest.raises(ValueError, match=r"^--iterative_rounds=3: must go with an iterative_dpo stage "
                                        r"\(--stage=sft,dpo has none\)$"):
     configs.DEFAULT.replace(iterative_rounds=3)
   base = configs.DEFAULT.replace(stage="sft,iterative_dpo")

@@ -201,7 +201,7 @@ def test_step_trains_the_head_and_the_body(reward_model, lora_rank):
   equals `bradley_terry` of the start's rewards."""
   import configs
   _, mcfg, params, score = reward_model
-  cfg = configs.DEFAULT.replace(lora_rank=lora_rank, lora_dropout=0.0, rm_steps=10,
+  cfg = configs.DEFAULT.replace(stage="rm", lora_rank=lora_rank, lora_dropout=0.0, rm_steps=10,
                                 rm_learning_rate=1e-2, global_batch_size=B, warmup_ratio=0.0)
   cfg = cfg.replace(**{f.name: getattr(mcfg, f.name) for f in dataclasses.fields(mcfg)})
   mesh = sharding.make_mesh("data:1", jax.devices()[:1])
@@ -444,7 +444,7 @@ def test_gradient_accumulation_gives_the_whole_batch_update(reward_model):
   batch = batches.PairBatch(pair_rows(12), margin=np.linspace(-1, 1, B).astype(np.float32))
   out = []
   for k in (1, 2):
-    cfg = configs.DEFAULT.replace(lora_rank=4, lora_dropout=0.0, rm_learning_rate=1e-2,
+    cfg = configs.DEFAULT.replace(stage="rm", lora_rank=4, lora_dropout=0.0, rm_learning_rate=1e-2,
                                   global_batch_size=B, gradient_accumulation_steps=k,
                                   center_rewards_coefficient=0.1, warmup_ratio=0.0)
     cfg = cfg.replace(**{f.name: getattr(mcfg, f.name) for f in dataclasses.fields(mcfg)})

@@ -283,4 +283,14 @@ DPO = registry.register(registry.Algorithm(
     hyperparameters=lambda cfg: identity.sections(cfg, ("lora", "optim", "loss", "reference",
                                                          "guard")),
     data_files=("train_data", "tokenizer"), data_seed=2,
-    steps_flag="--steps"))
+    steps_flag="--steps", rows="pairs", judged=True,
+    columns=(("loss", "loss", ".4f"), ("acc", "rewards/accuracies", ".3f"),
+             ("margin", "rewards/margins", "+.4f"), ("kl", "kl", ".4f"),
+             ("|g|", "grad_norm", ".3f"), ("lr", "learning_rate", ".2e"),
+             ("skipped", "skipped_steps", "d")),
+    curves=(("DPO loss", "loss", "train"), ("reward accuracy", "rewards/accuracies", "train"),
+            ("reward margin", "rewards/margins", "train"),
+            ("implicit rewards", "rewards/chosen", "chosen"),
+            ("implicit rewards", "rewards/rejected", "rejected"),
+            ("KL(pi || ref) per token", "kl", "in step"), ("gradient norm", "grad_norm", "dpo"),
+            ("learning rate", "learning_rate", "dpo"))))

@@ -42,6 +42,7 @@ from dpo import batches, identity, judges, logprobs, registry, train
 from dpo import policy_gradient as pg
 from dpo.algorithms import dpo, online_dpo
 from models import sharding, transformer
+from models.config import check, shown
 
 
 class GRPOBatch(NamedTuple):
@@ -73,10 +74,10 @@ def grpo_step(spec: train.StepConfig, state: train.TrainState, frozen,
     params, adapter = policy_weights(spec, frozen, trainable)
     s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True)
     entropies = pg.token_entropy(s.logits)  # TRL's: logged, and read by the entropy options
-    if not spec.grpo.entropy_coef:
+    if not spec.own.entropy_coef:
       entropies = jax.lax.stop_gradient(entropies)
     return pg.grpo_loss(s.logps, micro.old_logps, micro.ref_logps, micro.advantages, s.mask,
-                        spec.grpo, num_items=num_items, entropies_NT=entropies)
+                        spec.own, num_items=num_items, entropies_NT=entropies)
 
   def grad_fn(trainable, micro, i):
     del i
@@ -236,7 +237,36 @@ def run(p, model: registry.Model) -> registry.Model:
 
 def step_config(cfg) -> train.StepConfig:
   return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.grpo_steps,
-                             loss=None, kl=False, grpo=cfg.grpo)
+                             loss=None, kl=False, own=cfg.grpo)
+
+
+def check_groups(cfg, stage: str, prefix: str, section, group: str) -> None:
+  """A sampling stage's group size divides the batch and its iterations divide its length and
+  the checkpoint cadence (checkpoints fall between generation batches)."""
+  generations = getattr(section, f"{prefix}num_generations")
+  iterations = getattr(section, f"{prefix}num_iterations")
+  steps = getattr(cfg.online, f"{stage}_steps")
+  here = stage in cfg.run.stages
+  check(not here or cfg.optim.global_batch_size % generations == 0,
+        f"--{prefix}num_generations={generations}: must divide --global_batch_size="
+        f"{cfg.optim.global_batch_size} (a step's completions, {group} per prompt)")
+  check(not here or (steps % iterations == 0 and cfg.checkpoint.checkpoint_every % iterations == 0),
+        f"--{prefix}num_iterations={iterations}: must divide --{stage}_steps={steps} and "
+        f"--checkpoint_every={cfg.checkpoint.checkpoint_every} (checkpoints fall between "
+        f"generation batches)")
+
+
+def check_config(cfg) -> None:
+  """Groups and iterations; --reward_weights: one weight per --reward_fn function (TRL's
+  reward_weights)."""
+  check_groups(cfg, GRPO.name, "", cfg.grpo, "G")
+  weights, functions = cfg.grpo.reward_weights, len(cfg.eval.reward_fn.split(","))
+  check(not weights or bool(cfg.eval.reward_fn),
+        f"--reward_weights={shown(weights)}: weighs the functions of --reward_fn=a:f,b:g; "
+        f"give them")
+  check(not weights or len(weights) == functions,
+        f"--reward_weights={shown(weights)}: give one weight per --reward_fn function "
+        f"({functions}: {cfg.eval.reward_fn}), not {len(weights)}")
 
 
 GRPO = registry.register(registry.Algorithm(
@@ -244,4 +274,6 @@ GRPO = registry.register(registry.Algorithm(
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "online",
                                                           "grpo")),
                                  "judge": judges.fingerprint(cfg)},
-    data_files=("train_data", "tokenizer"), data_seed=5, steps_flag="--grpo_steps"))
+    data_files=("train_data", "tokenizer"), data_seed=5, steps_flag="--grpo_steps",
+    sections=(("grpo", pg.GRPOConfig),), reads=("online",), check=check_config, samples=True,
+    judged=True, abstain=True))

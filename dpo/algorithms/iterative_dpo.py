@@ -34,6 +34,7 @@ back (the output directory is shared, as for the checkpoints) and train on their
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import json
 import logging
 import os
@@ -46,6 +47,50 @@ from dpo import batches, checkpoint, identity, judges, packing, prepare, registr
 from dpo import data as data_lib
 from dpo.algorithms import dpo, online_dpo
 from dpo.runner import Hook
+from models.config import NONNEG, at_least, check, option, rules, shown
+
+
+@dataclass(frozen=True)
+class IterativeConfig:
+  """Iterative DPO (dpo/algorithms/iterative_dpo.py): rounds of sampling a preference file from
+  the policy, labelled by the judge, and offline DPO steps on it. Sampling reads the online
+  section's --online_temperature, --online_max_new_tokens and --missing_eos_penalty."""
+  iterative_rounds: int = option(4, "Iterative DPO rounds (stage iterative_dpo): each samples "
+                                 "a preference file from the policy and trains on it.")
+  iterative_steps_per_round: int = option(50, "DPO optimizer steps of each iterative round "
+                                          "(the stage's length is rounds x this).")
+  iterative_prompts: int = option(0, "Training prompts sampled (two completions each) per "
+                                  "iterative round: the next slice of the distinct training "
+                                  "prompts, epoch after epoch in a seeded shuffle (a prompt "
+                                  "recurs once the table is used up); 0 = "
+                                  "--iterative_steps_per_round x --global_batch_size (each pair "
+                                  "trained on once).")
+  iterative_ref_update: bool = option(False, "Iterative DPO: the policy at the end of each round "
+                                      "becomes the next round's reference (TR-DPO's hard "
+                                      "update every --iterative_steps_per_round steps); False = "
+                                      "the reference stays the model the stage started from.")
+
+  def __post_init__(self):
+    rules(self, iterative_rounds=at_least(1), iterative_steps_per_round=at_least(1),
+          iterative_prompts=NONNEG)
+
+
+def check_config(cfg) -> None:
+  """What the iterative section asks of the batch, the reference and the loss."""
+  it = cfg.iterative
+  check(not it.iterative_prompts or it.iterative_prompts >= cfg.optim.global_batch_size,
+        f"--iterative_prompts={it.iterative_prompts}: must be 0 or at least "
+        f"--global_batch_size={cfg.optim.global_batch_size} (a round's pairs fill its batches)")
+  check(not it.iterative_ref_update or cfg.reference.ref_update == "none",
+        f"--iterative_ref_update=True: the policy already becomes the reference each round; "
+        f"not with --ref_update={cfg.reference.ref_update!r}")
+  check(not (it.iterative_ref_update and cfg.reference.ref_init_from and cfg.lora.enabled),
+        f"--iterative_ref_update=True with --ref_init_from={cfg.reference.ref_init_from!r}: "
+        f"must go with full fine-tuning, --lora_rank=0 (with LoRA the updated reference is the "
+        f"policy's own base plus its adapter)")
+  check(not (it.iterative_ref_update and cfg.loss.reference_free),
+        f"--iterative_ref_update=True: must go with a loss that reads the reference, not the "
+        f"reference-free --loss_type={shown(cfg.loss.loss_type)}")
 
 _PAIR_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -274,4 +319,6 @@ ITERATIVE_DPO = registry.register(registry.Algorithm(
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "loss", "reference",
                                                           "guard", "online", "iterative")),
                                  "judge": judges.fingerprint(cfg)},
-    data_files=("train_data", "tokenizer"), data_seed=7, steps_flag="--iterative_rounds"))
+    data_files=("train_data", "tokenizer"), data_seed=7, steps_flag="--iterative_rounds",
+    sections=(("iterative", IterativeConfig),), reads=("online",), check=check_config,
+    samples=True, judged=True))

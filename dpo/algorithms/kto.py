@@ -39,6 +39,7 @@ from dpo import data as data_lib
 from dpo import unpaired
 from dpo.algorithms import dpo
 from models import transformer
+from models.config import check
 
 
 class KTOBatch(NamedTuple):
@@ -110,7 +111,7 @@ def microbatch_loss(spec: train.StepConfig, frozen: train.Frozen, trainable, bat
                     dropout_key):
   """(loss, metrics) of one (micro)batch of unpaired examples: the policy's and the reference's
   summed completion log-probs, z0 from the mismatched rows (both models, no gradient), the
-  objective of `spec.kto`."""
+  objective of `spec.own`."""
   ref_params, ref_adapter = _reference(spec, frozen)
   policy_params, adapter, plain = trainable, None, None
   if spec.lora.enabled:
@@ -126,7 +127,7 @@ def microbatch_loss(spec: train.StepConfig, frozen: train.Frozen, trainable, bat
     z0 = unpaired.reference_point(stopped(policy_params, batch.mismatched, plain),
                                   stopped(ref_params, batch.mismatched, ref_adapter))
   lp = unpaired.UnpairedLogps(policy_B, reference_B, batch.desirable)
-  return unpaired.kto_loss(lp, z0, spec.kto.beta, spec.kto.config)
+  return unpaired.kto_loss(lp, z0, spec.own.beta, spec.own.config)
 
 
 def kto_step(spec: train.StepConfig, state: train.TrainState, frozen: train.Frozen,
@@ -146,7 +147,7 @@ def step_config(cfg) -> train.StepConfig:
   """The DPO stage's static argument (model, optim, --learning_rate, --steps, lora) with the
   objective (the kto section, the loss section's beta) in place of the loss section."""
   return dataclasses.replace(train.StepConfig.dpo(cfg), loss=None, kl=False,
-                             kto=unpaired.Objective(cfg.kto, cfg.loss.beta))
+                             own=unpaired.Objective(cfg.kto, cfg.loss.beta))
 
 
 def _weights_advice(c, desirable: np.ndarray) -> None:
@@ -193,9 +194,20 @@ def run(p, model: registry.Model) -> registry.Model:
   return dpo.preference_stage(p, model, KTO, training_rows, "logratio")
 
 
+def check_config(cfg) -> None:
+  """A kto stage computes the reference in its step, one example a row."""
+  here = KTO.name in cfg.run.stages
+  check(not here or not cfg.reference.precompute_ref,
+        f"--precompute_ref=True: the kto stage computes the reference in its step; not with "
+        f"--stage={cfg.run.stage}")
+  check(not here or not cfg.model.packing,
+        f"--packing=True: the kto stage reads one example a row; not with "
+        f"--stage={cfg.run.stage}")
+
+
 KTO = registry.register(registry.Algorithm(
     name="kto", step=kto_step, batch=lambda host: host, step_config=step_config, run=run,
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "guard",
                                                           "kto")), "beta": cfg.loss.beta},
     data_files=("train_data", "tokenizer"), data_seed=6, steps_flag="--steps",
-    unpaired=True))
+    unpaired=True, sections=(("kto", unpaired.KTOConfig),), check=check_config, judged=True))

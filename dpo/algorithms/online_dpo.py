@@ -28,6 +28,7 @@ a reward model on the mesh); each then hands the step its own block of the pairs
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import time
 
 import jax
@@ -37,6 +38,30 @@ from dpo import batches, identity, judges, packing, registry, train
 from dpo import data as data_lib
 from dpo.algorithms import dpo
 from models import sampler, sharding, transformer
+from models.config import FINITE_NONNEG, NONNEG, option, rules
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+  """Online preference stages (dpo/algorithms/online_dpo.py): each step samples from the
+  current policy and the judge (--judge / --reward_fn) labels the samples."""
+  online_steps: int = option(200, "Online DPO optimizer steps (stage online_dpo); each samples two "
+                             "completions for each of --global_batch_size training prompts.")
+  online_temperature: float = option(0.9, "Sampling temperature of the online stages' samples "
+                                     "(TRL's default 0.9).")
+  online_max_new_tokens: int = option(0, "Tokens sampled per online completion (0 = "
+                                      "max_target_length).")
+  grpo_steps: int = option(200, "GRPO optimizer steps (stage grpo); a batch of samples is drawn "
+                           "every --num_iterations of them.")
+  rloo_steps: int = option(200, "RLOO optimizer steps (stage rloo); a batch of samples is drawn "
+                           "every --rloo_num_iterations of them.")
+  missing_eos_penalty: float = option(0.0, "Subtracted from the judge's reward of a sample that "
+                                      "does not end (no EOS or end-of-turn within the token "
+                                      "budget), as TRL's missing_eos_penalty; 0 = none.")
+
+  def __post_init__(self):
+    rules(self, online_steps=NONNEG, grpo_steps=NONNEG, rloo_steps=NONNEG, online_temperature=FINITE_NONNEG,
+          online_max_new_tokens=NONNEG, missing_eos_penalty=FINITE_NONNEG)
 
 
 def prompt_table(pairs: dict, pad_id: int) -> tuple[dict, list[int]]:
@@ -192,4 +217,5 @@ ONLINE_DPO = registry.register(registry.Algorithm(
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "loss", "reference",
                                                           "guard", "online")),
                                  "judge": judges.fingerprint(cfg)},
-    data_files=("train_data", "tokenizer"), data_seed=4, steps_flag="--online_steps"))
+    data_files=("train_data", "tokenizer"), data_seed=4, steps_flag="--online_steps",
+    sections=(("online", OnlineConfig),), samples=True, judged=True))

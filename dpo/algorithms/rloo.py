@@ -35,6 +35,7 @@ import numpy as np
 from dpo import batches, identity, judges, logprobs, registry, train
 from dpo import policy_gradient as pg
 from dpo.algorithms import dpo, grpo
+from models.config import check, shown
 
 
 class RLOOBatch(NamedTuple):
@@ -54,7 +55,7 @@ def rloo_step(spec: train.StepConfig, state: train.TrainState, frozen,
     params, adapter = grpo.policy_weights(spec, frozen, trainable)
     s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True)
     entropies = jax.lax.stop_gradient(pg.token_entropy(s.logits))
-    return pg.rloo_loss(s.logps, micro.old_logps, micro.advantages, s.mask, spec.rloo,
+    return pg.rloo_loss(s.logps, micro.old_logps, micro.advantages, s.mask, spec.own,
                         entropies_NT=entropies)
 
   def grad_fn(trainable, micro, i):
@@ -116,7 +117,18 @@ def run(p, model: registry.Model) -> registry.Model:
 
 def step_config(cfg) -> train.StepConfig:
   return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.rloo_steps,
-                             loss=None, kl=False, rloo=cfg.rloo)
+                             loss=None, kl=False, own=cfg.rloo)
+
+
+def check_config(cfg) -> None:
+  """Groups and iterations; of the grpo section the stage reads only --reward_weights."""
+  grpo.check_groups(cfg, RLOO.name, "rloo_", cfg.rloo, "k")
+  unread = [f.name for f in dataclasses.fields(cfg.grpo)
+            if getattr(cfg.grpo, f.name) != f.default and f.name != "reward_weights"]
+  check(RLOO.name not in cfg.run.stages or grpo.GRPO.name in cfg.run.stages or not unread,
+        f"--{(unread + [''])[0]}={shown(getattr(cfg.grpo, (unread + ['grpo_beta'])[0]))}: "
+        f"must go with a grpo stage (--stage={cfg.run.stage} has none; the rloo stage reads "
+        f"only --reward_weights of its section)")
 
 
 RLOO = registry.register(registry.Algorithm(
@@ -124,4 +136,6 @@ RLOO = registry.register(registry.Algorithm(
     hyperparameters=lambda cfg: {**identity.sections(cfg, ("lora", "optim", "reference", "online",
                                                           "rloo")),
                                  "judge": judges.fingerprint(cfg)},
-    data_files=("train_data", "tokenizer"), data_seed=8, steps_flag="--rloo_steps"))
+    data_files=("train_data", "tokenizer"), data_seed=8, steps_flag="--rloo_steps",
+    sections=(("rloo", pg.RLOOConfig),), reads=("online", "grpo"), check=check_config,
+    samples=True, judged=True, abstain=True))

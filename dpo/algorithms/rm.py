@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,47 @@ from dpo.batches import PairBatch
 from dpo.program import Start
 from models import lora as lora_lib
 from models import transformer
+from models.config import FINITE_NONNEG, FINITE_POS, NONNEG, check, option, rules
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+  """The reward-model stage (--stage=rm, dpo/algorithms/rm.py): TRL RewardTrainer's
+  Bradley-Terry objective on the preference pairs, with LoRA (head trainable) or full weights
+  as the lora section says."""
+  rm_steps: int = option(1000, "Reward-model optimizer steps (stage rm).")
+  rm_learning_rate: float = option(1e-5, "Peak reward-model learning rate (AdamW).")
+  center_rewards_coefficient: float = option(
+      0.0, "Adds coef * mean((r_chosen + r_rejected)^2) to the reward loss, pulling rewards "
+      "towards zero mean (TRL's center_rewards_coefficient, Eisenstein et al. 2023); 0 = none.")
+  rm_split: float = option(0.0, "With an rm stage and other stages in --stage: the fraction of the "
+                           "training prompts (by a hash of each prompt) the rm stage trains on; "
+                           "the other stages train on the rest, so a judge (--judge=rm) does not "
+                           "score the policy on the prompts it learnt from. 0 = every stage "
+                           "trains on every pair.")
+  export_rm_hf: str = option("", "Also export the trained reward model to this directory as a "
+                             "transformers *ForSequenceClassification folder (one label, "
+                             "score.weight) with the tokenizer; empty = none.")
+
+  def __post_init__(self):
+    rules(self, rm_steps=NONNEG, rm_learning_rate=FINITE_POS,
+          center_rewards_coefficient=FINITE_NONNEG, rm_split=(lambda v: 0.0 <= v < 1.0,
+                                                              "in [0, 1)"))
+
+
+def check_config(cfg) -> None:
+  """What an rm stage, or the flags of one, ask of the rest of the config."""
+  here = RM.name in cfg.run.stages
+  check(not here or cfg.reward.rm_steps >= 1,
+        f"--rm_steps={cfg.reward.rm_steps}: must be >= 1 with --stage={cfg.run.stage}")
+  check(not here or not cfg.model.packing,
+        f"--packing=True: the rm stage reads one pair a row; not with --stage={cfg.run.stage}")
+  check(not here or cfg.model.base_quant == "none",
+        f"--base_quant={cfg.model.base_quant!r}: the rm stage trains on a float base; not "
+        f"with --stage={cfg.run.stage}")
+  check(not cfg.reward.rm_split or (here and len(cfg.run.stages) > 1),
+        f"--rm_split={cfg.reward.rm_split}: must go with an rm stage and another stage to "
+        f"split the prompts with (--stage={cfg.run.stage})")
 
 
 def trainable_specs(model, lora) -> dict:
@@ -70,7 +112,7 @@ def microbatch_loss(spec: train.StepConfig, frozen, trainable, batch: PairBatch,
     params, adapter = frozen.params, transformer.Adapter.training(
         trainable["body"], spec.lora, dropout_key)
   r_B2 = reward_lib.rewards(spec.model, params, trainable["score"], batch, adapter)
-  return bradley_terry(r_B2, batch.margin, spec.reward.center_rewards_coefficient)
+  return bradley_terry(r_B2, batch.margin, spec.own.center_rewards_coefficient)
 
 
 def rm_step(spec: train.StepConfig, state: train.TrainState, frozen,
@@ -85,8 +127,7 @@ def rm_step(spec: train.StepConfig, state: train.TrainState, frozen,
 def step_config(cfg) -> train.StepConfig:
   """The reward step's static argument: model, optimizer, LoRA and the reward section."""
   r = cfg.reward
-  return train.StepConfig(cfg.model, cfg.optim, r.rm_learning_rate, r.rm_steps, cfg.lora,
-                          reward=r)
+  return train.StepConfig(cfg.model, cfg.optim, r.rm_learning_rate, r.rm_steps, cfg.lora, own=r)
 
 
 def reward_model(c, params, trainable) -> dict:
@@ -129,7 +170,7 @@ def run(p, model: registry.Model) -> registry.Model:
   t_rm = time.perf_counter()
   pairs = p.data.pairs if p.data.rm_pairs is None else p.data.rm_pairs  # --rm_split
   state = p.stage(RM, start, _rows(c, pairs), stage_hooks).run()
-  out = os.path.join(c.run.output_dir, "checkpoints", "rm_model")
+  out = os.path.join(c.run.output_dir, "checkpoints", f"{RM.name}_model")
   made = reward_model(c, base, state.params)
   # What a judge built from this checkpoint must read text with (dpo/judges.py).
   reads = {"tokenizer": p.data.tok.fingerprint(),
@@ -201,4 +242,9 @@ RM = registry.register(registry.Algorithm(
     name="rm", step=rm_step, batch=batches.PairBatch.of, step_config=step_config, run=run,
     hyperparameters=lambda cfg: {k: v for k, v in identity.sections(
         cfg, ("lora", "optim", "reward")).items() if k != "learning_rate"},  # DPO's, not read
-    data_files=("train_data", "tokenizer"), data_seed=3, steps_flag="--rm_steps"))
+    data_files=("train_data", "tokenizer"), data_seed=3, steps_flag="--rm_steps",
+    sections=(("reward", RewardConfig),), check=check_config, rows="rm_pairs", scores=True,
+    columns=(("loss", "loss", ".4f"), ("acc", "accuracy", ".3f"), ("margin", "margin", "+.4f"),
+             ("reward", "mean_reward", "+.3f"), ("|g|", "grad_norm", ".3f"),
+             ("lr", "learning_rate", ".2e")),
+    curves=(("reward model accuracy", "accuracy", "rm"),)))

@@ -12,6 +12,7 @@ import jax
 
 from dpo import batches, checkpoint, data, hooks, identity, packing, registry, train
 from dpo.program import Start
+from models.config import check
 
 # What the SFT stage's result depends on besides the model, seed and data (dpo/identity.py).
 _OPTIM = ("sft_learning_rate", "global_batch_size", "warmup_ratio", "weight_decay", "adam_b1",
@@ -59,9 +60,23 @@ def run(p, model: registry.Model) -> registry.Model:
   return registry.Model(state.params, os.path.abspath(sft_out))
 
 
+def check_config(cfg) -> None:
+  """The SFT flags of the optim section ask for an sft stage."""
+  here = SFT.name in cfg.run.stages
+  check(not here or cfg.optim.sft_steps >= 1,
+        f"--sft_steps={cfg.optim.sft_steps}: must be >= 1 with --stage={cfg.run.stage} "
+        f"(--stage=dpo skips SFT)")
+  check(not cfg.optim.sft_packing or here,
+        f"--sft_packing={cfg.optim.sft_packing}: packs the sft stage's rows; --stage="
+        f"{cfg.run.stage} has none")
+
+
 SFT = registry.register(registry.Algorithm(
     name="sft", step=train.sft_step, batch=batches.Rows.of,
     step_config=train.StepConfig.sft, run=run,
     hyperparameters=lambda cfg: {k: getattr(cfg.optim, k) for k in _OPTIM},
     data_files=("sft_data", "train_data", "tokenizer"), data_seed=1,
-    steps_flag="--sft_steps", unpaired=True))  # unpaired data: its desirable completions
+    steps_flag="--sft_steps", unpaired=True,  # unpaired data: its desirable completions
+    check=check_config, rows="sft", trains_base=True,
+    curves=(("SFT loss (NLL per token)", "loss", "sft"), ("gradient norm", "grad_norm", "sft"),
+            ("learning rate", "learning_rate", "sft"))))

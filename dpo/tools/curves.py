@@ -9,6 +9,7 @@ evaluation win rate and perplexity over steps, rollbacks marked. The default job
 
 from absl import app, flags
 
+from dpo import algorithms  # noqa: F401 (importing it registers every stage and its curves)
 from dpo import curves
 
 FLAGS = flags.FLAGS
