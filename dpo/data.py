@@ -1,20 +1,21 @@
 """Preference and SFT data: files -> records -> token arrays -> per-process batches.
 
-A data flag's value (`--train_data`, `--eval_data`, `--sft_data`) names one source or a
-mixture of several (`parse_sources`). A source is a file, a glob pattern of shards (read in
-sorted order), or a folder written by `datasets`' `Dataset.save_to_disk` (the Arrow files its
-state.json lists, in that order). Every source is read by `iter_objects`, which tells a file's
-kind from its magic bytes, not its name: JSONL or a JSON array, optionally gzipped, with or
-without a UTF-8 byte-order mark; Parquet; Arrow IPC (stream, as `save_to_disk` writes it, or
-file). JSONL, Parquet and Arrow are read lazily (Parquet and Arrow one record batch at a
-time, turned into plain Python dicts, so a large file is never held twice in memory); a JSON
-array is parsed whole (the format allows nothing else). Parquet and Arrow need pyarrow (the
-`parquet` extra). Errors are `DataError`s whose message starts with the record's location,
-`file:LINE` for JSONL (1-based line), `file[INDEX]` for JSON arrays (0-based), `file row ROW`
-for Parquet and Arrow (0-based within the file), and names the offending field.
-`dpo.formats` parses the objects of the preference and SFT formats users bring; a mixture is
-each source's records parsed on their own, then `read_sources` takes each source's share of
-them; `load_preference_jsonl` reads plain string preference records (--eval_data of the
+A data flag's value (`--train_data`, `--eval_data`, `--sft_data`) names one source or a mixture
+of several (`parse_sources`); it is parsed once, where it is read (`data_value`, in loop.Data),
+and the readers below take that `DataValue`, never the string again. A source is a file, a glob
+pattern of shards (read in sorted order), or a folder written by `datasets`'
+`Dataset.save_to_disk` (the Arrow files its state.json lists, in that order). Every source is
+read by `iter_objects`, which tells a file's kind from its magic bytes, not its name: JSONL or a
+JSON array, optionally gzipped, with or without a UTF-8 byte-order mark; Parquet; Arrow IPC
+(stream, as `save_to_disk` writes it, or file). JSONL, Parquet and Arrow are read lazily
+(Parquet and Arrow one record batch at a time, turned into plain Python dicts, so a large file
+is never held twice in memory); a JSON array is parsed whole (the format allows nothing else).
+Parquet and Arrow need pyarrow (the `parquet` extra). Errors are `DataError`s whose message
+starts with the record's location, `file:LINE` for JSONL (1-based line), `file[INDEX]` for JSON
+arrays (0-based), `file row ROW` for Parquet and Arrow (0-based within the file), and names the
+offending field. `dpo.formats` parses the objects of the preference and SFT formats users bring;
+a mixture is each source's records parsed on their own, then `read_sources` takes each source's
+share of them; `load_preference_jsonl` reads plain string preference records (--eval_data of the
 embedded task).
 
 Layout of a tokenized DPO example (one row per pair, axis P = 2 for chosen / rejected):
@@ -129,6 +130,29 @@ def parse_sources(value: str) -> tuple[Source, ...]:
   if twice:
     raise ValueError(f"names {twice[0]} twice")
   return sources
+
+
+class DataValue(NamedTuple):
+  """A data flag's value parsed once (`data_value`): the flag that gave it ("" for a path given
+  in code), the value as given (what messages, logs and reports name) and its sources."""
+  flag: str
+  value: str
+  sources: tuple[Source, ...]
+
+  @property
+  def named(self) -> str:
+    """`--flag=value` (the value alone without a flag): how an error about the whole value
+    begins."""
+    return f"--{self.flag}={self.value}" if self.flag else self.value
+
+
+def data_value(value: str | DataValue, flag: str = "") -> DataValue:
+  """`value` parsed into its sources (`parse_sources`; a DataValue is returned as it is): the
+  one parse of a data flag's value, where it is read (loop.Data), or at the top of a function
+  that code calls with a plain path."""
+  if isinstance(value, DataValue):
+    return value
+  return DataValue(flag, value, parse_sources(value))
 
 
 def hub_identity(cfg) -> dict[str, str]:
@@ -255,11 +279,11 @@ def file_sha256(path: str) -> str:
     raise denied(path, e) from None
 
 
-def source_digest(value: str) -> str:
+def source_digest(value: str | DataValue) -> str:
   """sha256 of what a data flag's value reads: one file's content (so a file's digest is the
   same whatever names it); else, source by source, its fraction and the names and contents of
   the files it reads, in reading order (a changed, added or removed shard changes it)."""
-  sources = parse_sources(value)
+  sources = data_value(value).sources
   if len(sources) == 1 and os.path.isfile(sources[0].path):
     return file_sha256(sources[0].path)
   h = hashlib.sha256()
@@ -280,7 +304,7 @@ def mixture_counts(sizes: Sequence[int], fractions: Sequence[float]) -> list[int
   return [round(w * total) for w in weights]
 
 
-def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]],
+def read_sources(value: str | DataValue, read: Callable[[str], Iterable[tuple[str, T]]],
                  flag: str = "") -> tuple[list[tuple[str, T]], list[dict]]:
   """((location, record) of every record `value` gives, {source, fraction, records, taken} of
   each source).
@@ -288,11 +312,11 @@ def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]],
   Each source is read on its own by `read(path)` (so each has its own format); a mixture then
   takes the first `mixture_counts` of each source's records, in reading order, as TRL's
   `get_dataset` does (`dataset.select(range(k))`; shuffle a source first to take others); the
-  sources follow one another. A source that would give no record is a DataError naming `--flag`
-  and the source.
+  sources follow one another. A source that would give no record is a DataError naming the
+  value's flag (`flag`, for a plain string) and the source.
   """
-  sources = parse_sources(value)
-  named = f"--{flag}={value}" if flag else value
+  value = data_value(value, flag)
+  sources, named = value.sources, value.named
   if not sources:
     raise DataError(f"{named}: no data given")
   located = [list(read(s.path)) for s in sources]
@@ -316,7 +340,7 @@ def read_sources(value: str, read: Callable[[str], Iterable[tuple[str, T]]],
     report.append({"source": s.path, "fraction": s.fraction, "records": len(records),
                    "taken": k})
     if len(sources) > 1:
-      logging.info("%s: %d of %d records from %s%s", value, k, len(records), s.path,
+      logging.info("%s: %d of %d records from %s%s", value.value, k, len(records), s.path,
                    "" if s.fraction is None else f" (fraction {s.fraction:g}: the first {k})")
   return out, report
 
@@ -495,15 +519,16 @@ def text_field(obj: dict, field: str, where: str, allow_empty: bool = False) -> 
   return value
 
 
-def load_preference_jsonl(path: str, flag: str = "") -> list[PreferenceRecord]:
+def load_preference_jsonl(path: str | DataValue, flag: str = "") -> list[PreferenceRecord]:
   """Reads {"prompt", "chosen", "rejected"} records from any source `iter_objects` reads, or a
-  mixture of them (`read_sources`; errors name `--flag`)."""
+  mixture of them (`read_sources`; errors name the value's flag, `flag` for a plain string)."""
+  value = data_value(path, flag)
   read = lambda p: ((where, PreferenceRecord(
       text_field(o, "prompt", where, allow_empty=True), text_field(o, "chosen", where),
       text_field(o, "rejected", where))) for where, o in iter_objects(p))
-  located, _ = read_sources(path, read, flag)
+  located, _ = read_sources(value, read)
   if not located:
-    raise DataError(f"{path}: no records")
+    raise DataError(f"{value.value}: no records")
   return [r for _, r in located]
 
 

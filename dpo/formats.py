@@ -74,8 +74,8 @@ import math
 import os
 from typing import Iterator, NamedTuple, Sequence, Union
 
-from dpo.data import (DataError, PreferenceRecord, SFTRecord, check_text, get_field,
-                      iter_objects, parse_sources, text_field, unpair_order)
+from dpo.data import (DataError, DataValue, PreferenceRecord, SFTRecord, check_text, data_value,
+                      get_field, iter_objects, text_field, unpair_order)
 
 FORMATS = ("auto", "standard", "conversational", "implicit", "openai", "sharegpt", "columns")
 HH_ASSISTANT = "\n\nAssistant:"
@@ -477,12 +477,13 @@ def _iter_parsed(path: str, fmt: str, parse, classify, skips: "Skips | None", st
     yield where, record
 
 
-def margins(path: str) -> dict[str, float]:
+def margins(path: str | DataValue) -> dict[str, float]:
   """{location: margin} of the records with a `margin` field (TRL's reward-model column: the
-  pair's required reward gap, read by the rm stage) in every source `path` names; a value that
-  is not a finite number is a DataError naming the record and the field."""
+  pair's required reward gap, read by the rm stage) in every source `path` names (a data flag's
+  parsed value, or a plain one); a value that is not a finite number is a DataError naming the
+  record and the field."""
   out = {}
-  for where, obj in (x for s in parse_sources(path) for x in iter_objects(s.path)):
+  for where, obj in (x for s in data_value(path).sources for x in iter_objects(s.path)):
     value = obj.get("margin") if isinstance(obj, dict) else None
     if value is None:
       continue
@@ -653,19 +654,19 @@ def iter_unpaired_records(path: str, stats: collections.Counter | None = None,
                                     _unpaired_undetectable, _UNPAIRED_PARSERS), stats, skips)
 
 
-def is_unpaired(value: str) -> bool:
-  """Whether a data flag's sources hold unpaired records, by each source's first record (every
-  record is checked when it is parsed); sources of both kinds are a DataError naming one of
-  each."""
-  kinds = {}
-  for source in parse_sources(value):
+def is_unpaired(value: str | DataValue) -> bool:
+  """Whether a data flag's sources (its parsed value, or a plain one) hold unpaired records, by
+  each source's first record (every record is checked when it is parsed); sources of both
+  kinds are a DataError naming one of each."""
+  value, kinds = data_value(value), {}
+  for source in value.sources:
     first = next(iter_objects(source.path), None)
     if first is not None:
       kinds[source.path] = unpaired_record_format(first[1]) is not None
   if len(set(kinds.values())) > 1:
     paired = next(p for p, k in kinds.items() if not k)
     unpaired = next(p for p, k in kinds.items() if k)
-    raise DataError(f"{value}: mixes unpaired records ({unpaired}) with preference pairs "
+    raise DataError(f"{value.value}: mixes unpaired records ({unpaired}) with preference pairs "
                     f"({paired}); give one kind (the kto stage converts pairs itself)")
   return any(kinds.values())
 

@@ -65,7 +65,7 @@ class Data:
     online = bool(cfg.online_stages)
     self.unpaired = self.unpaired_held = None  # unpaired --train_data: rows and `label`
     pair_flags = d.data_format != "auto" or d.chosen_field or d.rejected_field
-    if not self.embedded and not pair_flags and formats.is_unpaired(d.train_data):
+    if not self.embedded and not pair_flags and formats.is_unpaired(self._value(cfg, "train_data")):
       self.pairs, self.held = None, self._file_unpaired(cfg)
     else:
       self.pairs, self.held = (self._task_pairs(cfg) if self.embedded else
@@ -85,13 +85,21 @@ class Data:
                  "pairs" if self.pairs is not None else "unpaired examples",
                  train["tokens"].shape[-1], 0 if self.held is None else len(self.held["tokens"]))
 
+  def _value(self, cfg, flag: str) -> data_lib.DataValue:
+    """--flag's value parsed into its sources (`data.data_value`), once per Data: the readers
+    below hand this to prepare, data and formats, never the string."""
+    values = vars(self).setdefault("_values", {})
+    if flag not in values:
+      values[flag] = data_lib.data_value(getattr(cfg.data, flag), flag)
+    return values[flag]
+
   def _task_pairs(self, cfg) -> tuple[dict, dict | None]:
     """(training pairs, held-out pairs) of the embedded task (held-out: --eval_data if given)."""
     d, seed = cfg.data, cfg.run.seed
     lens = (d.max_prompt_length, d.max_target_length)
     pairs = task.preference_records(d.task_train_pairs, seed)
     self.train_records = list(pairs)
-    held = (data_lib.load_preference_jsonl(d.eval_data, "eval_data") if d.eval_data else
+    held = (data_lib.load_preference_jsonl(self._value(cfg, "eval_data")) if d.eval_data else
             task.preference_records(d.task_eval_pairs, seed, held_out=True))
     self.held_records = list(held) or None
     return (data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs"),
@@ -109,17 +117,16 @@ class Data:
     how = prepare.Preparation(
         self.tok, formats.FormatSpec(d.data_format, d.prompt_field, d.chosen_field,
                                      d.rejected_field),
-        self.template, d.max_prompt_length, d.max_target_length, d.skip_bad_records,
-        "train_data")
+        self.template, d.max_prompt_length, d.max_target_length, d.skip_bad_records)
     prep = functools.partial(prepare.prepare_pairs, cache_dir=cache_dir)
-    train_prep = prep(d.train_data, how, eval_split=d.eval_split, train_records=train_records)
+    train_prep = prep(self._value(cfg, "train_data"), how, eval_split=d.eval_split,
+                      train_records=train_records)
     self.reports.append(train_prep.report)
     self.train_records, self.cuts = train_prep.train_records, train_prep.cuts
     if not d.eval_data:
       self.held_records = train_prep.held_records
       return train_prep.train, train_prep.held
-    eval_prep = prep(d.eval_data, how._replace(flag="eval_data"), eval_split=0.0,
-                     train_records=True)
+    eval_prep = prep(self._value(cfg, "eval_data"), how, eval_split=0.0, train_records=True)
     self.reports.append(eval_prep.report)
     self.held_records = eval_prep.train_records
     return train_prep.train, eval_prep.train
@@ -141,9 +148,8 @@ class Data:
       raise ValueError("give either --eval_data or --eval_split, not both")
     how = prepare.Preparation(self.tok, template=self.template,
                               max_prompt_length=d.max_prompt_length,
-                              max_target_length=d.max_target_length, skip_bad=d.skip_bad_records,
-                              flag="train_data")
-    prep = prepare.prepare_unpaired(d.train_data, how, d.eval_split)
+                              max_target_length=d.max_target_length, skip_bad=d.skip_bad_records)
+    prep = prepare.prepare_unpaired(self._value(cfg, "train_data"), how, d.eval_split)
     self.reports.append(prep.report)
     self.unpaired, self.unpaired_held, self.cuts = prep.train, prep.held, prep.cuts
     self.held_records = prep.held_records  # their prompts are the sampling prompts' chats
@@ -151,8 +157,8 @@ class Data:
       return None
     cache_dir = ("" if d.data_cache_dir == "none" else
                  d.data_cache_dir or os.path.join(cfg.run.output_dir, "data_cache"))
-    eval_prep = prepare.prepare_pairs(d.eval_data, how._replace(flag="eval_data"),
-                                      cache_dir=cache_dir, train_records=True)
+    eval_prep = prepare.prepare_pairs(self._value(cfg, "eval_data"), how, cache_dir=cache_dir,
+                                      train_records=True)
     self.reports.append(eval_prep.report)
     self.held_records = eval_prep.train_records
     return eval_prep.train
@@ -182,10 +188,9 @@ class Data:
     d = cfg.data
     lens = (d.max_prompt_length, d.max_target_length)
     if d.sft_data:
-      sft, report = prepare.prepare_sft(d.sft_data, prepare.Preparation(
+      sft, report = prepare.prepare_sft(self._value(cfg, "sft_data"), prepare.Preparation(
           self.tok, template=self.template, max_prompt_length=lens[0],
-          max_target_length=lens[1], skip_bad=d.skip_bad_records,
-          flag="sft_data"))
+          max_target_length=lens[1], skip_bad=d.skip_bad_records))
       self.reports.append(report)
       return sft
     if self.embedded:

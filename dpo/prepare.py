@@ -52,7 +52,8 @@ class Preparation(NamedTuple):
   """How a file becomes arrays: the tokenizer, the record layout (--data_format and its
   fields), the --chat_template value (`chat.resolve_template`), the token budgets, whether
   records that do not fit the format or that the template refuses are counted and skipped, and
-  the flag that named the data (`train_data`; a mixture's errors name it)."""
+  the flag that named the data when it is given as a plain string (`train_data`; a mixture's
+  errors name it; a `data.DataValue` names its own)."""
   tok: Any
   spec: formats.FormatSpec = formats.FormatSpec()
   template: Any = "auto"
@@ -85,12 +86,12 @@ def in_held_out(prompt: str, fraction: float) -> bool:
   return h / 2.0**64 < fraction
 
 
-def cache_key(path: str, how: Preparation, template_fingerprint: str, eval_split: float,
-              train_records: bool = False) -> str:
+def cache_key(value: data.DataValue, how: Preparation, template_fingerprint: str,
+              eval_split: float, train_records: bool = False) -> str:
   """The cache file's key: the data's bytes (`data.source_digest`; a mixture's fractions
   too), the tokenizer's fingerprint, the chat template's (`chat.template_fingerprint`),
   and every setting that changes the arrays."""
-  parts = [_VERSION, data.source_digest(path), how.tok.fingerprint(),
+  parts = [_VERSION, data.source_digest(value), how.tok.fingerprint(),
            repr(dataclasses.astuple(how.spec)), template_fingerprint, repr(tuple(how.lens)),
            repr(float(eval_split)), repr(bool(how.skip_bad)), repr(bool(train_records))]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
@@ -196,27 +197,30 @@ def _template_marks(t, rendered: bool) -> dict:
   return {}
 
 
-def prepare_pairs(path: str, how: Preparation, eval_split: float = 0.0,
+def prepare_pairs(path: str | data.DataValue, how: Preparation, eval_split: float = 0.0,
                   cache_dir: str = "", train_records: bool = False) -> Prepared:
   """Reads, filters, renders, splits and tokenises preference data (a file, a glob of shards, a
-  save_to_disk folder, or a mixture of them: `data.parse_sources`) (or loads the cache at
-  <cache_dir>/prefs-<key>.npz; "" = no cache). The held-out records are kept as read (for a
-  judge that renders them its own way); the training ones too with `train_records` (a file
-  that is all held-out data, --eval_data)."""
+  save_to_disk folder, or a mixture of them: a data flag's parsed value, `data.DataValue`, or
+  a plain one, parsed here) (or loads the cache at <cache_dir>/prefs-<key>.npz; "" = no
+  cache). The held-out records are kept as read (for a judge that renders them its own way);
+  the training ones too with `train_records` (a file that is all held-out data,
+  --eval_data)."""
   if not 0.0 <= eval_split < 1.0:
     raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
-  for source in data.parse_sources(path):
+  value = data.data_value(path, how.flag)
+  path = value.value  # what messages, logs and the report name
+  for source in value.sources:
     data.source_files(source.path)  # a path that names no data: one line, before any work
   t = chat.resolve_template(how.template, how.tok)
   cache_path = None
   if cache_dir:
     remove_stale_tmp(cache_dir)
-    key = cache_key(path, how, chat.template_fingerprint(t), eval_split, train_records)
+    key = cache_key(value, how, chat.template_fingerprint(t), eval_split, train_records)
     cache_path = os.path.join(cache_dir, f"prefs-{key}.npz")
     prepared = _cached(path, cache_path)
     if prepared is not None:
       return prepared
-  (train, held), (train_m, held_m), records, cuts, report = _read_pairs(path, how, t,
+  (train, held), (train_m, held_m), records, cuts, report = _read_pairs(value, how, t,
                                                                           eval_split)
   report["cache"] = "miss" if cache_path else "off"
   logging.info("%s: %d train pairs, %d held-out (eval_split=%g), chat template %s", path,
@@ -258,16 +262,16 @@ def _cached(path: str, cache_path: str) -> Prepared | None:
   return prepared
 
 
-def _read_pairs(path: str, how: Preparation, t, eval_split: float):
+def _read_pairs(value: data.DataValue, how: Preparation, t, eval_split: float):
   """((train texts, held-out texts), their margins (None: the file has no `margin` field),
   (train, held-out) records as read, how each training prompt was cut, report): the file's
   records read, filtered, rendered with template `t`, split by the whole prompt's hash (so the
   split does not move with --max_prompt_length) and fitted to the prompt budget
   (`chat.fit_record`)."""
-  stats = collections.Counter()
+  path, stats = value.value, collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   located, sources = data.read_sources(
-      path, lambda p: formats.iter_records(p, how.spec, stats, skips), how.flag)
+      value, lambda p: formats.iter_records(p, how.spec, stats, skips))
   if not located:
     raise DataError(f"{path}: no records")
   kept, filt = formats.filter_records(located)
@@ -285,7 +289,7 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
     rendered.append((where, text))
   kept, filt = formats.filter_rendered(rendered, filt)
   filt.log(path)
-  margin = _margins(path, [where for where, _ in kept])
+  margin = _margins(value, [where for where, _ in kept])
   train_m, held_m, records = [], [], ([], [])
   budget, cuts = _budget(how, t, chats), (chat.PromptCuts(), chat.PromptCuts())
   for (where, text), m in zip(kept, margin or [None] * len(kept)):
@@ -314,10 +318,10 @@ def _read_pairs(path: str, how: Preparation, t, eval_split: float):
   return (train, held), margins, records, cuts[0].rows, report
 
 
-def _margins(path: str, wheres: list[str]) -> list[float] | None:
+def _margins(value: data.DataValue, wheres: list[str]) -> list[float] | None:
   """The `margin` of each kept record (at `wheres`), or None when no record has one; a file
   where some records have it and others do not is a DataError naming a record without it."""
-  found = formats.margins(path)
+  found = formats.margins(value)
   if not found:
     return None
   missing = [w for w in wheres if w not in found]
@@ -327,19 +331,21 @@ def _margins(path: str, wheres: list[str]) -> list[float] | None:
   return [found[w] for w in wheres]
 
 
-def prepare_sft(path: str, how: Preparation) -> tuple[dict[str, np.ndarray], dict]:
+def prepare_sft(path: str | data.DataValue, how: Preparation
+                ) -> tuple[dict[str, np.ndarray], dict]:
   """(the [N, T] arrays, a report) of SFT data (a source or a mixture, as for `prepare_pairs`)
   in any layout `formats.iter_sft_records` reads (`how.spec` is not read), its conversations
   rendered by the template exactly as
   `prepare_pairs` renders a pair's prompt and chosen side (so SFT and DPO see one text
   format)."""
-  tok = how.tok
+  value = data.data_value(path, how.flag)
+  tok, path = how.tok, value.value
   t = chat.resolve_template(how.template, tok)
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   examples, chats = [], False
   located, sources = data.read_sources(
-      path, lambda p: formats.iter_sft_records(p, stats, skips), how.flag)
+      value, lambda p: formats.iter_sft_records(p, stats, skips))
   rendered = []
   for where, rec in located:
     chats = chats or isinstance(rec, formats.ChatSFTRecord)
@@ -393,7 +399,8 @@ class PreparedUnpaired(NamedTuple):
   cuts: list | None = None              # how each training example's prompt was fitted
 
 
-def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> PreparedUnpaired:
+def prepare_unpaired(path: str | data.DataValue, how: Preparation, eval_split: float = 0.0
+                     ) -> PreparedUnpaired:
   """Unpaired feedback ({prompt, completion, label}, a source or a mixture, as for
   `prepare_pairs`; `formats.iter_unpaired_records`), each example rendered by the template as
   `prepare_sft` renders one (so SFT, DPO and KTO see one text format), split by prompt hash as
@@ -401,11 +408,13 @@ def prepare_unpaired(path: str, how: Preparation, eval_split: float = 0.0) -> Pr
   cached: read once per run, as SFT data)."""
   if not 0.0 <= eval_split < 1.0:
     raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
+  value = data.data_value(path, how.flag)
+  path = value.value
   t = chat.resolve_template(how.template, how.tok)
   stats = collections.Counter()
   skips = formats.Skips(path) if how.skip_bad else None
   located, sources = data.read_sources(
-      path, lambda p: formats.iter_unpaired_records(p, stats, skips), how.flag)
+      value, lambda p: formats.iter_unpaired_records(p, stats, skips))
   parts = ([], []), ([], []), ([], [])  # (texts, labels, records) of (train, held-out)
   chats, rendered = False, []
   for where, rec in located:

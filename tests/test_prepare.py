@@ -1,8 +1,10 @@
 """dpo/prepare.py: tokenise once and cache, the held-out split, and loop.Data on real formats."""
 
+import collections
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -272,3 +274,49 @@ def test_a_batch_larger_than_the_data_is_named(tmp_path):
     with pytest.raises(data.DataError, match=r"d\.jsonl: 6 training examples .* fewer than one "
                                              r"batch of --global_batch_size=8"):
       loop.Data(cfg)
+
+
+@pytest.mark.parametrize("kind", ["pairs", "unpaired", "embedded"])
+def test_loop_data_parses_each_data_flag_once(tmp_path, monkeypatch, kind):
+  """A data flag's value is parsed into its sources once, where loop.Data reads it; prepare,
+  data and formats take the parsed value (a cache miss and a hit alike)."""
+  pairs = [{"prompt": f"q{i}?", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(24)]
+  unpaired = [{"prompt": f"u{i}?", "completion": f" c{i}", "label": i % 2 == 0}
+              for i in range(24)]
+  rows = unpaired if kind == "unpaired" else pairs
+  mixture = (f"{_write(tmp_path, rows[:12], 'a.jsonl')}:0.5,"
+             f"{_write(tmp_path, rows[12:], 'b.jsonl')}:0.5")
+  held = _write(tmp_path, [{"prompt": f"h{i}?", "chosen": " y", "rejected": " n"}
+                           for i in range(4)], "held.jsonl")
+  sft = _write(tmp_path, [{"prompt": f"s{i}?", "completion": " ok"} for i in range(8)], "s.jsonl")
+  cfg = configs.DEFAULT.replace(
+      train_data="" if kind == "embedded" else mixture, eval_data=held, sft_data=sft,
+      stage="sft,kto" if kind == "unpaired" else "sft,dpo", global_batch_size=4,
+      task_train_pairs=16, task_sft_examples=16, output_dir=str(tmp_path / "run"))
+  parsed = []
+  def counting(value, parse=data.parse_sources):
+    parsed.append(value)
+    return parse(value)
+  monkeypatch.setattr(data, "parse_sources", counting)
+  monkeypatch.setattr(formats, "parse_sources", counting, raising=False)  # were it imported
+  for _ in range(2):  # the cache written, then read
+    parsed.clear()
+    loop.Data(cfg)
+    names = {cfg.data.train_data: "train_data", held: "eval_data", sft: "sft_data"}
+    assert collections.Counter(names[v] for v in parsed) == {
+        name: 1 for value, name in names.items() if value}
+
+
+@pytest.mark.parametrize("flag", data.DATA_FLAGS)
+def test_loop_data_names_the_flag_of_a_mixture(tmp_path, flag):
+  """The parsed value carries its flag down: a mixture's error through loop.Data names it."""
+  row = ((lambda i: {"prompt": f"s{i}?", "completion": " ok"}) if flag == "sft_data" else
+         (lambda i: {"prompt": f"q{i}?", "chosen": " y", "rejected": " n"}))
+  a = _write(tmp_path, [row(i) for i in range(100)], "a.jsonl")
+  b = _write(tmp_path, [row(i) for i in range(5)], "b.jsonl")
+  value = f"{a}:0.999,{b}:0.001"
+  cfg = configs.DEFAULT.replace(**{flag: value}, task_train_pairs=16, task_sft_examples=16,
+                                output_dir=str(tmp_path / "run"))
+  with pytest.raises(data.DataError, match=f"^--{flag}={re.escape(value)}: {re.escape(b)}'s "
+                                           f"fraction 0.001 comes to no record"):
+    loop.Data(cfg)
