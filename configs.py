@@ -36,6 +36,11 @@ __all__ = ["Config", "ModelConfig", "LoraConfig", "DataConfig", "OptimConfig", "
            "RunConfig", "SECTIONS", "PRESETS", "get_config", "ARCHS", "LORA_TARGETS"]
 
 
+def _article(name: str) -> str:
+  """"an" before a vowel sound: an online, an rm (a short name is spelt out), a kto."""
+  return "an" if name[0] in "aeiou" or (len(name) <= 3 and name[0] in "fhlmnrsx") else "a"
+
+
 def _distinct_names(stage: str) -> bool:
   """--stage: comma-separated names, none empty, none twice."""
   names = stage.split(",")
@@ -353,8 +358,8 @@ class _ConfigMethods:
                  for f in dataclasses.fields(section) if getattr(section, f.name) != f.default]
       what = readers[0] if len(readers) == 1 else name  # "an rm stage", "an online stage"
       check(any(s in stages for s in readers) or not changed,
-            f"{(changed or [''])[0]}: must go with a{'n' if what[0] in 'aeiou' else ''} {what} "
-            f"stage (--stage={self.run.stage} has none)")
+            f"{(changed or [''])[0]}: must go with {_article(what)} {what} stage (--stage="
+            f"{self.run.stage} has none)")
     for algorithm in registry.ALGORITHMS.values():
       if algorithm.check is not None:
         algorithm.check(self)

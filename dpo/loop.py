@@ -73,9 +73,10 @@ class Data:
     self.rm_pairs = self._split_for_rm(cfg)
     self.sft = self._sft(cfg)
     if self.pairs is not None and "margin" in self.pairs:
-      logging.log(logging.INFO if "rm" in cfg.run.stages else logging.WARNING,
-                  "%s: per-pair margins, read by the rm stage only%s", d.train_data,
-                  "" if "rm" in cfg.run.stages else " (not in this --stage; unused)")
+      read = any(a.scores for a in _recipe(cfg))  # a reward model's loss reads them
+      logging.log(logging.INFO if read else logging.WARNING,
+                  "%s: per-pair margins, read by a reward-model stage only%s", d.train_data,
+                  "" if read else " (none in this --stage; unused)")
     if check_sizes:
       self._check_sizes(cfg)
     self._sampling_prompts(cfg)
@@ -206,27 +207,29 @@ class Data:
     """At least one global batch for each stage that trains on it, (--packing) pairs whose rows
     share a prompt, and (a reward model) padding that is not the EOS: refused before any stage
     runs, not when the stage that needs it starts."""
-    d, batch, stages = cfg.data, cfg.optim.global_batch_size, cfg.run.stages
+    d, batch, recipe = cfg.data, cfg.optim.global_batch_size, _recipe(cfg)
+    rows = {a.rows: a.name for a in recipe if a.rows}  # the table each trains on
     rm_pairs = self.pairs if self.rm_pairs is None else self.rm_pairs
-    for arrays, used, what in ((self.pairs, "dpo" in stages,
+    for arrays, used, what in ((self.pairs, "pairs" in rows,
                                 d.train_data or "the embedded task's pairs"),
                                (self.unpaired, self.unpaired is not None, d.train_data),
-                               (rm_pairs, "rm" in stages, f"{d.train_data or 'the embedded task'}"
-                                f"'s pairs for the rm stage"),
-                               (self.sft, "sft" in stages,
+                               (rm_pairs, "rm_pairs" in rows,
+                                f"{d.train_data or 'the embedded task'}'s pairs for the "
+                                f"{rows.get('rm_pairs')} stage"),
+                               (self.sft, "demonstrations" in rows,
                                 d.sft_data or d.train_data or "the embedded task's SFT data")):
       if used and len(arrays["tokens"]) < batch:
         raise data_lib.DataError(
             f"{what}: {len(arrays['tokens'])} training examples after filtering and the "
             f"held-out split, fewer than one batch of --global_batch_size={batch}")
-    if "rm" in stages and self.tok.pad_id == self.tok.eos_id:
+    if any(a.scores for a in recipe) and self.tok.pad_id == self.tok.eos_id:
       raise data_lib.DataError(
           f"--stage={cfg.run.stage}: this tokenizer pads with its EOS (id {self.tok.pad_id}); a "
           f"reward model reads each sequence's last token that is not padding, as transformers "
           f"does, which would then be the token before the EOS for transformers and the EOS "
           f"here; give --pad_token= a token other than the EOS")
     why = (packing.prompt_lengths(self.pairs)[1]
-           if cfg.model.packing and "dpo" in stages else None)
+           if cfg.model.packing and "pairs" in rows else None)
     if why is not None:
       raise data_lib.DataError(f"--packing packs shared-prefix rows, and prefix sharing does "
                                f"not apply to {d.train_data or 'the pairs'}: {why}")
@@ -318,6 +321,11 @@ class Data:
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}
 
 
+def _recipe(cfg) -> list[registry.Algorithm]:
+  """The registered algorithms of --stage (an unknown name is refused where the recipe runs)."""
+  return [registry.ALGORITHMS[s] for s in cfg.run.stages if s in registry.ALGORITHMS]
+
+
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
   """(config, params): random init, or `--init_from`: hf:DIR (its config replaces the model
   section) or a dpo-jax params checkpoint (an SFT output, an exported policy). An hf:DIR
@@ -326,17 +334,18 @@ def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
   src = cfg.checkpoint.init_from
   # A base that stays frozen from the start (no sft stage) is born, or read, straight into
   # --base_quant's format, one layer at a time: an 8B float32 copy would not fit one chip.
-  frozen = "sft" not in cfg.run.stages
+  frozen = not any(a.trains_base for a in _recipe(cfg))
   if not src:
     return cfg, (transformer.init_base if frozen else transformer.init)(cfg.model, key, mesh)
   kind, _, path = src.partition(":")
   if kind == "hf":
     from models import hf  # optional-format code stays out of the default path
     reward = hf.is_reward_model(path)
-    if reward and cfg.run.stages != ("rm",):
+    if reward and not all(a.scores for a in _recipe(cfg)):
       raise ValueError(f"--init_from={src}: a *ForSequenceClassification (a reward model) has "
-                       f"no LM head; only --stage=rm starts from it, not --stage="
-                       f"{cfg.run.stage}")
+                       f"no LM head; only a reward-model stage starts from it (--stage="
+                       f"{','.join(a.name for a in registry.ALGORITHMS.values() if a.scores)}), "
+                       f"not --stage={cfg.run.stage}")
     model_cfg, params = hf.load(path, mesh, cfg.model, reward=reward,
                                 quantize=cfg.model.base_quant if frozen else "none")
     logging.info("imported %s%s (%s) from %s", model_cfg.arch, " reward model" if reward else "",

@@ -51,8 +51,9 @@ class Algorithm:
   check: Callable[[Any], None] | None = None
                                  # its cross-checks, cfg -> None (models.config.check), run on
                                  # every Config whether or not it is in --stage
-  rows: str = ""                 # the loop.Data table it trains on: "pairs", "rm_pairs", "sft",
-                                 # or "" (none: it samples its own, or reads its own file);
+  rows: str = ""                 # the loop.Data table it trains on: "pairs", "rm_pairs",
+                                 # "demonstrations" (Data.sft), or "" (none: it samples its
+                                 # own, or reads unpaired rows or its own file);
                                  # each must hold one global batch before any stage runs
   trains_base: bool = False      # it trains the base weights (else a run without such a stage
                                  # holds the base frozen from the start, in --base_quant's format)

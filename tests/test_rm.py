@@ -347,7 +347,7 @@ def test_rm_stage_starts_from_an_imported_reward_model(tmp_path):
   rows = rows._replace(tokens=np.where(rows.segment_ids != 0, rows.tokens, 256).astype(np.int32))
   np.testing.assert_allclose(transformers_rewards(loaded.float().eval(), rows, pad=256),
                              transformers_rewards(model.eval(), rows, pad=256), **TOL)
-  with pytest.raises(ValueError, match=r"--init_from=hf:.*only --stage=rm starts from it"):
+  with pytest.raises(ValueError, match=r"--init_from=hf:.*only a reward-model stage starts from it \(--stage=rm\)"):
     loop.run(cfg.replace(stage="sft,rm", output_dir=str(tmp_path / "run2")))
 
 

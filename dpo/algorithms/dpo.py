@@ -204,13 +204,13 @@ def _save_policy(c, weights: evaluate.Weights, step: int, reference_path: str,
   params, lora = weights  # with LoRA, params is the frozen base
   policy_out = os.path.join(c.run.output_dir, "checkpoints", "policy")
   if c.model.base_quant != "none":
-    logging.info("dpo: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
-                 c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", "dpo"))
+    logging.info("%s: base_quant=%s; no dpo-jax policy checkpoint (the adapters are in %s)",
+                 stage, c.model.base_quant, os.path.join(c.run.output_dir, "checkpoints", stage))
     return registry.Model(None, "")
   merged = lora_lib.merge(params, lora, c.lora) if lora is not None else params
   checkpoint.save_params(policy_out, merged, c.model, stage=stage, step=step,
                          reference=reference_path)
-  logging.info("dpo: policy (LoRA merged) -> %s", policy_out)
+  logging.info("%s: policy (LoRA merged) -> %s", stage, policy_out)
   return registry.Model(merged, os.path.abspath(policy_out))
 
 

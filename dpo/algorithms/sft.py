@@ -40,8 +40,10 @@ def run(p, model: registry.Model) -> registry.Model:
   initial = identity.model_digest(model.path)
   arrays = rows(c, p.data.sft)
   want = {"fingerprint": p.fingerprint(SFT, arrays, initial)}
+  later = c.run.stages[c.run.stages.index(SFT.name) + 1:]  # the stage that trains from it
   if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps",
-                       downstream=os.path.join(os.path.dirname(sft_out), "dpo")):
+                       downstream=os.path.join(os.path.dirname(sft_out), later[0]) if later
+                       else ""):
     logging.info("sft: %s exists; stage done", sft_out)
     return registry.Model(checkpoint.load_params(sft_out, c.model, p.mesh),
                             os.path.abspath(sft_out))
@@ -77,6 +79,6 @@ SFT = registry.register(registry.Algorithm(
     hyperparameters=lambda cfg: {k: getattr(cfg.optim, k) for k in _OPTIM},
     data_files=("sft_data", "train_data", "tokenizer"), data_seed=1,
     steps_flag="--sft_steps", unpaired=True,  # unpaired data: its desirable completions
-    check=check_config, rows="sft", trains_base=True,
+    check=check_config, rows="demonstrations", trains_base=True,
     curves=(("SFT loss (NLL per token)", "loss", "sft"), ("gradient norm", "grad_norm", "sft"),
             ("learning rate", "learning_rate", "sft"))))
