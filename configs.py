@@ -352,7 +352,7 @@ class _ConfigMethods:
     check(not online or bool(self.eval.judge or self.eval.reward_fn or not self.data.train_data),
           f"--stage={self.run.stage}: an online stage needs a judge to label its samples: give "
           f"--judge or --reward_fn")
-    for name in _SECTIONS.keys() - _CORE.keys():
+    for name in [n for n in _SECTIONS if n not in _CORE]:  # in order: the first error is fixed
       section, readers = getattr(self, name), registry.readers(name)
       changed = [f"--{f.name}={shown(getattr(section, f.name))}"
                  for f in dataclasses.fields(section) if getattr(section, f.name) != f.default]

@@ -46,11 +46,11 @@ def source_digests() -> dict[str, str]:
   """{path: sha256 (16 hex digits)} of the library's source files: configs.py and every module
   of the dpo/ and models/ packages, subpackages included (dpo/algorithms/ and any a fork adds);
   the tools (dpo/tools/, which the library never imports) and the tests excluded."""
-  library = os.path.dirname(os.path.abspath(__file__))  # this package, beside models/
-  tools = os.path.join(library, "tools") + os.sep
+  library = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this package
+  tools = os.path.join(ROOT, library, "tools") + os.sep
   files = [os.path.join(ROOT, "configs.py"),
-           *(f for package in (library, os.path.join(ROOT, "models"))
-             for f in glob.glob(os.path.join(package, "**", "*.py"), recursive=True)
+           *(f for package in (library, "models")
+             for f in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)
              if not f.startswith(tools))]
   out = {}
   for f in sorted(files):

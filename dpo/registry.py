@@ -109,6 +109,9 @@ def readers(section: str) -> tuple[str, ...]:
 
 def judge_stage(judge: str) -> Algorithm | None:
   """The algorithm `--judge=NAME` names: a registered stage that trains a reward model."""
+  if not ALGORITHMS:
+    raise RuntimeError("the algorithm registry is empty: import dpo.algorithms (configs does) "
+                       "before asking it which stage trains a reward model")
   algorithm = ALGORITHMS.get(judge)
   return algorithm if algorithm is not None and algorithm.scores else None
 

@@ -139,6 +139,8 @@ def test_sft_steps_extended_under_a_started_dpo_stage_refused(tmp_path, caplog):
                           f"dpo/step_00000001 was trained from it; give --sft_steps=3 to "
                           f"resume, or a fresh --output_dir")
   assert checkpoint.read_meta(str(sft_model)) == before  # nothing trained, nothing replaced
+  with pytest.raises(checkpoint.CheckpointError, match="dpo/step_00000001 was trained from it"):
+    loop.run(tiny_cfg(out, stage="sft", sft_steps=5))  # a recipe without the dpo stage too
   assert not os.path.exists(out / "checkpoints" / "sft" / "step_00000005")
   loop.run(tiny_cfg(out, stage="sft,dpo", sft_steps=3, steps=1))  # the original still resumes
 

@@ -5,6 +5,7 @@ stage trains on rows of N slots that each hold several whole examples (dpo/packi
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 
@@ -40,10 +41,12 @@ def run(p, model: registry.Model) -> registry.Model:
   initial = identity.model_digest(model.path)
   arrays = rows(c, p.data.sft)
   want = {"fingerprint": p.fingerprint(SFT, arrays, initial)}
-  later = c.run.stages[c.run.stages.index(SFT.name) + 1:]  # the stage that trains from it
-  if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps",
-                       downstream=os.path.join(os.path.dirname(sft_out), later[0]) if later
-                       else ""):
+  # Step checkpoints of any other stage were trained from the SFT model (this recipe's or an
+  # earlier one's in the same folder): it is not extended under them.
+  others = [os.path.join(os.path.dirname(sft_out), a.name) for a in registry.ALGORITHMS.values()
+            if a is not SFT]
+  downstream = next((d for d in others if glob.glob(os.path.join(d, "step_*"))), "")
+  if identity.reusable(sft_out, want, c.optim.sft_steps, "--sft_steps", downstream=downstream):
     logging.info("sft: %s exists; stage done", sft_out)
     return registry.Model(checkpoint.load_params(sft_out, c.model, p.mesh),
                             os.path.abspath(sft_out))
