@@ -73,7 +73,7 @@ class Data:
     self.rm_pairs = self._split_for_rm(cfg)
     self.sft = self._sft(cfg)
     if self.pairs is not None and "margin" in self.pairs:
-      read = any(a.scores for a in _recipe(cfg))  # a reward model's loss reads them
+      read = any(a.scores for a in registry.recipe(cfg.run.stages))  # a reward model's loss
       logging.log(logging.INFO if read else logging.WARNING,
                   "%s: per-pair margins, read by a reward-model stage only%s", d.train_data,
                   "" if read else " (none in this --stage; unused)")
@@ -207,7 +207,7 @@ class Data:
     """At least one global batch for each stage that trains on it, (--packing) pairs whose rows
     share a prompt, and (a reward model) padding that is not the EOS: refused before any stage
     runs, not when the stage that needs it starts."""
-    d, batch, recipe = cfg.data, cfg.optim.global_batch_size, _recipe(cfg)
+    d, batch, recipe = cfg.data, cfg.optim.global_batch_size, registry.recipe(cfg.run.stages)
     rows = {a.rows: a.name for a in recipe if a.rows}  # the table each trains on
     rm_pairs = self.pairs if self.rm_pairs is None else self.rm_pairs
     for arrays, used, what in ((self.pairs, "pairs" in rows,
@@ -321,11 +321,6 @@ class Data:
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}
 
 
-def _recipe(cfg) -> list[registry.Algorithm]:
-  """The registered algorithms of --stage (an unknown name is refused where the recipe runs)."""
-  return [registry.ALGORITHMS[s] for s in cfg.run.stages if s in registry.ALGORITHMS]
-
-
 def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
   """(config, params): random init, or `--init_from`: hf:DIR (its config replaces the model
   section) or a dpo-jax params checkpoint (an SFT output, an exported policy). An hf:DIR
@@ -334,14 +329,14 @@ def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
   src = cfg.checkpoint.init_from
   # A base that stays frozen from the start (no sft stage) is born, or read, straight into
   # --base_quant's format, one layer at a time: an 8B float32 copy would not fit one chip.
-  frozen = not any(a.trains_base for a in _recipe(cfg))
+  frozen = not any(a.trains_base for a in registry.recipe(cfg.run.stages))
   if not src:
     return cfg, (transformer.init_base if frozen else transformer.init)(cfg.model, key, mesh)
   kind, _, path = src.partition(":")
   if kind == "hf":
     from models import hf  # optional-format code stays out of the default path
     reward = hf.is_reward_model(path)
-    if reward and not all(a.scores for a in _recipe(cfg)):
+    if reward and not all(a.scores for a in registry.recipe(cfg.run.stages)):
       raise ValueError(f"--init_from={src}: a *ForSequenceClassification (a reward model) has "
                        f"no LM head; only a reward-model stage starts from it (--stage="
                        f"{','.join(a.name for a in registry.ALGORITHMS.values() if a.scores)}), "
