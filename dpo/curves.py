@@ -65,7 +65,8 @@ def render(records: list[dict], out: str, title: str = "") -> str:
   rollbacks = [r["step"] for r in records if r.get("event") == "rollback"]
   guarded = {"eval", *(a.name for a in registry.ALGORITHMS.values() if a.judged)}
   present = {r.get("stage") for r in records}  # a stage the run did not have gets no panel
-  shown = [p for p in panels() if any(stage in present for stage, *_ in p[1])] or panels()
+  every = panels()
+  shown = [p for p in every if any(stage in present for stage, *_ in p[1])] or every
   rows = math.ceil(len(shown) / 5)
   fig = Figure(figsize=(22, 4.25 * rows), layout="constrained")
   axes = fig.subplots(rows, 5).ravel()
