@@ -13,7 +13,9 @@ ranges over the tile, passed to the kernels as a scalar-prefetch table): EMPTY t
 completion's queries against the chosen one's keys, another packed sequence) are skipped, FULL
 tiles (every score unmasked: a completion against its prompt) build no mask, PARTIAL ones mask
 slot by slot. A grid step takes the G query heads that share a key/value head together, so each
-tile's keys, values and mask are fetched and built once for the G heads.
+tile's keys, values and mask are fetched and built once for the G heads; when G heads' blocks do
+not fit the chip's on-chip vector memory (VMEM), a grid step takes the largest divisor of G that
+does (`heads_a_step`), and the key/value gradients accumulate over the groups in turn.
 
 Layout: queries [B, T, K, G, head_dim] (G query heads per kv head, grouped-query attention), keys
 and values [B, T, K, head_dim], the slots' segment and branch ids [B, T]; query and key slots are
@@ -41,27 +43,37 @@ INPUTS = "flash_attention_in"  # the checkpoint name of its q, k and v, in the k
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(_MASKED - m) is 0, never NaN
 
 
+DEFAULT_VMEM = 16 * 2**20  # the scoped VMEM a Mosaic kernel may use unless its call says more
+
+
 class Spec(NamedTuple):
   """The kernel's static settings: score scale, logit soft-cap (0: none), whether rows carry
-  branch ids, tile sizes (multiples of 128), and interpret mode (off a TPU)."""
+  branch ids, tile sizes (multiples of 128), interpret mode (off a TPU), the query heads a grid
+  step takes (a divisor of G) and the scoped VMEM the kernels ask for (None: the default)."""
   scale: float
   softcap: float
   branches: bool
   block_q: int
   block_k: int
   interpret: bool
+  heads: int = 1
+  vmem_limit: int | None = None
 
 
 def attention(q_BTKGd, k_BTKd, v_BTKd, segment_BT, branch_BT, window=0, *, scale: float,
-              softcap: float = 0.0, block: int = 512) -> jax.Array:
+              softcap: float = 0.0, block: int = 512, vmem: int | None = None) -> jax.Array:
   """Masked softmax attention [B, T, K, G, head_dim] of the queries over the keys (see the module
   docstring). `window` (an int or an int32 scalar, traced or not) > 0 keeps only the keys with
-  q - k < window; `branch_BT` None means rows without branches. Differentiable in q, k and v."""
+  q - k < window; `branch_BT` None means rows without branches. `vmem`: the on-chip memory a
+  kernel may plan for (default: `vmem_capacity()`). Differentiable in q, k and v."""
   B, T, K, G, d = q_BTKGd.shape
   tile = min(block, _round_up(T, LANES))
   Tp = _round_up(T, tile)
   spec = Spec(float(scale), float(softcap), branch_BT is not None, tile, tile,
               jax.default_backend() != "tpu")
+  capacity = vmem_capacity() if vmem is None else vmem
+  heads, need = heads_a_step(G, d, jnp.dtype(q_BTKGd.dtype).itemsize, spec, capacity)
+  spec = spec._replace(heads=heads, vmem_limit=None if need <= DEFAULT_VMEM else capacity)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
   q_BKGTd = jnp.moveaxis(pad(q_BTKGd), 1, 3)
   k_BKTd, v_BKTd = (jnp.moveaxis(pad(x), 1, 2) for x in (k_BTKd, v_BTKd))
@@ -75,6 +87,42 @@ def attention(q_BTKGd, k_BTKd, v_BTKd, segment_BT, branch_BT, window=0, *, scale
 
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
+
+
+def vmem_capacity() -> int:
+  """The scoped VMEM a kernel may plan for on this platform: three quarters of a TPU core's
+  VMEM, and never less than the default scoped limit (a TPU v4 core's whole 16 MiB; 96 MiB on a
+  v5e). Off a TPU (interpret mode, no such limit), the default, so a CPU plans as a v4 does."""
+  if jax.default_backend() != "tpu":
+    return DEFAULT_VMEM
+  return max(DEFAULT_VMEM, pltpu.get_tpu_info().vmem_capacity_bytes * 3 // 4)
+
+
+def vmem_bytes(heads: int, d: int, itemsize: int, spec: Spec) -> int:
+  """An upper estimate of the scoped VMEM one grid step of the largest of the three kernels
+  holds with `heads` query heads a step: every block double-buffered, the minor dimension padded
+  to 128 lanes, the float32 scratch, and four float32 [block_q, block_k] tile temporaries (scores,
+  probabilities, mask, their gradient). At 7 heads of 64 with 512-slot tiles in bfloat16 this
+  gives 20.6 MiB; the TPU v5e compiler asked 18.4 MiB for the forward kernel there."""
+  bq, bk, width = spec.block_q, spec.block_k, _round_up(d, LANES)
+  block = lambda rows, cols, size: rows * cols * size
+  # The dq kernel holds the most a head: q, dO and dq blocks, lse and D_i in 128 float32 lanes
+  # (all double-buffered), and its float32 accumulator.
+  per_head = (2 * 3 * block(bq, width, itemsize) + 2 * 2 * block(bq, LANES, 4)
+              + block(bq, width, 4))
+  shared = (2 * 2 * block(bk, width, itemsize)                       # k, v
+            + 2 * 2 * (block(bq, LANES, 4) + block(SUBLANES, bk, 4))  # the ids
+            + 2 * 2 * block(bk, width, itemsize) + 2 * block(bk, width, 4)  # dk, dv, accumulators
+            + 4 * block(bq, bk, 4))                                   # tile temporaries
+  return heads * per_head + shared
+
+
+def heads_a_step(G: int, d: int, itemsize: int, spec: Spec, capacity: int) -> tuple[int, int]:
+  """The most query heads of a kv head's G that a grid step can take within `capacity` bytes of
+  VMEM (a divisor of G; 1 when even one head is over), and the VMEM estimate at that count."""
+  fits = [g for g in range(1, G + 1) if G % g == 0 and vmem_bytes(g, d, itemsize, spec) <= capacity]
+  heads = max(fits, default=1)
+  return heads, vmem_bytes(heads, d, itemsize, spec)
 
 
 class _Ids(NamedTuple):
@@ -269,31 +317,33 @@ def _forward_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, *refs, spec: Spe
 def _forward(q, k, v, ids: _Ids, window, kinds, spec: Spec):
   B, K, G, T, d = q.shape
   n_q, n_k = T // spec.block_q, T // spec.block_k
+  g, groups = spec.heads, G // spec.heads  # grid axis 1 runs over (kv head, group of g heads)
 
   def kv_block(i, j, window_ref):
     first, last = _kv_blocks(i, window_ref[0], spec)
     return _clamp(j, first, last)  # a skipped tile repeats its neighbour's index: no fetch
 
-  q_map = lambda b, h, i, j, w, t: (b, h, 0, i, 0)
-  kv_map = lambda b, h, i, j, w, t: (b, h, kv_block(i, j, w), 0)
+  q_map = lambda b, h, i, j, w, t: (b, h // groups, h % groups, i, 0)
+  kv_map = lambda b, h, i, j, w, t: (b, h // groups, kv_block(i, j, w), 0)
   q_ids = lambda b, h, i, j, w, t: (b, i, 0)
   kv_ids = lambda b, h, i, j, w, t: (b, 0, kv_block(i, j, w))
   bq, bk = spec.block_q, spec.block_k
   o, lse = pl.pallas_call(
-      functools.partial(_forward_kernel, spec=spec, n_q=n_q, n_k=n_k, G=G),
+      functools.partial(_forward_kernel, spec=spec, n_q=n_q, n_k=n_k, G=g),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(B, K, n_q, n_k),
-          in_specs=[pl.BlockSpec((1, 1, G, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
+          num_scalar_prefetch=2, grid=(B, K * groups, n_q, n_k),
+          in_specs=[pl.BlockSpec((1, 1, g, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
                     pl.BlockSpec((1, 1, bk, d), kv_map), *_id_specs(spec, q_ids, kv_ids)],
-          out_specs=[pl.BlockSpec((1, 1, G, bq, d), q_map),
-                     pl.BlockSpec((1, 1, G, bq, LANES), q_map)],
-          scratch_shapes=[pltpu.VMEM((G, bq, LANES), jnp.float32),
-                          pltpu.VMEM((G, bq, LANES), jnp.float32),
-                          pltpu.VMEM((G, bq, d), jnp.float32)]),
+          out_specs=[pl.BlockSpec((1, 1, g, bq, d), q_map),
+                     pl.BlockSpec((1, 1, g, bq, LANES), q_map)],
+          scratch_shapes=[pltpu.VMEM((g, bq, LANES), jnp.float32),
+                          pltpu.VMEM((g, bq, LANES), jnp.float32),
+                          pltpu.VMEM((g, bq, d), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, K, G, T, LANES), jnp.float32)],
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=spec.vmem_limit),
       interpret=spec.interpret,
   )(window, kinds, q, k, v, *ids)
   return o, lse[..., 0]
@@ -329,10 +379,12 @@ def _dq_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_r
 
 def _dkv_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
                 spec: Spec, n_q: int, n_k: int, G: int):
+  # The innermost grid axis runs over the groups of G heads, and within a group the query tiles.
   ids, (dk_ref, dv_ref, dk_acc, dv_acc) = refs[:4], refs[4:]
-  b, j, i, window = pl.program_id(0), pl.program_id(2), pl.program_id(3), window_ref[0]
+  b, j, step, window = pl.program_id(0), pl.program_id(2), pl.program_id(3), window_ref[0]
+  i = step % n_q
 
-  @pl.when(i == 0)
+  @pl.when(step == 0)
   def _():
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
@@ -350,7 +402,7 @@ def _dkv_kernel(window_ref, kinds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_
   first, last = _q_blocks(j, window, n_q, spec)
   _each_kind(kinds_ref[_kind_index(b, i, j, n_q, n_k)], (i >= first) & (i <= last), tile)
 
-  @pl.when(i == n_q - 1)
+  @pl.when(step == pl.num_programs(3) - 1)
   def _():
     dk_ref[0, 0] = dk_acc[...].astype(dk_ref.dtype)
     dv_ref[0, 0] = dv_acc[...].astype(dv_ref.dtype)
@@ -360,50 +412,52 @@ def _backward(q, k, v, o, lse, do, ids: _Ids, window, kinds, spec: Spec):
   B, K, G, T, d = q.shape
   n_q, n_k = T // spec.block_q, T // spec.block_k
   bq, bk = spec.block_q, spec.block_k
+  g, groups = spec.heads, G // spec.heads
   lanes = lambda x: jax.lax.broadcast_in_dim(x, (*x.shape, LANES), tuple(range(x.ndim)))
   di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, K, G, T]
   lse_lanes, di_lanes = lanes(lse), lanes(di)
-  params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",))
-  kernel_args = dict(spec=spec, n_q=n_q, n_k=n_k, G=G)
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",),
+                                vmem_limit_bytes=spec.vmem_limit)
+  kernel_args = dict(spec=spec, n_q=n_q, n_k=n_k, G=g)
 
   def kv_block(i, j, window_ref):
     first, last = _kv_blocks(i, window_ref[0], spec)
     return _clamp(j, first, last)
 
-  q_map = lambda b, h, i, j, w, t: (b, h, 0, i, 0)
-  kv_map = lambda b, h, i, j, w, t: (b, h, kv_block(i, j, w), 0)
+  q_map = lambda b, h, i, j, w, t: (b, h // groups, h % groups, i, 0)
+  kv_map = lambda b, h, i, j, w, t: (b, h // groups, kv_block(i, j, w), 0)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, **kernel_args),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(B, K, n_q, n_k),
-          in_specs=[pl.BlockSpec((1, 1, G, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
-                    pl.BlockSpec((1, 1, bk, d), kv_map), pl.BlockSpec((1, 1, G, bq, d), q_map),
-                    pl.BlockSpec((1, 1, G, bq, LANES), q_map),
-                    pl.BlockSpec((1, 1, G, bq, LANES), q_map),
+          num_scalar_prefetch=2, grid=(B, K * groups, n_q, n_k),
+          in_specs=[pl.BlockSpec((1, 1, g, bq, d), q_map), pl.BlockSpec((1, 1, bk, d), kv_map),
+                    pl.BlockSpec((1, 1, bk, d), kv_map), pl.BlockSpec((1, 1, g, bq, d), q_map),
+                    pl.BlockSpec((1, 1, g, bq, LANES), q_map),
+                    pl.BlockSpec((1, 1, g, bq, LANES), q_map),
                     *_id_specs(spec, lambda b, h, i, j, w, t: (b, i, 0),
                                lambda b, h, i, j, w, t: (b, 0, kv_block(i, j, w)))],
-          out_specs=pl.BlockSpec((1, 1, G, bq, d), q_map),
-          scratch_shapes=[pltpu.VMEM((G, bq, d), jnp.float32)]),
+          out_specs=pl.BlockSpec((1, 1, g, bq, d), q_map),
+          scratch_shapes=[pltpu.VMEM((g, bq, d), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=params, interpret=spec.interpret,
   )(window, kinds, q, k, v, do, lse_lanes, di_lanes, *ids)
 
-  def q_block(j, i, window_ref):
+  def q_block(j, step, window_ref):
     first, last = _q_blocks(j, window_ref[0], n_q, spec)
-    return _clamp(i, first, last)
+    return _clamp(step % n_q, first, last)
 
-  qh_map = lambda b, h, j, i, w, t: (b, h, 0, q_block(j, i, w), 0)
-  k_map = lambda b, h, j, i, w, t: (b, h, j, 0)
+  qh_map = lambda b, h, j, s, w, t: (b, h, s // n_q, q_block(j, s, w), 0)
+  k_map = lambda b, h, j, s, w, t: (b, h, j, 0)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, **kernel_args),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(B, K, n_k, n_q),
-          in_specs=[pl.BlockSpec((1, 1, G, bq, d), qh_map), pl.BlockSpec((1, 1, bk, d), k_map),
-                    pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, G, bq, d), qh_map),
-                    pl.BlockSpec((1, 1, G, bq, LANES), qh_map),
-                    pl.BlockSpec((1, 1, G, bq, LANES), qh_map),
-                    *_id_specs(spec, lambda b, h, j, i, w, t: (b, q_block(j, i, w), 0),
-                               lambda b, h, j, i, w, t: (b, 0, j))],
+          num_scalar_prefetch=2, grid=(B, K, n_k, groups * n_q),
+          in_specs=[pl.BlockSpec((1, 1, g, bq, d), qh_map), pl.BlockSpec((1, 1, bk, d), k_map),
+                    pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, g, bq, d), qh_map),
+                    pl.BlockSpec((1, 1, g, bq, LANES), qh_map),
+                    pl.BlockSpec((1, 1, g, bq, LANES), qh_map),
+                    *_id_specs(spec, lambda b, h, j, s, w, t: (b, q_block(j, s, w), 0),
+                               lambda b, h, j, s, w, t: (b, 0, j))],
           out_specs=[pl.BlockSpec((1, 1, bk, d), k_map), pl.BlockSpec((1, 1, bk, d), k_map)],
           scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],

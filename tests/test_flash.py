@@ -121,6 +121,43 @@ def test_kernel_equals_xla_outputs_and_gradients(case):
   numerics.assert_close({"out": (got[0], want[0], tol), "grads": (got[1], want[1], tol)})
 
 
+def test_heads_a_step_fit_the_chips_vmem():
+  """A grid step takes all G heads of a kv head when their blocks fit the scoped VMEM, else the
+  largest divisor of G that does; past the default limit the kernels ask for more explicitly."""
+  spec = flash.Spec(0.125, 0.0, True, 512, 512, False)
+  v5e, v4 = 96 * 2**20, flash.DEFAULT_VMEM
+  # Llama-3.2-1B (4 heads of 64 a kv head, bfloat16) fits the default limit whole.
+  assert flash.heads_a_step(4, 64, 2, spec, v5e) == (4, flash.vmem_bytes(4, 64, 2, spec))
+  assert flash.vmem_bytes(4, 64, 2, spec) <= flash.DEFAULT_VMEM
+  # Qwen2.5-0.5B (7 heads): over the default 16 MiB (the compiler asked 18.4 MiB for the
+  # forward on a v5e), within a v5e's 96 MiB; on a 16 MiB v4 core one head a step (7 is prime).
+  assert flash.heads_a_step(7, 64, 2, spec, v5e)[0] == 7
+  assert flash.vmem_bytes(7, 64, 2, spec) > flash.DEFAULT_VMEM
+  assert flash.heads_a_step(7, 64, 2, spec, v4)[0] == 1
+  assert flash.heads_a_step(8, 64, 2, spec, v4)[0] == 4
+  assert flash.vmem_capacity() == flash.DEFAULT_VMEM  # off a TPU: plan as a 16 MiB core
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", [1, 2])
+def test_kernel_with_heads_in_groups_equals_xla(heads):
+  """With too little VMEM for all G = 4 heads a step, the kernel runs groups of `heads` (the dk
+  and dv accumulators run over the groups in turn) and still equals the XLA path."""
+  B, T, K, G, d, window = 2, 384, 2, 4, 32, 170
+  segment, branch = _rows(B, T, packed=True, branches=True, pad=20)
+  q, k, v, weights = _inputs(B, T, K, G, d, seed=3)
+  spec = flash.Spec(1.0, 0.0, True, 128, 128, True)
+  vmem = flash.vmem_bytes(heads, d, 4, spec)
+  assert flash.heads_a_step(G, d, 4, spec, vmem)[0] == heads
+  kernel = lambda q, k, v: flash.attention(q, k, v, segment, branch, window, scale=d ** -0.5,
+                                           block=128, vmem=vmem)
+  xla = lambda q, k, v: _xla(q, k, v, segment, branch, window, d ** -0.5, 0.0)
+  real = (segment != 0).astype(jnp.float32)
+  got, want = (_value_and_grads(f, q, k, v, weights, real) for f in (kernel, xla))
+  tol = numerics.reorder_tol(T, depth=4)
+  numerics.assert_close({"out": (got[0], want[0], tol), "grads": (got[1], want[1], tol)})
+
+
 @pytest.mark.slow
 def test_a_kernel_without_the_branch_mask_misses_the_bound():
   """The negative control: the same comparison with the branches dropped from the kernel (sibling
