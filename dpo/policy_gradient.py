@@ -1,4 +1,4 @@
-"""GRPO's and RLOO's objectives as pure functions: rewards to advantages, log-probs to a loss.
+"""GRPO's, RLOO's and PPO's objectives as pure functions: rewards to advantages, log-probs to a loss.
 
 Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, eqs. 3-4)
 samples G completions per prompt, scores them, and uses each completion's reward relative to
@@ -53,6 +53,14 @@ the end: k completions a prompt, each one's advantage its reward (less beta time
 KL(pi_old || pi_ref), the summed token log-ratio) less the mean of the other k - 1, PPO's clip on
 the sequence's importance ratio, the mean over completions (`RLOOConfig`, `rloo_advantages`,
 `rloo_loss`).
+
+PPO with a learned value model (Schulman et al. 2017, arXiv:1707.06347; Tunix 0.1.7's PPO
+learner, tests/test_ppo_tunix.py) last: each completion token's reward is the completion's score
+on its last token less ppo_beta times a token KL(pi_old || pi_ref) estimate (`token_rewards`),
+the advantages are GAE's over the completion tokens, whitened over the batch, the returns the
+value targets (`gae_advantages`); the policy takes the token-level clipped surrogate (dual clip
+and entropy bonus optional, `ppo_policy_loss`), the value model the clipped squared error
+(`ppo_value_loss`) (`PPOConfig`).
 
 TRL 1.16 also has, and this module leaves out: adaptive entropy control (`use_adaptive_entropy`
 and its entropy_coef_min/max/delta and entropy_target: a coefficient that moves between steps,
@@ -574,4 +582,177 @@ def rloo_loss(logps_NT: jax.Array, old_logps_N: jax.Array, advantages_N: jax.Arr
              "clip_ratio/low_min": low_N1.min(), "clip_ratio/high_max": high_N1.max()}
   if entropies_NT is not None:
     metrics["entropy"] = _mean(jax.lax.stop_gradient(entropies_NT), mask_NT)
+  return loss, metrics
+
+
+# --- PPO with a learned value model ----------------------------------------------------------
+
+KL_METHODS = ("kl", "mse_kl", "low_var_kl")
+WHITEN_EPS = 1e-8  # Tunix's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+  """PPO's hyperparameters (Schulman et al. 2017, arXiv:1707.06347; GAE, Schulman et al. 2016,
+  arXiv:1506.02438), Tunix 0.1.7's `PPOConfig` defaults (tunix/rl/ppo/ppo_learner.py). Field
+  names are unique across the config sections, so Tunix's `beta`, `epsilon`, `epsilon_high`,
+  `epsilon_c`, `entropy_coef`, `kl_method` and `kl_clamp_value` are prefixed `ppo_` here; its
+  None is 0 (epsilon_high: = epsilon; epsilon_c, entropy_coef, kl_clamp: off)."""
+  ppo_beta: float = option(0.04, "PPO: weight of the token KL(pi_old || pi_ref) estimate "
+                           "subtracted from each completion token's reward (Tunix's beta); 0 = "
+                           "no KL and no reference model.")
+  ppo_kl_method: str = option("low_var_kl", "PPO: the token KL estimate in the reward: kl (log "
+                              "pi_old - log pi_ref), mse_kl (half its square), low_var_kl "
+                              "(Schulman's k3) (Tunix's kl_method).")
+  ppo_kl_clamp: float = option(0.0, "PPO: clip each token's KL estimate to +-this (Tunix's "
+                               "kl_clamp_value); 0 = no clip.")
+  gamma: float = option(1.0, "PPO: GAE's discount over completion tokens (Tunix's gamma).")
+  gae_lambda: float = option(0.95, "PPO: GAE's lambda (Tunix's gae_lambda).")
+  ppo_epsilon: float = option(0.2, "PPO: lower clip of the token importance ratio, 1 - epsilon "
+                              "(Tunix's epsilon / epsilon_low).")
+  ppo_epsilon_high: float = option(0.0, "PPO: upper clip of the token importance ratio, 1 + "
+                                   "epsilon_high (Tunix's epsilon_high); 0 = ppo_epsilon.")
+  ppo_epsilon_c: float = option(0.0, "PPO: dual clip: a negative-advantage token's loss is at "
+                                "most -epsilon_c A (Ye et al. 2020, arXiv:1912.09729; Tunix's "
+                                "epsilon_c, > 1); 0 = off.")
+  ppo_entropy_coef: float = option(0.0, "PPO: weight of the policy's mean token entropy "
+                                   "subtracted from the policy loss (Tunix's entropy_coef); 0 = "
+                                   "off.")
+  clip_range_value: float = option(0.2, "PPO: the new value is clipped to within this of the "
+                                   "value at sampling, and the larger squared error kept "
+                                   "(Tunix's clip_range_value).")
+
+  def __post_init__(self):
+    rules(self, ppo_beta=FINITE_NONNEG, ppo_kl_method=one_of(KL_METHODS),
+          ppo_kl_clamp=FINITE_NONNEG, gamma=(lambda v: 0 <= v <= 1, "in [0, 1]"),
+          gae_lambda=(lambda v: 0 <= v <= 1, "in [0, 1]"), ppo_epsilon=UNIT,
+          ppo_epsilon_high=FINITE_NONNEG,
+          ppo_epsilon_c=(lambda v: v == 0 or 1 < v < float("inf"), "0 (off) or a finite number "
+                         "> 1"),
+          ppo_entropy_coef=FINITE_NONNEG, clip_range_value=FINITE_POS)
+
+  @property
+  def epsilon_low(self) -> float:
+    return self.ppo_epsilon
+
+  @property
+  def epsilon_high(self) -> float:
+    """The ratio's upper clip is 1 + epsilon_high (0 in the field = epsilon, as Tunix's None)."""
+    return self.ppo_epsilon_high or self.ppo_epsilon
+
+
+def token_kl(logps_NT: jax.Array, ref_logps_NT: jax.Array, method: str,
+             clamp: float = 0.0) -> jax.Array:
+  """[N, T] a token KL estimate of the policy from the reference (Tunix's
+  `common.compute_kl_divergence`): kl = log p - log p_ref, mse_kl = half its square, low_var_kl
+  = exp(-d) + d - 1 with d = log p - log p_ref (k3, never negative); clipped to +-clamp if > 0."""
+  d = logps_NT.astype(jnp.float32) - ref_logps_NT.astype(jnp.float32)
+  kl = {"kl": lambda: d, "mse_kl": lambda: 0.5 * d * d,
+        "low_var_kl": lambda: jnp.exp(-d) + d - 1.0}[method]()
+  return jnp.clip(kl, -clamp, clamp) if clamp else kl
+
+
+def token_rewards(scores_N: jax.Array, old_logps_NT: jax.Array, ref_logps_NT: jax.Array | None,
+                  mask_NT: jax.Array, cfg: PPOConfig) -> tuple[jax.Array, jax.Array | None]:
+  """([N, T] token rewards, [N, T] token KL or None): each completion's score on its last
+  completion token, less ppo_beta times the token KL(pi_old || pi_ref) (`token_kl`) on every
+  completion token (Tunix's `PPOLearner._generate_and_compute_advantage`; there the rewards array
+  takes the completion ids' integer dtype, so a score's fraction is dropped before the KL is
+  subtracted: here scores stay float). A completion with no token gets nothing."""
+  mask_NT = mask_NT.astype(jnp.float32)
+  T = mask_NT.shape[1]
+  last_N = jnp.max(jnp.where(mask_NT > 0, jnp.arange(T), -1), axis=1)
+  rewards_NT = jnp.where(jnp.arange(T) == last_N[:, None], scores_N[:, None].astype(jnp.float32),
+                         0.0)
+  kl_NT = None
+  if cfg.ppo_beta:
+    check(ref_logps_NT is not None, f"--ppo_beta={cfg.ppo_beta}: token_rewards needs the "
+          f"reference's log-probs")
+    kl_NT = token_kl(old_logps_NT, ref_logps_NT, cfg.ppo_kl_method, cfg.ppo_kl_clamp) * mask_NT
+    rewards_NT = rewards_NT - cfg.ppo_beta * kl_NT
+  return rewards_NT, kl_NT
+
+
+def masked_whiten(x_NT: jax.Array, mask_NT: jax.Array) -> jax.Array:
+  """x less its mean over the masked tokens, over their standard deviation (Bessel-corrected) +
+  1e-8 under the root (Tunix's `masked_whiten`); one mean and deviation for the whole batch."""
+  m = mask_NT.astype(jnp.float32)
+  n = m.sum()
+  mean = (x_NT * m).sum() / (n + WHITEN_EPS)
+  var = (jnp.square(x_NT - mean) * m).sum() / (n + WHITEN_EPS) * n / (n - 1)
+  return (x_NT - mean) * jax.lax.rsqrt(var + WHITEN_EPS)
+
+
+def gae_advantages(rewards_NT: jax.Array, values_NT: jax.Array, mask_NT: jax.Array,
+                   gamma: float, lam: float) -> tuple[jax.Array, jax.Array]:
+  """([N, T] advantages, [N, T] returns) by generalised advantage estimation (Schulman et al.
+  2016, arXiv:1506.02438, eq. 16; Tunix's `compute_gae_advantages`): backwards over the tokens,
+  delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1}, a masked token
+  carrying the next token's V and A over it; returns = A + V before the advantages are whitened
+  over the batch's completion tokens (`masked_whiten`). Read both at completion tokens only."""
+  m = mask_NT.astype(jnp.float32)
+
+  def back(carry, xs):
+    a_next, v_next = carry
+    r, v, mt = xs
+    a = r + gamma * v_next - v + gamma * lam * a_next
+    a = a * mt + (1 - mt) * a_next
+    v_next = v * mt + (1 - mt) * v_next
+    return (a, v_next), a
+
+  N = rewards_NT.shape[0]
+  zeros = jnp.zeros((N,), jnp.float32)
+  _, a_TN = jax.lax.scan(back, (zeros, zeros),
+                         (rewards_NT.T.astype(jnp.float32), values_NT.T.astype(jnp.float32), m.T),
+                         reverse=True)
+  advantages_NT = a_TN.T
+  returns_NT = advantages_NT + values_NT
+  return masked_whiten(advantages_NT, m), returns_NT
+
+
+def ppo_policy_loss(logps_NT: jax.Array, old_logps_NT: jax.Array, advantages_NT: jax.Array,
+                    mask_NT: jax.Array, cfg: PPOConfig, *, num_items: jax.Array | float,
+                    entropies_NT: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """(scalar loss, metrics) of PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7;
+  Tunix's `ppo_policy_loss_fn`): r = exp(log pi - log pi_old), L = max(-r A, -clip(r, 1 - eps_low,
+  1 + eps_high) A), with a dual clip min(L, -epsilon_c A) where A < 0; the token mean, its sum
+  over `num_items` (the whole accumulated batch's completion tokens over the microbatches, so
+  the loss does not depend on the split); less ppo_entropy_coef times the mean token entropy.
+  Metrics, Tunix's names: pg_clipfrac (tokens where the clipped term is larger), pg_clipfrac_lower
+  (negative-advantage tokens the dual clip bounds), entropy (`entropies_NT` given)."""
+  m = mask_NT.astype(jnp.float32)
+  A = advantages_NT.astype(jnp.float32)
+  ratio = jnp.exp(logps_NT - jax.lax.stop_gradient(old_logps_NT))
+  unclipped = -ratio * A
+  clipped = -jnp.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * A
+  per_token = jnp.maximum(unclipped, clipped)
+  metrics = {"pg_clipfrac": _mean((clipped > unclipped).astype(jnp.float32), m)}
+  if cfg.ppo_epsilon_c:
+    dual = -cfg.ppo_epsilon_c * A
+    metrics["pg_clipfrac_lower"] = _mean(((per_token > dual) & (A < 0)).astype(jnp.float32), m)
+    per_token = jnp.where(A < 0, jnp.minimum(dual, per_token), per_token)
+  loss = (per_token * m).sum() / num_items
+  if entropies_NT is not None:
+    metrics["entropy"] = _mean(jax.lax.stop_gradient(entropies_NT), m)
+    if cfg.ppo_entropy_coef:
+      loss = loss - cfg.ppo_entropy_coef * (entropies_NT * m).sum() / num_items
+  return loss, metrics
+
+
+def ppo_value_loss(values_NT: jax.Array, old_values_NT: jax.Array, returns_NT: jax.Array,
+                   mask_NT: jax.Array, clip_range_value: float, *,
+                   num_items: jax.Array | float) -> tuple[jax.Array, dict]:
+  """(scalar loss, metrics) of PPO's clipped value loss (Tunix's `ppo_value_loss_fn`): the new
+  value clipped to old +- clip_range_value, half the larger of the two squared errors to the
+  return, the token mean (over `num_items`, as `ppo_policy_loss`). Metrics, Tunix's names:
+  vf_loss, vpred_mean, vf_clipfrac (tokens where the clipped error is larger), return_mean."""
+  m = mask_NT.astype(jnp.float32)
+  clipped = jnp.clip(values_NT, old_values_NT - clip_range_value, old_values_NT + clip_range_value)
+  err, err_clipped = jnp.square(values_NT - returns_NT), jnp.square(clipped - returns_NT)
+  total = 0.5 * (jnp.maximum(err, err_clipped) * m).sum()
+  loss = total / num_items
+  metrics = {"vf_loss": (jax.lax.stop_gradient(total), m.sum()),
+             "vpred_mean": _mean(jax.lax.stop_gradient(values_NT), m),
+             "vf_clipfrac": _mean((err_clipped > err).astype(jnp.float32), m),
+             "return_mean": _mean(returns_NT, m)}
   return loss, metrics
