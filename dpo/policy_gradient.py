@@ -588,6 +588,7 @@ def rloo_loss(logps_NT: jax.Array, old_logps_N: jax.Array, advantages_N: jax.Arr
 # --- PPO with a learned value model ----------------------------------------------------------
 
 KL_METHODS = ("kl", "mse_kl", "low_var_kl")
+VALUE_MODELS = ("separate", "head")
 WHITEN_EPS = 1e-8  # Tunix's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 
 
@@ -621,6 +622,22 @@ class PPOConfig:
   clip_range_value: float = option(0.2, "PPO: the new value is clipped to within this of the "
                                    "value at sampling, and the larger squared error kept "
                                    "(Tunix's clip_range_value).")
+  ppo_steps: int = option(200, "PPO optimizer steps (stage ppo); a batch of samples, one "
+                          "completion for each of --global_batch_size prompts, is drawn every "
+                          "--ppo_num_iterations of them.")
+  ppo_num_iterations: int = option(1, "PPO: updates per generated batch (Tunix's "
+                                   "num_iterations); above 1 the importance ratio departs from 1.")
+  ppo_max_completion_length: int = option(512, "PPO: completion tokens sampled at most.")
+  ppo_value_model: str = option("separate", "PPO: the value model: separate (its own LoRA "
+                                "factors on the frozen base, or its own copy of the weights "
+                                "without LoRA, and a head; its own optimizer, as Tunix's critic) "
+                                "or head (a head on the policy's final hidden states, the value "
+                                "loss weighted by ppo_vf_coef in the policy's update).")
+  ppo_value_learning_rate: float = option(0.0, "PPO: peak learning rate of the value model's "
+                                          "AdamW (the policy's schedule); 0 = --learning_rate.")
+  ppo_vf_coef: float = option(0.1, "PPO: weight of the value loss beside the policy loss with "
+                              "ppo_value_model=head (a shared trunk; the PPO paper's c1); a "
+                              "separate value model has its own optimizer and no weight.")
 
   def __post_init__(self):
     rules(self, ppo_beta=FINITE_NONNEG, ppo_kl_method=one_of(KL_METHODS),
@@ -629,7 +646,10 @@ class PPOConfig:
           ppo_epsilon_high=FINITE_NONNEG,
           ppo_epsilon_c=(lambda v: v == 0 or 1 < v < float("inf"), "0 (off) or a finite number "
                          "> 1"),
-          ppo_entropy_coef=FINITE_NONNEG, clip_range_value=FINITE_POS)
+          ppo_entropy_coef=FINITE_NONNEG, clip_range_value=FINITE_POS,
+          ppo_steps=at_least(0), ppo_num_iterations=at_least(1), ppo_max_completion_length=POS,
+          ppo_value_model=one_of(VALUE_MODELS), ppo_value_learning_rate=FINITE_NONNEG,
+          ppo_vf_coef=FINITE_POS)
 
   @property
   def epsilon_low(self) -> float:

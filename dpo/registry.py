@@ -71,6 +71,16 @@ class Algorithm:
                                  # not return is left out, never printed as nan
   curves: tuple[tuple[str, str, str], ...] = ()
                                  # its lines on curves.png: (panel title, metric key, label)
+  beside: Callable | None = None  # (cfg, mesh, base params, key) -> a pytree it trains beside
+                                 # the policy (PPO's value model); the state's trainable is then
+                                 # {"policy": the policy's, "beside": it} (`policy_part`)
+  optimizer: Callable | None = None
+                                 # StepConfig -> (optax transformation, schedule) over its state's
+                                 # trainable; None: StepConfig.optimizer (the policy's AdamW)
+
+  def policy_part(self, trainable):
+    """The policy's part of a state's trainable pytree (all of it unless `beside`)."""
+    return trainable["policy"] if self.beside is not None else trainable
 
 
 ALGORITHMS: dict[str, Algorithm] = {}

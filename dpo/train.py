@@ -89,6 +89,21 @@ def optimizer(o, peak_lr: float, total_steps: int) -> tuple[optax.GradientTransf
   return optax.chain(*parts), sched
 
 
+class PerPart(NamedTuple):
+  """An optax transformation per top-level key of a dict of trainable parts (the policy and what
+  a stage trains beside it, registry.Algorithm.beside), each with its own state: its own
+  clipping, moments and schedule."""
+  parts: dict
+
+  def init(self, params):
+    return {k: t.init(params[k]) for k, t in self.parts.items()}
+
+  def update(self, updates, state, params=None):
+    out = {k: t.update(updates[k], state[k], None if params is None else params[k])
+           for k, t in self.parts.items()}
+    return {k: u for k, (u, _) in out.items()}, {k: st for k, (_, st) in out.items()}
+
+
 def opt_state_shardings(opt: optax.GradientTransformation, params, param_shardings, mesh: Mesh):
   """Shardings for `opt.init(params)`: every params-shaped part (Adam moments) takes the
   matching parameter's sharding; everything else (step counts) is replicated.
@@ -96,6 +111,9 @@ def opt_state_shardings(opt: optax.GradientTransformation, params, param_shardin
   Needed because jit does not propagate input shardings to freshly created zeros: a bare
   `jit(opt.init)` puts the moments on one device.
   """
+  if isinstance(opt, PerPart):
+    return {k: opt_state_shardings(t, params[k], param_shardings[k], mesh)
+            for k, t in opt.parts.items()}
   abstract_state = jax.eval_shape(opt.init, params)
   replicated = NamedSharding(mesh, P())
   return optax.tree_map_params(opt, lambda _, sh: sh, abstract_state, param_shardings,

@@ -17,5 +17,6 @@ from dpo.algorithms import rm  # noqa: E402,F401
 from dpo.algorithms import online_dpo  # noqa: E402,F401
 from dpo.algorithms import grpo  # noqa: E402,F401
 from dpo.algorithms import rloo  # noqa: E402,F401
+from dpo.algorithms import ppo  # noqa: E402,F401
 from dpo.algorithms import kto  # noqa: E402,F401
 from dpo.algorithms import iterative_dpo  # noqa: E402,F401

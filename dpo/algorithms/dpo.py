@@ -63,7 +63,7 @@ def preference_stage(p, model: registry.Model, algorithm: registry.Algorithm,
         c, mesh, evaluate.Weights(ref_model), ref_model, p.data.held,
         c.optim.global_batch_size)["perplexity"]
   spec = algorithm.step_config(c)
-  opt, _ = spec.optimizer()
+  opt, _ = (algorithm.optimizer or train.StepConfig.optimizer)(spec)
   if c.guard.log_kl and not spec.kl:
     logging.warning("--log_kl: the %s step computes no token KL (its reference is precomputed "
                     "or not read, or the stage logs its own KL estimate); the evaluation's "
@@ -74,7 +74,14 @@ def preference_stage(p, model: registry.Model, algorithm: registry.Algorithm,
                      train.trainable_specs(c.model, c.lora))) / 1e6)
   key = jax.random.fold_in(jax.random.key(c.run.seed), 1)
   trainable = lambda: train.initial_trainable(c.model, c.lora, params, key, mesh)
-  fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
+
+  def fresh():
+    state_params = trainable()
+    if algorithm.beside is not None:
+      state_params = {"policy": state_params,
+                      "beside": algorithm.beside(c, mesh, params, jax.random.fold_in(key, 1))}
+    return train.init_state(state_params, opt, c.run.seed, mesh)
+
   tr_dpo = c.reference.ref_update != "none"
   frozen = train.initial_frozen(params, trainable() if tr_dpo and c.lora.enabled else None, ref,
                                 c.lora.enabled)
@@ -89,8 +96,9 @@ def preference_stage(p, model: registry.Model, algorithm: registry.Algorithm,
   else:
     pairs, sampled = online(p, judge, params)
     packed = None
-  weights = lambda st: (evaluate.Weights(params, st.params) if c.lora.enabled
-                        else evaluate.Weights(st.params))
+  policy_of = lambda st: algorithm.policy_part(st.params)
+  weights = lambda st: (evaluate.Weights(params, policy_of(st)) if c.lora.enabled
+                        else evaluate.Weights(policy_of(st)))
   evaluate_state = lambda step, st: _evaluate(evaluator, weights(st), step, p.writer)
   t_dpo = time.perf_counter()
   start = Start(fresh, frozen, identity.model_digest(reference_path),

@@ -256,6 +256,17 @@ def check_groups(cfg, stage: str, prefix: str, section, group: str) -> None:
         f"generation batches)")
 
 
+def check_weights_only(cfg, stage: str) -> None:
+  """Of the grpo section, a sampling stage other than grpo reads only --reward_weights: another
+  of its fields off its default without a grpo stage in the recipe is a flag nothing reads."""
+  unread = [f.name for f in dataclasses.fields(cfg.grpo)
+            if getattr(cfg.grpo, f.name) != f.default and f.name != "reward_weights"]
+  check(stage not in cfg.run.stages or GRPO.name in cfg.run.stages or not unread,
+        f"--{(unread + [''])[0]}={shown(getattr(cfg.grpo, (unread + ['grpo_beta'])[0]))}: "
+        f"must go with a grpo stage (--stage={cfg.run.stage} has none; the {stage} stage reads "
+        f"only --reward_weights of its section)")
+
+
 def check_config(cfg) -> None:
   """Groups and iterations; --reward_weights: one weight per --reward_fn function (TRL's
   reward_weights)."""

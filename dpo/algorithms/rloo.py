@@ -35,7 +35,6 @@ import numpy as np
 from dpo import batches, identity, judges, logprobs, registry, train
 from dpo import policy_gradient as pg
 from dpo.algorithms import dpo, grpo
-from models.config import check, shown
 
 
 class RLOOBatch(NamedTuple):
@@ -123,12 +122,7 @@ def step_config(cfg) -> train.StepConfig:
 def check_config(cfg) -> None:
   """Groups and iterations; of the grpo section the stage reads only --reward_weights."""
   grpo.check_groups(cfg, RLOO.name, "rloo_", cfg.rloo, "k")
-  unread = [f.name for f in dataclasses.fields(cfg.grpo)
-            if getattr(cfg.grpo, f.name) != f.default and f.name != "reward_weights"]
-  check(RLOO.name not in cfg.run.stages or grpo.GRPO.name in cfg.run.stages or not unread,
-        f"--{(unread + [''])[0]}={shown(getattr(cfg.grpo, (unread + ['grpo_beta'])[0]))}: "
-        f"must go with a grpo stage (--stage={cfg.run.stage} has none; the rloo stage reads "
-        f"only --reward_weights of its section)")
+  grpo.check_weights_only(cfg, RLOO.name)
 
 
 RLOO = registry.register(registry.Algorithm(
