@@ -34,16 +34,17 @@ def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
          "--task_train_pairs=16", "--task_sft_examples=16", "--task_eval_pairs=8",
          "--task_eval_prompts=8", "--eval_max_new_tokens=8", "--global_batch_size=8",
          "--log_every=2", "--mesh=data:1", "--online_methods=online_dpo", "--online_methods=grpo",
-         "--online_methods=iterative_dpo", "--online_methods=rloo"]
+         "--online_methods=iterative_dpo", "--online_methods=rloo", "--online_methods=ppo"]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
   res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   points = [json.loads(l) for l in open(out / "frontier.jsonl")]
   methods = {p["method"] for p in points}
   assert methods == {"best-of-N", "DPO beta=0.5", "Preferred-FT", "online DPO", "GRPO",
-                     "iterative DPO", "RLOO"}
+                     "iterative DPO", "RLOO", "PPO"}
   assert [p["step"] for p in points if p["method"] == "GRPO"] == [0, 2, 4]
   assert [p["step"] for p in points if p["method"] == "RLOO"] == [0, 2, 4]
+  assert [p["step"] for p in points if p["method"] == "PPO"] == [0, 2, 4]
   assert [p["step"] for p in points if p["method"] == "iterative DPO"] == [0, 2, 4]
   assert len(os.listdir(out / "iterative_dpo" / "iterative")) == 4  # 4 rounds of 1 step
   # Per run: the SFT origin and one point per evaluation (steps 2 and 4).
@@ -52,7 +53,7 @@ def test_tiny_sweep_writes_table_points_and_plot(tmp_path):
       [0.0, 0.6931 - 0.5, 1.3863 - 0.75], abs=1e-3)
   table = (out / "frontier.md").read_text()
   for method in ("| DPO |", "| Preferred-FT |", "| best-of-N |", "| online DPO |", "| GRPO |",
-                 "| iterative DPO |", "| RLOO |"):
+                 "| iterative DPO |", "| RLOO |", "| PPO |"):
     assert method in table
   assert (out / "frontier.png").stat().st_size > 10_000
   # --init_from reuses that SFT model instead of training one: the same points, no SFT stage.

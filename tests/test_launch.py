@@ -128,10 +128,10 @@ def test_sections_and_help_derive_from_the_dataclasses():
   # The core sections, then each algorithm's own, in the order dpo/algorithms imports them.
   assert configs.SECTIONS == ("model", "lora", "data", "optim", "loss", "reference", "guard",
                               "eval", "checkpoint", "mesh", "run", "reward", "online", "grpo",
-                              "rloo", "kto", "iterative")
+                              "rloo", "ppo", "kto", "iterative")
   owners = {n: a.name for a in registry.ALGORITHMS.values() for n, _ in a.sections}
   assert owners == {"reward": "rm", "online": "online_dpo", "grpo": "grpo", "rloo": "rloo",
-                    "kto": "kto", "iterative": "iterative_dpo"}
+                    "ppo": "ppo", "kto": "kto", "iterative": "iterative_dpo"}
   sections = {name: section for name, *_, section in cli.flag_fields()}
   assert (sections["beta"], sections["label_smoothing"], sections["learning_rate"],
           sections["kl_max"], sections["eval_every"], sections["output_dir"],

@@ -13,7 +13,8 @@ default job's runs/default/checkpoints/sft_model, so the sweep does not train it
   * Preferred-FT: supervised fine-tuning on the chosen responses of the same pairs (the `sft`
     loss of dpo/losses.py: the chosen NLL, no reference), with the same LoRA and schedule;
   * with --online_methods=online_dpo --online_methods=iterative_dpo --online_methods=grpo
-    --online_methods=rloo, online DPO, iterative DPO, GRPO and RLOO (dpo/algorithms/), the same
+    --online_methods=rloo --online_methods=ppo, online DPO, iterative DPO, GRPO, RLOO and PPO
+    (dpo/algorithms/), the same
     number of DPO steps from the same SFT model (iterative DPO: --iterative_rounds rounds of
     --steps / rounds steps), their samples labelled by the judge;
   * best-of-N from the SFT model, N in --best_of: --best_of_max samples per prompt drawn once,
@@ -69,7 +70,7 @@ def run_points(cfg, mesh, params, method: str, value: float) -> list[dict]:
 
 
 ONLINE = {"online_dpo": "online DPO", "iterative_dpo": "iterative DPO", "grpo": "GRPO",
-          "rloo": "RLOO"}
+          "rloo": "RLOO", "ppo": "PPO"}
 
 
 def online_config(cfg, method: str, output_dir: str):
@@ -77,8 +78,9 @@ def online_config(cfg, method: str, output_dir: str):
   prompts: online DPO and iterative DPO (--iterative_rounds rounds of --steps / rounds steps,
   each round's pool one pair per prompt of its steps' batches) with the sigmoid loss at
   --online_beta, GRPO with the k3 KL weighted by it, RLOO with the sequence KL in the reward
-  weighted by it and as many completions a prompt as GRPO (--num_generations' default);
-  completions as long as the evaluation's."""
+  weighted by it and as many completions a prompt as GRPO (--num_generations' default), PPO with
+  the token KL in the rewards weighted by it (one completion a prompt, its separate value
+  model); completions as long as the evaluation's."""
   new = cfg.eval.eval_max_new_tokens or cfg.data.max_target_length
   if method == "iterative_dpo":
     rounds = cfg.iterative.iterative_rounds
@@ -97,6 +99,10 @@ def online_config(cfg, method: str, output_dir: str):
     return cfg.replace(stage=method, output_dir=output_dir, rloo_steps=cfg.optim.steps,
                        rloo_max_completion_length=new, rloo_beta=float(FLAGS.online_beta),
                        rloo_num_generations=cfg.grpo.num_generations, rloo_num_iterations=1)
+  if method == "ppo":
+    return cfg.replace(stage=method, output_dir=output_dir, ppo_steps=cfg.optim.steps,
+                       ppo_max_completion_length=new, ppo_beta=float(FLAGS.online_beta),
+                       ppo_num_iterations=1)
   return cfg.replace(stage=method, output_dir=output_dir, online_steps=cfg.optim.steps,
                      online_max_new_tokens=new, loss_type=("sigmoid",),
                      beta=float(FLAGS.online_beta))
@@ -244,9 +250,9 @@ if __name__ == "__main__":
   flags.DEFINE_float("kl_range", 8.0, "KL budget (nats per sequence) of the area under a curve.")
   flags.DEFINE_multi_enum("online_methods", [], list(ONLINE),
                           "Online methods added to the frontier (dpo/algorithms): online DPO, "
-                          "iterative DPO, GRPO and RLOO, each as many DPO steps as a DPO run, "
-                          "labelled by the same judge.")
+                          "iterative DPO, GRPO, RLOO and PPO, each as many DPO steps as a DPO "
+                          "run, labelled by the same judge.")
   flags.DEFINE_float("online_beta", 0.1, "beta of online and iterative DPO's sigmoid loss, "
-                     "GRPO's KL weight and RLOO's KL penalty weight.")
+                     "GRPO's KL weight, RLOO's KL penalty weight and PPO's token KL weight.")
   flags.register_validator("best_of_max", lambda n: n >= 1, "--best_of_max must be >= 1")
   app.run(main)
