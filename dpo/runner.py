@@ -337,10 +337,14 @@ class Stage:
   def save(self) -> None:
     """A checkpoint of the state (and the hooks' arrays beside it: {"state", "hooks"})."""
     carriers, meta = self._carriers(), self.snapshot()
-    tree = self.state
+    tree, prefix = self.state, ".params"
     if carriers:
       tree = {"state": self.state, "hooks": {type(h).__name__: h.arrays(self) for h in carriers}}
-      meta["params_prefix"] = "['state'].params"
+      prefix = "['state'].params"
+    if isinstance(self.state.params, dict) and "beside" in self.state.params:
+      prefix += "['policy']"  # a model trained beside the policy (registry.Algorithm.beside)
+    if prefix != ".params":
+      meta["params_prefix"] = prefix
     path = self.ckpts.save(self.step, tree, meta)
     logging.info("%s: checkpoint step %d -> %s", self.name, self.step, path)
 

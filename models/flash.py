@@ -73,6 +73,10 @@ def attention(q_BTKGd, k_BTKd, v_BTKd, segment_BT, branch_BT, window=0, *, scale
               jax.default_backend() != "tpu")
   capacity = vmem_capacity() if vmem is None else vmem
   heads, need = heads_a_step(G, d, jnp.dtype(q_BTKGd.dtype).itemsize, spec, capacity)
+  if need > capacity and not spec.interpret:
+    raise ValueError(f"--attention_tile={block}: a grid step of one head of {d} holds about "
+                     f"{need / 2**20:.1f} MiB of VMEM, over the {capacity / 2**20:.0f} MiB this "
+                     f"chip gives a kernel; take a smaller tile")
   spec = spec._replace(heads=heads, vmem_limit=None if need <= DEFAULT_VMEM else capacity)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
   q_BKGTd = jnp.moveaxis(pad(q_BTKGd), 1, 3)

@@ -146,6 +146,21 @@ def test_rewards_and_gae_equal_tunix(name):
                             cfg.gae_lambda)[0], theirs[1], x["mask"])
 
 
+def test_prompt_slots_before_the_completion_change_nothing():
+  """The stage's rows hold the prompt's slots (mask 0) before the completion: the rewards,
+  advantages and returns at the completion tokens are Tunix's on the completion alone."""
+  cfg, x = pg.PPOConfig(gamma=0.97, ppo_beta=0.1), make_inputs(6)
+  theirs = _tunix_advantages(x, x["scores"], cfg, jnp.zeros(x["mask"].shape, jnp.float32))
+  P = 5
+  rng = np.random.default_rng(7)
+  wide = {k: np.concatenate([rng.normal(size=(len(v), P)).astype(v.dtype), v], axis=1)
+          for k, v in x.items() if k in ("old", "ref", "values")}
+  wide["mask"] = np.concatenate([np.zeros((len(x["mask"]), P), np.int32), x["mask"]], axis=1)
+  ours = _ours(wide, x["scores"], cfg)
+  for o, t in zip(ours, theirs):
+    close(np.asarray(o)[:, P:], t, x["mask"])
+
+
 @pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")  # Tunix's, as said
 def test_tunix_integer_rewards_drop_a_scores_fraction():
   """The one place ours differ by design: with Tunix's integer completion ids its rewards array

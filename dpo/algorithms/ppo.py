@@ -134,8 +134,12 @@ def value_model(cfg, mesh, base, key):
   """The value model's fresh weights: a head ~ N(0, init_std^2) (the reward model's, rm.py),
   and with `separate` fresh LoRA factors (B = 0: its trunk starts as the base) or a copy of the
   base."""
-  fresh = rm.initial_trainable(cfg.model, cfg.lora, base, key, mesh)
-  return fresh if cfg.ppo.ppo_value_model == "separate" else {"score": fresh["score"]}
+  if cfg.ppo.ppo_value_model == "separate":
+    return rm.initial_trainable(cfg.model, cfg.lora, base, key, mesh)
+  spec = transformer.score_spec(cfg.model)
+  head = jax.jit(lambda k: transformer.init_from_specs(spec, k, cfg.model.init_std),
+                 out_shardings=transformer.shardings(spec, mesh))(jax.random.split(key)[1])
+  return {"score": head}  # the head rm.initial_trainable draws from the same key
 
 
 @dataclasses.dataclass
@@ -159,15 +163,23 @@ class Generated(grpo.Generated):
   def sample(self, state, batch, key, n: int = 1):
     return super().sample(_policy(state), batch, key, n)
 
+  def rewarded(self, batch, comps):
+    """GRPO's, except that a single reward function may not return None: its None is the
+    judge's one-line error naming the function and the record (PPO needs every score)."""
+    if isinstance(self.judge, judges.FunctionJudge):
+      rewards, ended = self.scored(batch, comps)
+      return rewards[:, None], ended, {}
+    return super().rewarded(batch, comps)
+
   def generation(self, state, frozen, batch, comps, score, spec):
     """(the PPOBatch of a generation batch, its logged figures)."""
     c = self.cfg.ppo
     rewards_NF, ended, info = self.rewarded(batch, comps)
     scores = np.asarray(pg.weighted_rewards(rewards_NF.astype(np.float32),
                                             self.cfg.grpo.reward_weights), np.float32)
-    if np.isnan(scores).any():
-      raise ValueError(f"--stage={self.cfg.run.stage}: the judge gave no score (None) to "
-                       f"{int(np.isnan(scores).sum())} of {len(scores)} samples at step "
+    if np.isnan(scores).any():  # several functions, each of which returned None for a sample
+      raise ValueError(f"--reward_fn={self.cfg.eval.reward_fn}: every function returned None "
+                       f"for {int(np.isnan(scores).sum())} of {len(scores)} samples at step "
                        f"{int(state.step)}; PPO's rewards need every completion scored")
     rows, old, ref = self.scored_rows(_policy(state), frozen, (batch, comps, ended), score, spec,
                                       False, c.ppo_beta > 0)
@@ -216,6 +228,10 @@ def check_config(cfg) -> None:
   check(c.ppo_value_model == "head" or c.ppo_vf_coef == default.ppo_vf_coef,
         f"--ppo_vf_coef={c.ppo_vf_coef}: weighs the value loss on the policy's trunk "
         f"(--ppo_value_model=head); a separate value model has its own optimizer")
+  check(c.ppo_beta > 0 or (c.ppo_kl_method == default.ppo_kl_method
+                          and c.ppo_kl_clamp == default.ppo_kl_clamp),
+        f"--ppo_kl_method={c.ppo_kl_method} --ppo_kl_clamp={c.ppo_kl_clamp}: the token KL in "
+        f"the rewards is off with --ppo_beta=0")
   check(not here or cfg.reference.ref_update == "none",
         f"--ref_update={cfg.reference.ref_update}: the ppo stage keeps its reference fixed (its "
         f"KL is in the rewards)")
