@@ -1,4 +1,5 @@
-"""GRPO's, RLOO's and PPO's objectives as pure functions: rewards to advantages, log-probs to a loss.
+"""GRPO's, RLOO's and PPO's objectives as pure functions: rewards to advantages, log-probs to
+a loss.
 
 Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, eqs. 3-4)
 samples G completions per prompt, scores them, and uses each completion's reward relative to

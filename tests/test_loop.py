@@ -152,8 +152,8 @@ def test_an_algorithm_registered_from_a_test_runs_as_a_stage(tmp_path, monkeypat
 
 
 def test_an_unknown_stage_is_refused_before_any_work(tmp_path):
-  cfg = configs.DEFAULT.replace(**TINY, output_dir=str(tmp_path / "run"), stage="sft,ppo")
-  with pytest.raises(ValueError, match=r"--stage=sft,ppo: no algorithm named ppo "
+  cfg = configs.DEFAULT.replace(**TINY, output_dir=str(tmp_path / "run"), stage="sft,reinforce")
+  with pytest.raises(ValueError, match=r"--stage=sft,reinforce: no algorithm named reinforce "
                                        r"\(registered: sft, dpo"):
     loop.run(cfg)
   assert not (tmp_path / "run").exists()
