@@ -250,7 +250,7 @@ def length_reward(prompt, completion):
 
 # The online stages on the embedded task from a random init, 2 processes x 2 devices against
 # 1 x 4: a few steps, no checkpoints, a short final evaluation.
-ONLINE = ["--online_max_new_tokens=8", "--checkpoint_every=0", "--eval_max_new_tokens=4"]
+ONLINE = ["--checkpoint_every=0", "--eval_max_new_tokens=4"]
 LENGTH = "--reward_fn=tests.test_multihost:length_reward"
 _CLOCK = ("tokens_per_sec", "time/sample_s", "time/judge_s", "time/train_s", "eval/eval_time_s")
 
@@ -259,10 +259,11 @@ _CLOCK = ("tokens_per_sec", "time/sample_s", "time/judge_s", "time/train_s", "ev
 @pytest.mark.parametrize("stage", [
     # the judge a reward model on the mesh: the run's own rm stage, on half the pairs
     ["--stage=rm,online_dpo", "--online_steps=2", "--judge=rm", "--rm_split=0.5",
-     "--rm_steps=2"],
+     "--rm_steps=2", "--online_max_new_tokens=8"],
     ["--stage=grpo", "--grpo_steps=2", "--num_iterations=2", "--num_generations=4",
      "--max_completion_length=8", "--grpo_beta=0.04", LENGTH],
-    ["--stage=iterative_dpo", "--iterative_rounds=2", "--iterative_steps_per_round=1", LENGTH],
+    ["--stage=iterative_dpo", "--iterative_rounds=2", "--iterative_steps_per_round=1", LENGTH,
+     "--online_max_new_tokens=8"],
 ], ids=["online_dpo", "grpo", "iterative_dpo"])
 def test_online_stage_in_two_processes_is_the_one_process_run(tmp_path, stage):
   """Every process samples the whole batch on the global mesh, judges every sample and trains on

@@ -189,6 +189,14 @@ def test_settings_ppo_cannot_honour_are_one_line_errors(tmp_path):
     _cfg(tmp_path, num_generations=4)
   with pytest.raises(ValueError, match=r"^--ppo_beta=0.1: must go with a ppo stage"):
     configs.DEFAULT.replace(ppo_beta=0.1)
+  # The shared online section, per field: what only another stage reads is refused.
+  with pytest.raises(ValueError, match=r"^--grpo_steps=50: read only by the grpo stage "
+                                       r"\(--stage=sft,ppo has none\)$"):
+    _cfg(tmp_path, grpo_steps=50)
+  with pytest.raises(ValueError, match=r"^--online_max_new_tokens=8: read only by the "
+                                       r"online_dpo or iterative_dpo stage"):
+    _cfg(tmp_path, online_max_new_tokens=8)
+  assert _cfg(tmp_path, online_temperature=0.7).online.online_temperature == 0.7
   with pytest.raises(ValueError, match="ppo_value_model"):
     _cfg(tmp_path, ppo_value_model="shared")
   # A reward function's None: refused before training (PPO's rewards need every score).

@@ -38,7 +38,7 @@ from dpo import batches, identity, judges, packing, registry, train
 from dpo import data as data_lib
 from dpo.algorithms import dpo
 from models import sampler, sharding, transformer
-from models.config import FINITE_NONNEG, NONNEG, option, rules
+from models.config import FINITE_NONNEG, NONNEG, check, option, rules, shown
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,24 @@ def run(p, model: registry.Model) -> registry.Model:
   return dpo.preference_stage(p, model, ONLINE_DPO, sampled)
 
 
+# The stages that read each field of the online section beside --online_temperature (which
+# every sampling stage reads); grpo, rloo and ppo sample their own completion lengths.
+FIELD_READERS = {"online_steps": ("online_dpo",), "grpo_steps": ("grpo",), "rloo_steps": ("rloo",),
+                 "online_max_new_tokens": ("online_dpo", "iterative_dpo"),
+                 "missing_eos_penalty": ("online_dpo", "iterative_dpo")}
+
+
+def check_config(cfg) -> None:
+  """A field of the online section off its default needs a stage in the recipe that reads it:
+  the section is shared, so its readers are named per field."""
+  defaults = {f.name: f.default for f in dataclasses.fields(OnlineConfig)}
+  for field, readers in FIELD_READERS.items():
+    value = getattr(cfg.online, field)
+    check(value == defaults[field] or any(r in cfg.run.stages for r in readers),
+          f"--{field}={shown(value)}: read only by the {' or '.join(readers)} stage "
+          f"(--stage={cfg.run.stage} has none)")
+
+
 def step_config(cfg) -> train.StepConfig:
   # A sampled row scores at most its completion budget, not --max_target_length.
   return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.online_steps,
@@ -218,4 +236,4 @@ ONLINE_DPO = registry.register(registry.Algorithm(
                                                           "guard", "online")),
                                  "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=4, steps_flag="--online_steps",
-    sections=(("online", OnlineConfig),), samples=True, judged=True))
+    sections=(("online", OnlineConfig),), check=check_config, samples=True, judged=True))
