@@ -87,7 +87,7 @@ class Program:
     return Stage(name, spec.total_steps, dispatch, start.fresh, start.frozen, loader, ckpts,
                  self.writer,
                  [*hooks, *self.extra_hooks.get(name, ())], algorithm.steps_flag,
-                 blocks=block[1])
+                 blocks=block[1], policy_path=algorithm.policy_path)
 
   def fingerprint(self, algorithm, arrays, initial: str, cfg=None) -> dict:
     """The fingerprint of `algorithm`'s stage over `arrays` from the model `initial`, run with

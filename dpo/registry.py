@@ -82,6 +82,11 @@ class Algorithm:
     """The policy's part of a state's trainable pytree (all of it unless `beside`)."""
     return trainable["policy"] if self.beside is not None else trainable
 
+  @property
+  def policy_path(self) -> str:
+    """Where `policy_part` sits in the state's trainable, as a key path ("" for all of it)."""
+    return "['policy']" if self.beside is not None else ""
+
 
 ALGORITHMS: dict[str, Algorithm] = {}
 # Set by configs.py when it builds `Config` from the sections registered so far: an algorithm

@@ -265,6 +265,7 @@ class Stage:
   hooks: Sequence[Hook] = ()
   steps_flag: str = "--steps"  # the flag that sets `steps`, for the messages about its length
   blocks: int = 1  # the processes' blocks a host batch is one of (1: each holds the whole batch)
+  policy_path: str = ""  # where the policy sits in state.params (registry.Algorithm.policy_path)
   # Live values the hooks read (and some write, e.g. TR-DPO's frozen, the tokens count).
   state: Any = None
   step: int = 0          # steps taken by run.state
@@ -341,8 +342,7 @@ class Stage:
     if carriers:
       tree = {"state": self.state, "hooks": {type(h).__name__: h.arrays(self) for h in carriers}}
       prefix = "['state'].params"
-    if isinstance(self.state.params, dict) and "beside" in self.state.params:
-      prefix += "['policy']"  # a model trained beside the policy (registry.Algorithm.beside)
+    prefix += self.policy_path  # the policy's weights, not a model trained beside them
     if prefix != ".params":
       meta["params_prefix"] = prefix
     path = self.ckpts.save(self.step, tree, meta)

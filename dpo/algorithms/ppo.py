@@ -200,7 +200,7 @@ _values = jax.jit(values, static_argnums=0)
 
 def _policy(state: train.TrainState) -> train.TrainState:
   """The state as the policy's alone (what the sampler and the log-probs read)."""
-  return state._replace(params=state.params["policy"])
+  return state._replace(params=PPO.policy_part(state.params))
 
 
 def run(p, model: registry.Model) -> registry.Model:
