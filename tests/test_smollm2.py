@@ -106,6 +106,31 @@ def test_chat_template_matches_transformers(smollm2_dir, tmp_path):
   assert chat.end_of_turn_ids(t, tok) == [theirs.convert_tokens_to_ids("<|im_end|>")]
 
 
+@pytest.mark.slow
+def test_numpy_conversion_equals_transformers_bit_for_bit(smollm2_dir, tmp_path):
+  # Where no torch runs (a TPU host): the gguf package's dequantizer, llama.cpp's names and
+  # rotary row order undone, the small files copied from a folder converted by transformers.
+  from safetensors.numpy import load_file
+  files = tmp_path / "files"
+  files.mkdir()
+  for name in os.listdir(smollm2_dir):
+    if name != "model.safetensors":
+      (files / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
+  out = smollm2.convert(str(tmp_path / "np"), files_from=str(files))
+  ours = load_file(os.path.join(out, "model.safetensors"))
+  theirs = load_file(os.path.join(smollm2_dir, "model.safetensors"))
+  assert sorted(ours) == sorted(theirs)
+  differ = [k for k in theirs if not np.array_equal(ours[k], theirs[k])]
+  assert not differ, differ[:4]
+  for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
+    assert open(os.path.join(out, name)).read() == open(os.path.join(smollm2_dir, name)).read()
+  assert json.load(open(os.path.join(out, smollm2.COMPLETE)))["converter"] == "numpy"
+  # Without the marker, the source folder is refused in one line naming the flag.
+  os.remove(files / smollm2.COMPLETE)
+  with pytest.raises(smollm2.ConversionError, match="--files_from=.*not a folder this tool"):
+    smollm2.convert(str(tmp_path / "np2"), files_from=str(files))
+
+
 def test_conversion_is_idempotent_and_names_what_is_missing(tmp_path, monkeypatch):
   out = tmp_path / "hf"
   out.mkdir()
@@ -120,6 +145,8 @@ def test_conversion_is_idempotent_and_names_what_is_missing(tmp_path, monkeypatc
     smollm2.convert(str(tmp_path / "new"))
   with pytest.raises(smollm2.ConversionError, match="needs gguf, which is not installed"):
     smollm2.convert(str(tmp_path / "new"), gguf=str(out / smollm2.COMPLETE))
+  with pytest.raises(smollm2.ConversionError, match="numpy conversion reads GGUF with the gguf"):
+    smollm2.convert(str(tmp_path / "new"), gguf=str(out / smollm2.COMPLETE), files_from=str(out))
 
 
 def test_hh_transcripts_become_conversations(tmp_path):

