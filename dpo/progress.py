@@ -3,8 +3,8 @@
 A compile, an evaluation, an export or a conversion can each run for minutes without a line of
 their own. Inside `doing(what)`, a watcher thread logs `still working: <what>` whenever nothing
 at all was logged for `INTERVAL` seconds, with the time spent on `what` and the last line
-logged before the silence (so the line says where the run is), and says nothing while other
-lines keep coming. `doing` blocks nest: the line names the innermost.
+logged before the silence and how long ago (so the line says where the run is; its own earlier
+lines are not quoted), and says nothing while other lines keep coming. `doing` blocks nest: the line names the innermost.
 
     with progress.doing("the dpo stage"):
       ...
@@ -23,22 +23,28 @@ INTERVAL = 30.0  # seconds of silence before a line
 
 _lock = threading.Lock()
 _activities: list[tuple[str, float]] = []  # (what, since), innermost last
-_last = {"time": time.monotonic(), "message": ""}
+_last = {"time": time.monotonic(), "message": "", "message_time": time.monotonic()}
 _watcher: threading.Thread | None = None
 _wake = threading.Event()
 
 
 class _Seen(std_logging.Handler):
-  """Notes when the last record (any logger's, this module's own included) was emitted."""
+  """Notes when the last record (any logger's, this module's own included) was emitted, and the
+  last one that is not this module's own."""
 
   def emit(self, record):
+    now = time.monotonic()
+    _last["time"] = now
+    if record.threadName == _THREAD:
+      return
     try:
       message = record.getMessage()
     except Exception:  # a record that cannot format still counts as a line
       message = str(record.msg)
-    _last["time"], _last["message"] = time.monotonic(), message
+    _last["message"], _last["message_time"] = message, now
 
 
+_THREAD = "progress"
 _seen = _Seen(level=std_logging.INFO)
 
 
@@ -52,10 +58,10 @@ def _watch() -> None:
       what, since = _activities[-1]
       now = time.monotonic()
       quiet = now - max(_last["time"], since)  # silence within this activity
-      last = _last["message"]
+      last, ago = _last["message"], now - _last["message_time"]
     if quiet >= INTERVAL:
       logging.info("still working: %s, %.0f s in it; %.0f s since the last line (%s)", what,
-                   now - since, quiet, (last[:120] + "...") if len(last) > 120 else last)
+                   now - since, ago, (last[:120] + "...") if len(last) > 120 else last)
 
 
 @contextlib.contextmanager
@@ -66,7 +72,7 @@ def doing(what: str):
     if _seen not in std_logging.getLogger().handlers:
       std_logging.getLogger().addHandler(_seen)
     if _watcher is None or not _watcher.is_alive():
-      _watcher = threading.Thread(target=_watch, name="progress", daemon=True)
+      _watcher = threading.Thread(target=_watch, name=_THREAD, daemon=True)
       _watcher.start()
     _activities.append((what, time.monotonic()))
   _wake.set()

@@ -1,5 +1,6 @@
 """dpo/progress.py: a line at least every INTERVAL seconds of silence, naming the innermost
-activity and the last line before the silence, and none while other lines keep coming."""
+activity and the last line before the silence (never its own), and none while other lines keep
+coming."""
 
 import logging as std_logging
 import time
@@ -42,8 +43,12 @@ def test_a_line_every_interval_of_silence_and_none_while_lines_come(monkeypatch)
   assert 3 <= len([1 for t, _ in still if t < busy_from]) <= 6, still
   first = still[0][1]
   assert first.startswith("still working: an evaluation, ") and "(exported the adapter)" in first
-  # After the first, each names the line before the silence: the previous heartbeat.
-  assert all("still working: an evaluation" in m for _, m in still[1:] if _ < busy_from)
+  # Each names the last line before the silence, not an earlier heartbeat, and how long ago.
+  silent = [m for t, m in still if t < busy_from]
+  assert all(m.count("still working") == 1 and m.endswith("(exported the adapter)")
+             for m in silent), silent
+  ago = [float(m.split("; ")[1].split(" s since")[0]) for m in silent]
+  assert ago == sorted(ago) and ago[-1] >= 1.0, silent
   assert not [m for t, m in still if t > busy_from + 0.35], still
   gaps = [b[0] - a[0] for a, b in zip(lines.lines, lines.lines[1:]) if b[0] < busy_from]
   assert max(gaps) < 0.3 + 0.5  # the interval, and the watcher's polling and a loaded machine
