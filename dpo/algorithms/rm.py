@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import batches, chat, checkpoint, hooks, identity, packing, registry, train
+from dpo import batches, chat, checkpoint, hooks, identity, packing, progress, registry, train
 from dpo import reward_model as reward_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.batches import PairBatch
@@ -179,7 +179,8 @@ def run(p, model: registry.Model) -> registry.Model:
                          reads=reads)
   p.summary["rm_model"] = os.path.abspath(out)
   if p.data.held is not None:  # TRL's eval_* metrics, on the held-out pairs
-    held = held_out_metrics(c, mesh, made, p.data.held)
+    with progress.doing(f"the reward model on {len(p.data.held['tokens'])} held-out pairs"):
+      held = held_out_metrics(c, mesh, made, p.data.held)
     p.summary.update({f"rm_eval_{k}": v for k, v in held.items()})
     p.writer.write({"stage": "rm", "step": int(state.step),
                     **{f"eval_{k}": v for k, v in held.items()}})
