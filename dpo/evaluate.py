@@ -152,14 +152,18 @@ def sample(cfg, mesh, scfg: sampler.SamplingConfig, weights: Weights,
 
   Chunk c (rows c * eval_batch_size onward) samples with fold_in(key, its first row), so
   results are reproducible given the key and eval_batch_size, whatever the device count.
+  Every chunk has one shape (the longest prompt of all, the batch padded with repeated rows),
+  so the sampler compiles once per weights, not once per chunk's longest prompt.
   """
-  bs = cfg.eval.eval_batch_size
+  bs = min(cfg.eval.eval_batch_size, len(prompts))
+  bs += -bs % sharding.batch_shards(mesh)  # rows that split over the devices
+  longest = max((len(p) for p in prompts), default=0)
   out: list[list[int]] = []
-  for start in range(0, len(prompts), bs):
-    chunk = list(prompts[start:start + bs])
+  for start in range(0, len(prompts), cfg.eval.eval_batch_size):
+    chunk = list(prompts[start:start + cfg.eval.eval_batch_size])
     n = len(chunk)
-    chunk += [chunk[-1]] * (-n % sharding.batch_shards(mesh))  # pad rows so the batch splits over devices
-    tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8)
+    chunk += [chunk[-1]] * (bs - n)
+    tokens, segments = sampler.left_pad(chunk, scfg.pad_id, multiple=8, length=longest)
     # Every process holds all prompts, so each passes the whole batch.
     batch = train.device_batch(mesh, sampler.Prompts(tokens, segments), len(chunk))
     adapter = None if weights.lora is None else transformer.Adapter(weights.lora, cfg.lora.scale)

@@ -65,14 +65,15 @@ class Samples(NamedTuple):
   finished: jax.Array  # [B] bool: the row emitted EOS within N tokens
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 1):
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 1, length: int = 0):
   """(tokens [B, P], segment_ids [B, P]) numpy int32, each prompt right-aligned.
 
-  P is the longest prompt rounded up to `multiple` (fewer distinct shapes, fewer compiles).
+  P is the longest prompt, or `length` if longer, rounded up to `multiple` (fewer distinct
+  shapes, fewer compiles: batches padded to one `length` share one compiled sampler).
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token (e.g. BOS)")
-  P = -(-max(len(p) for p in prompts) // multiple) * multiple
+  P = -(-max(length, *(len(p) for p in prompts)) // multiple) * multiple
   tokens = np.full((len(prompts), P), pad_id, np.int32)
   segments = np.zeros((len(prompts), P), np.int32)
   for i, p in enumerate(prompts):

@@ -11,6 +11,7 @@ from dpo import data as data_lib
 from dpo import evaluate, judges, task
 from dpo.tokenizer import ByteTokenizer
 from models import lora as lora_lib
+from models import sampler as sampler_lib
 from models import sharding, transformer
 
 TOK = ByteTokenizer()
@@ -81,6 +82,19 @@ def test_completion_logps_match_numpy(params, lora, mesh):
     np.testing.assert_allclose(ref[i], numpy_logp(params, prompts[i], comps[i]), rtol=1e-4,
                                atol=1e-3)
     assert counts[i] == len(comps[i])
+
+
+def test_sampling_compiles_once_whatever_each_batchs_longest_prompt(params, lora, mesh):
+  # Three batches of 4, 4 and 2 prompts whose longest prompts pad to 8, 16 and 24 tokens: one
+  # shape, so one compile of the sampler for these weights (each batch's own width took three).
+  cfg = CFG.replace(eval_batch_size=4, eval_max_new_tokens=3)
+  scfg = evaluate.sampling_config(cfg, TOK)
+  prompts = [[257] + [65] * n for n in (3, 4, 5, 6, 10, 12, 14, 4, 20, 3)]
+  weights = evaluate.Weights(params, lora)
+  before = sampler_lib.generate._cache_size()
+  comps = evaluate.sample(cfg, mesh, scfg, weights, prompts, jax.random.key(5))
+  assert sampler_lib.generate._cache_size() == before + 1
+  assert len(comps) == len(prompts) and all(1 <= len(c) <= 3 for c in comps)
 
 
 @pytest.mark.slow
