@@ -125,7 +125,11 @@ def test_numpy_conversion_equals_transformers_bit_for_bit(smollm2_dir, tmp_path)
   for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
     assert open(os.path.join(out, name)).read() == open(os.path.join(smollm2_dir, name)).read()
   assert json.load(open(os.path.join(out, smollm2.COMPLETE)))["converter"] == "numpy"
-  # Without the marker, the source folder is refused in one line naming the flag.
+  # Small files converted from another GGUF file, or without the marker: refused in one line.
+  marker = json.load(open(files / smollm2.COMPLETE))
+  (files / smollm2.COMPLETE).write_text(json.dumps({**marker, "sha256": "0" * 64}))
+  with pytest.raises(smollm2.ConversionError, match="--files_from=.*another GGUF file"):
+    smollm2.convert(str(tmp_path / "np2"), files_from=str(files))
   os.remove(files / smollm2.COMPLETE)
   with pytest.raises(smollm2.ConversionError, match="--files_from=.*not a folder this tool"):
     smollm2.convert(str(tmp_path / "np2"), files_from=str(files))

@@ -18,7 +18,7 @@ numpy alone: the `gguf` package's own dequantizer, llama.cpp's tensor names mapp
 Face's and its rotary row order of q_proj / k_proj undone, as transformers' loader does (the
 result equals its model.safetensors bit for bit, tests/test_smollm2.py); the small files
 (config, tokenizer, chat template) are copied from DIR, a folder this tool wrote where
-transformers runs.
+transformers runs from the same GGUF file (its recorded sha256 is checked).
 
 HH-RLHF's records are transcripts ("\n\nHuman: ...\n\nAssistant: ..."), which the project reads as
 plain text, so no chat template would apply. `--hh_out` gets them as conversations
@@ -160,13 +160,19 @@ def _write_numpy(gguf: str, tmp: str, files_from: str) -> None:
     raise ConversionError(f"--files_from={files_from}: not a folder this tool converted (no "
                           f"{COMPLETE}); convert where transformers runs and copy it here "
                           "without model.safetensors")
+  digest = _digest(gguf)
+  with open(os.path.join(files_from, COMPLETE)) as f:
+    theirs = json.load(f).get("sha256")
+  if theirs != digest:  # its config and tokenizer are another file's
+    raise ConversionError(f"--files_from={files_from} was converted from another GGUF file "
+                          f"(sha256 {str(theirs)[:12]}...) than --gguf={gguf} ({digest[:12]}...)")
   os.makedirs(tmp)
   for name in SMALL_FILES:
     if os.path.isfile(os.path.join(files_from, name)):
       shutil.copy(os.path.join(files_from, name), tmp)
   tensors = gguf_tensors(gguf)
   save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-  info = {"gguf": os.path.basename(gguf), "bytes": os.path.getsize(gguf), "sha256": _digest(gguf),
+  info = {"gguf": os.path.basename(gguf), "bytes": os.path.getsize(gguf), "sha256": digest,
           "converter": "numpy", "files_from": files_from}
   with open(os.path.join(tmp, COMPLETE), "w") as f:
     json.dump(info, f, indent=1)
