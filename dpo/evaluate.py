@@ -153,7 +153,9 @@ def sample(cfg, mesh, scfg: sampler.SamplingConfig, weights: Weights,
   Chunk c (rows c * eval_batch_size onward) samples with fold_in(key, its first row), so
   results are reproducible given the key and eval_batch_size, whatever the device count.
   Every chunk has one shape (the longest prompt of all, the batch padded with repeated rows),
-  so the sampler compiles once per weights, not once per chunk's longest prompt.
+  so the sampler compiles once per weights, not once per chunk's longest prompt; a chunk of
+  short prompts then decodes over the longest one's padding (masked), a small cost beside a
+  compile.
   """
   bs = min(cfg.eval.eval_batch_size, len(prompts))
   bs += -bs % sharding.batch_shards(mesh)  # rows that split over the devices

@@ -4,7 +4,8 @@ A compile, an evaluation, an export or a conversion can each run for minutes wit
 their own. Inside `doing(what)`, a watcher thread logs `still working: <what>` whenever nothing
 at all was logged for `INTERVAL` seconds, with the time spent on `what` and the last line
 logged before the silence and how long ago (so the line says where the run is; its own earlier
-lines are not quoted), and says nothing while other lines keep coming. `doing` blocks nest: the line names the innermost.
+lines are not quoted), and says nothing while other lines keep coming. `doing` blocks nest: the
+line names the innermost.
 
     with progress.doing("the dpo stage"):
       ...

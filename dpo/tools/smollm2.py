@@ -87,7 +87,8 @@ def _require_loader() -> None:
                           ("transformers", 'pip install -c requirements.lock -e ".[test]"')):
     if importlib.util.find_spec(module) is None:
       raise ConversionError(f"transformers' GGUF loader needs {module}, which is not installed: "
-                            f"{install} (or --files_from=DIR: numpy alone, the module doc)")
+                            f"{install} (or first `python -m dpo.tools.smollm2 --gguf=FILE "
+                            "--files_from=DIR`: numpy alone, docs/smollm2.md)")
 
 
 def _digest(path: str) -> str:
@@ -110,9 +111,6 @@ _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
                 "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-# Files of a converted folder the numpy path copies (everything but the weights and the marker).
-SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "chat_template.jinja", "special_tokens_map.json")
 
 
 def _unpermute(w, heads: int):
@@ -167,9 +165,10 @@ def _write_numpy(gguf: str, tmp: str, files_from: str) -> None:
     raise ConversionError(f"--files_from={files_from} was converted from another GGUF file "
                           f"(sha256 {str(theirs)[:12]}...) than --gguf={gguf} ({digest[:12]}...)")
   os.makedirs(tmp)
-  for name in SMALL_FILES:
-    if os.path.isfile(os.path.join(files_from, name)):
-      shutil.copy(os.path.join(files_from, name), tmp)
+  for name in sorted(os.listdir(files_from)):  # all but the weights and the marker
+    path = os.path.join(files_from, name)
+    if os.path.isfile(path) and name != COMPLETE and not name.startswith("model.safetensors"):
+      shutil.copy(path, tmp)
   tensors = gguf_tensors(gguf)
   save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
   info = {"gguf": os.path.basename(gguf), "bytes": os.path.getsize(gguf), "sha256": digest,
@@ -272,9 +271,10 @@ def hh_to_chat(src: str = HH_SOURCE, dst: str = HH_CHAT) -> Counter:
 
 
 def prepare(cfg) -> None:
-  """What `--config=smollm2-hh` reads and is not there yet, built on first use (launch.py, through
-  configs.PREPARE): the model folder when --init_from names DEFAULT_DIR, the conversations when
-  --train_data names HH_CHAT. Inputs the flags point elsewhere are the user's to provide."""
+  """What `--config=smollm2-hh` / `smollm2-hh-tpu` read and is not there yet, built on first use
+  (launch.py, through configs.PREPARE): the model folder (by transformers) when --init_from
+  names DEFAULT_DIR, the conversations when --train_data names HH_CHAT. Inputs the flags point
+  elsewhere are the user's to provide (where no torch runs: the tool's --files_from first)."""
   if (cfg.data.train_data == HH_CHAT and not os.path.isfile(HH_CHAT)
       and not os.path.isfile(HH_SOURCE)):  # before the conversion, which takes minutes
     raise data.DataError(f"--train_data={HH_CHAT} is built from {HH_SOURCE}: no such file "
