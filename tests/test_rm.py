@@ -231,7 +231,8 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
       d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
       task_train_pairs=64, task_sft_examples=32, task_eval_pairs=8, task_eval_prompts=4,
       global_batch_size=16, sft_steps=2, rm_steps=40, rm_learning_rate=3e-3, log_every=5,
-      checkpoint_every=20, stage="sft,rm", output_dir=out, export_rm_hf=str(tmp_path / "hf"))
+      checkpoint_every=20, stage="sft,rm", output_dir=out, export_rm_hf=str(tmp_path / "hf"),
+      rm_lora_targets=("q", "k", "v", "o", "down"))  # its own LoRA, not --lora_targets' q, v
   loop.run(cfg)
   with open(os.path.join(out, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f if '"stage": "rm"' in line]
@@ -257,6 +258,9 @@ def test_sft_rm_run_trains_and_writes_the_reward_model(tmp_path):
   np.testing.assert_allclose(ours, theirs, **TOL)
   # With LoRA, the PEFT adapter over the exported base scores the same.
   peft = pytest.importorskip("peft")
+  with open(tmp_path / "hf" / "adapter" / "adapter_config.json") as f:
+    assert sorted(json.load(f)["target_modules"]) == [
+        "down_proj", "k_proj", "o_proj", "q_proj", "v_proj"]
   base = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf/base"))
   adapted = peft.PeftModel.from_pretrained(base.float(), str(tmp_path / "hf/adapter")).eval()
   np.testing.assert_allclose(transformers_rewards(adapted, rows, pad=256), ours, **TOL)
@@ -432,6 +436,12 @@ def test_settings_the_rm_stage_cannot_honour_are_one_line_errors():
       configs.DEFAULT.replace(stage="sft,rm", **flags)
   with pytest.raises(ValueError, match=r"^--export_rm_hf='x': must go with an rm stage"):
     configs.DEFAULT.replace(stage="sft,dpo", export_rm_hf="x")
+  with pytest.raises(ValueError, match=r"^--rm_lora_targets=q,k: must go with an rm stage"):
+    configs.DEFAULT.replace(stage="sft,dpo", rm_lora_targets=("q", "k"))
+  with pytest.raises(ValueError, match=r"^--rm_lora_targets=q: the reward model has no LoRA"):
+    configs.DEFAULT.replace(stage="sft,rm", lora_rank=0, rm_lora_targets=("q",))
+  with pytest.raises(ValueError, match=r"--rm_lora_targets"):
+    configs.DEFAULT.replace(stage="sft,rm", rm_lora_targets=("qq",))
 
 
 @pytest.mark.slow

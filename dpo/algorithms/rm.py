@@ -12,6 +12,7 @@ LoRA the frozen part is the base (`train.Frozen`), else None.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -28,7 +29,8 @@ from dpo.batches import PairBatch
 from dpo.program import Start
 from models import lora as lora_lib
 from models import transformer
-from models.config import FINITE_NONNEG, FINITE_POS, NONNEG, check, option, rules
+from models.config import (FINITE_NONNEG, FINITE_POS, LORA_TARGETS, NONNEG, check, each_of,
+                           option, rules)
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,16 @@ class RewardConfig:
   export_rm_hf: str = option("", "Also export the trained reward model to this directory as a "
                              "transformers *ForSequenceClassification folder (one label, "
                              "score.weight) with the tokenizer; empty = none.")
+  rm_lora_targets: tuple[str, ...] = option((), "The reward model's LoRA projections, from "
+                                            f"{LORA_TARGETS} (its own PEFT config, as TRL's "
+                                            "RewardTrainer takes one); rank, alpha and dropout "
+                                            "are the lora section's; empty = --lora_targets.")
 
   def __post_init__(self):
     rules(self, rm_steps=NONNEG, rm_learning_rate=FINITE_POS,
           center_rewards_coefficient=FINITE_NONNEG, rm_split=(lambda v: 0.0 <= v < 1.0,
-                                                              "in [0, 1)"))
+                                                              "in [0, 1)"),
+          rm_lora_targets=each_of(LORA_TARGETS))
 
 
 def check_config(cfg) -> None:
@@ -66,9 +73,18 @@ def check_config(cfg) -> None:
   check(not here or cfg.model.base_quant == "none",
         f"--base_quant={cfg.model.base_quant!r}: the rm stage trains on a float base; not "
         f"with --stage={cfg.run.stage}")
+  targets = ",".join(cfg.reward.rm_lora_targets)
+  check(not targets or cfg.lora.enabled, f"--rm_lora_targets={targets}: the reward model has no "
+        "LoRA with --lora_rank=0 (every weight trains)")
   check(not cfg.reward.rm_split or (here and len(cfg.run.stages) > 1),
         f"--rm_split={cfg.reward.rm_split}: must go with an rm stage and another stage to "
         f"split the prompts with (--stage={cfg.run.stage})")
+
+
+def lora_config(cfg):
+  """The reward model's LoRA: the lora section's, on --rm_lora_targets when they are given."""
+  targets = cfg.reward.rm_lora_targets
+  return dataclasses.replace(cfg.lora, lora_targets=targets) if targets else cfg.lora
 
 
 def trainable_specs(model, lora) -> dict:
@@ -127,13 +143,14 @@ def rm_step(spec: train.StepConfig, state: train.TrainState, frozen,
 def step_config(cfg) -> train.StepConfig:
   """The reward step's static argument: model, optimizer, LoRA and the reward section."""
   r = cfg.reward
-  return train.StepConfig(cfg.model, cfg.optim, r.rm_learning_rate, r.rm_steps, cfg.lora, own=r)
+  return train.StepConfig(cfg.model, cfg.optim, r.rm_learning_rate, r.rm_steps, lora_config(cfg),
+                          own=r)
 
 
 def reward_model(c, params, trainable) -> dict:
   """The reward model's params: the transformer's (LoRA merged) and the head `score`."""
-  body = (lora_lib.merge(params, trainable["body"], c.lora) if c.lora.enabled
-          else trainable["body"])
+  lora = lora_config(c)
+  body = lora_lib.merge(params, trainable["body"], lora) if lora.enabled else trainable["body"]
   return {**body, "score": trainable["score"]}
 
 
@@ -159,7 +176,7 @@ def run(p, model: registry.Model) -> registry.Model:
   key = jax.random.fold_in(jax.random.key(c.run.seed), 3)
   # An imported reward model (--init_from=hf:DIR of a *ForSequenceClassification) brings its head.
   base = {k: v for k, v in model.params.items() if k != "score"}
-  trainable = lambda: initial_trainable(c.model, c.lora, base, key, mesh,
+  trainable = lambda: initial_trainable(c.model, lora_config(c), base, key, mesh,
                                         model.params.get("score"))
   fresh = lambda: train.init_state(trainable(), opt, c.run.seed, mesh)
   frozen = train.Frozen(base) if c.lora.enabled else None
@@ -224,7 +241,7 @@ def _export_adapter(c, base, trainable, pad_id: int) -> None:
   base_dir = os.path.abspath(os.path.join(out, "base"))
   hf.save_reward_model(base_dir, c.model, {**base, "score": trainable["score"]},
                        pad_id)
-  hf.save_peft_reward(os.path.join(out, "adapter"), c.model, trainable["body"], c.lora,
+  hf.save_peft_reward(os.path.join(out, "adapter"), c.model, trainable["body"], lora_config(c),
                       trainable["score"], base_dir)
   logging.info("rm: exported the PEFT adapter (head as modules_to_save) to %s/adapter", out)
 
