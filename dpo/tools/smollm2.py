@@ -151,6 +151,13 @@ def gguf_tensors(gguf: str) -> dict:
   return out
 
 
+def _mark(tmp: str, gguf: str, digest: str, **how) -> None:
+  """The marker, written last: the GGUF file's name, size and sha256, and how it was converted."""
+  info = {"gguf": os.path.basename(gguf), "bytes": os.path.getsize(gguf), "sha256": digest, **how}
+  with open(os.path.join(tmp, COMPLETE), "w") as f:
+    json.dump(info, f, indent=1)
+
+
 def _write_numpy(gguf: str, tmp: str, files_from: str) -> None:
   """The weights by numpy, the small files from `files_from`, into `tmp`."""
   from safetensors.numpy import save_file
@@ -171,10 +178,7 @@ def _write_numpy(gguf: str, tmp: str, files_from: str) -> None:
       shutil.copy(path, tmp)
   tensors = gguf_tensors(gguf)
   save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-  info = {"gguf": os.path.basename(gguf), "bytes": os.path.getsize(gguf), "sha256": digest,
-          "converter": "numpy", "files_from": files_from}
-  with open(os.path.join(tmp, COMPLETE), "w") as f:
-    json.dump(info, f, indent=1)
+  _mark(tmp, gguf, digest, converter="numpy", files_from=files_from)
 
 
 def _write(gguf: str, tmp: str) -> None:
@@ -189,10 +193,7 @@ def _write(gguf: str, tmp: str) -> None:
   del model.config.quantization_config
   model.save_pretrained(tmp)
   tok.save_pretrained(tmp)
-  info = {"gguf": name, "bytes": os.path.getsize(gguf), "sha256": _digest(gguf),
-          "transformers": transformers.__version__}
-  with open(os.path.join(tmp, COMPLETE), "w") as f:
-    json.dump(info, f, indent=1)
+  _mark(tmp, gguf, _digest(gguf), transformers=transformers.__version__)
 
 
 def convert(out_dir: str = DEFAULT_DIR, gguf: str = "", files_from: str = "") -> str:
@@ -207,11 +208,10 @@ def convert(out_dir: str = DEFAULT_DIR, gguf: str = "", files_from: str = "") ->
   gguf = gguf or gguf_path()
   if not os.path.isfile(gguf):
     raise ConversionError(f"--gguf={gguf}: no such file")
-  if files_from:
-    if importlib.util.find_spec("gguf") is None:
-      raise ConversionError(f"the numpy conversion reads GGUF with the gguf package, which is not "
-                            f"installed: {INSTALL_GGUF}")
-  else:
+  if files_from and importlib.util.find_spec("gguf") is None:
+    raise ConversionError(f"the numpy conversion reads GGUF with the gguf package, which is not "
+                          f"installed: {INSTALL_GGUF}")
+  if not files_from:
     _require_loader()
   tmp = out_dir.rstrip("/") + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's leftovers
