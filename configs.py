@@ -523,7 +523,7 @@ SMOLLM2_HH = Config().replace(
     output_dir="runs/smollm2-hh")
 
 # smollm2-hh-tpu: the same recipe at a real budget, for an accelerator (docs/smollm2.md: a TPU
-# v5e chip, 7.5 min): every pair of HH-RLHF harmless-base, 512-token conversations (384 prompt
+# v5e chip, 6.6 min): every pair of HH-RLHF harmless-base, 512-token conversations (384 prompt
 # tokens, whole earlier turns dropped first, 128 response tokens), batch 16 as the recipe; 10% of
 # the prompts held out (233, every one sampled and judged, 128 new tokens); the reward model three
 # epochs of its half at lr 1e-3 with LoRA on every projection (two epochs at 3e-4 stayed under
