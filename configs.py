@@ -280,7 +280,9 @@ class RunConfig:
                       "sft,rm,dpo; the default is SFT, then DPO against the SFT model.")
   seed: int = option(0, "Seed for init, data order and dropout.")
   log_every: int = option(10, "Log one line and one metrics.jsonl record every N steps.")
-  output_dir: str = option("runs/default", "Everything the run writes goes under this directory.")
+  output_dir: str = option("runs/default", "Everything the run writes goes under this directory "
+                           "(a preset's own paths under its output_dir, such as its export, "
+                           "move with it unless given).")
   config: str = option("default", "The preset (from configs.py) the run starts from; every other "
                        "flag overrides its value.")
   wandb_project: str = option("", "Also log metrics.jsonl's records to this Weights & Biases "
@@ -519,7 +521,7 @@ SMOLLM2_HH = Config().replace(
     train_data="runs/hh-rlhf-chat.jsonl", eval_split=0.03, max_prompt_length=64,
     max_target_length=32, eval_max_new_tokens=48, steps=20, rm_steps=12, global_batch_size=8,
     learning_rate=5e-4, rm_learning_rate=1e-3, log_every=2, eval_every=0, task_eval_prompts=32,
-    eval_batch_size=32, checkpoint_every=0, export_hf="runs/smollm2-hh-export",
+    eval_batch_size=32, checkpoint_every=0, export_hf="runs/smollm2-hh/export",
     output_dir="runs/smollm2-hh")
 
 # smollm2-hh-tpu: the same recipe at a real budget, for an accelerator (docs/smollm2.md: a TPU
@@ -534,7 +536,7 @@ SMOLLM2_HH_TPU = SMOLLM2_HH.replace(
     global_batch_size=16, rm_steps=195, rm_learning_rate=1e-3,
     rm_lora_targets=("q", "k", "v", "o", "gate", "up", "down"), steps=260, learning_rate=1e-4,
     log_every=10, task_eval_prompts=256, eval_batch_size=128, remat=True,
-    export_hf="runs/smollm2-hh-tpu-export", output_dir="runs/smollm2-hh-tpu")
+    export_hf="runs/smollm2-hh-tpu/export", output_dir="runs/smollm2-hh-tpu")
 
 PRESETS: dict[str, Config] = {
     "hh-rlhf-gpt2": HH_RLHF_GPT2,

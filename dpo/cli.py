@@ -11,6 +11,7 @@ rebuild a config, which a run writes to <output_dir>/flags.txt; `help_text` is w
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 import typing
 from typing import Any
@@ -72,7 +73,19 @@ def from_flags() -> Config:
                  "loss %s); give --rpo_alpha to add it", ",".join(overrides["loss_type"]),
                  preset.loss.rpo_alpha, ",".join(preset.loss.loss_type))
     overrides["rpo_alpha"] = 0.0
+  if "output_dir" in overrides:  # the preset's paths under its output_dir move with it
+    for name, rest in _under_output_dir(preset).items():
+      overrides.setdefault(name, os.path.join(overrides["output_dir"], rest))
   return preset.replace(**overrides)
+
+
+def _under_output_dir(preset: Config) -> dict[str, str]:
+  """{field: its path below the preset's output_dir} for the preset's other paths under it (a
+  preset's export, say): with --output_dir they go under that, unless given themselves, so a
+  second run of a preset into another directory does not write over the first's."""
+  root = os.path.join(preset.run.output_dir, "")
+  return {name: value[len(root):] for name, value in flat(preset).items()
+          if name != "output_dir" and isinstance(value, str) and value.startswith(root)}
 
 
 def _drops_preset_rpo(preset: Config, loss_type: tuple[str, ...]) -> bool:
@@ -94,6 +107,9 @@ def overrides(cfg: Config) -> dict[str, Any]:
   out = {k: v for k, v in flat(cfg).items() if v != base[k]}
   if _drops_preset_rpo(preset, cfg.loss.loss_type):  # from_flags would drop it; keep it explicit
     out.setdefault("rpo_alpha", cfg.loss.rpo_alpha)
+  if "output_dir" in out:  # from_flags would move them under it; keep them explicit
+    for name in _under_output_dir(preset):
+      out.setdefault(name, base[name])
   return out
 
 

@@ -162,23 +162,43 @@ def test_flag_lines_parse_back_to_the_same_config_for_every_preset():
     launch.FLAGS.unparse_flags()
 
 
+def test_a_presets_export_moves_with_output_dir_unless_given():
+  """A preset's paths under its output_dir (smollm2-hh's export) go under --output_dir, so a run
+  into another directory leaves the preset's own export alone; --export_hf given wins; the flag
+  lines of each parse back to it."""
+  preset = configs.get_config("smollm2-hh")
+  assert preset.checkpoint.export_hf == os.path.join(preset.run.output_dir, "export")
+  for argv, want in (([], preset.checkpoint.export_hf),
+                     (["--output_dir=/tmp/mine"], "/tmp/mine/export"),
+                     (["--output_dir=/tmp/mine", "--export_hf=/tmp/elsewhere"], "/tmp/elsewhere"),
+                     (["--output_dir=/tmp/mine", "--export_hf="], "")):
+    assert _parsed_and_back(["--config=smollm2-hh", *argv]).checkpoint.export_hf == want, argv
+  # a preset with nothing under its output_dir: --output_dir moves nothing else
+  assert cli._under_output_dir(configs.DEFAULT) == {}
+
+
 def test_a_loss_on_the_command_line_runs_without_the_presets_rpo_term():
   """The default preset adds RPO's NLL (rpo_alpha) to its sigmoid loss; --loss_type=X runs X
   alone (a reference-free loss too, which RPO would not apply to), unless --rpo_alpha is given;
   the flag lines of either config parse back to it."""
-  import launch
   assert configs.DEFAULT.loss.rpo_alpha > 0
+  for argv, want in ((["--loss_type=simpo"], 0.0), (["--loss_type=ipo"], 0.0),
+                     (["--loss_type=ipo", "--rpo_alpha=0.5"], 0.5), ([], configs.DEFAULT.loss.rpo_alpha),
+                     (["--loss_type=" + ",".join(configs.DEFAULT.loss.loss_type)],
+                      configs.DEFAULT.loss.rpo_alpha)):
+    assert _parsed_and_back(argv).loss.rpo_alpha == want, argv
+
+
+def _parsed_and_back(argv: list[str]) -> configs.Config:
+  """The config of a command line (cli.from_flags), checked to come back from its flag lines."""
+  import launch
   try:
-    for argv, want in ((["--loss_type=simpo"], 0.0), (["--loss_type=ipo"], 0.0),
-                       (["--loss_type=ipo", "--rpo_alpha=0.5"], 0.5), ([], configs.DEFAULT.loss.rpo_alpha),
-                       (["--loss_type=" + ",".join(configs.DEFAULT.loss.loss_type)],
-                        configs.DEFAULT.loss.rpo_alpha)):
-      launch.FLAGS.unparse_flags()
-      launch.FLAGS(["launch.py", *argv])
-      cfg = cli.from_flags()
-      assert cfg.loss.rpo_alpha == want, argv
-      launch.FLAGS.unparse_flags()
-      launch.FLAGS(["launch.py", *cli.flag_lines(cfg)])
-      assert cli.from_flags() == cfg, argv
+    launch.FLAGS.unparse_flags()
+    launch.FLAGS(["launch.py", *argv])
+    cfg = cli.from_flags()
+    launch.FLAGS.unparse_flags()
+    launch.FLAGS(["launch.py", *cli.flag_lines(cfg)])
+    assert cli.from_flags() == cfg, argv
+    return cfg
   finally:
     launch.FLAGS.unparse_flags()
