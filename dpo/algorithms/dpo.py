@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 
 from dpo import batches, chat, checkpoint, evaluate, hooks, identity, packing, registry
-from dpo import judges, reference
+from dpo import judges, progress, reference
 from dpo import tokenizer as tokenizer_lib
 from dpo import train
 from dpo.program import Start
@@ -25,7 +25,8 @@ from models import quant, transformer
 def _evaluate(evaluator: evaluate.Evaluator, policy: evaluate.Weights, step: int,
               writer: MetricsWriter):
   t = time.perf_counter()
-  metrics, examples = evaluator(policy)
+  with progress.doing(f"the evaluation at step {step}"):
+    metrics, examples = evaluator(policy)
   metrics["eval_time_s"] = round(time.perf_counter() - t, 2)
   writer.write({"stage": "eval", "step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
   f = lambda k: "n/a" if metrics.get(k) is None else f"{metrics[k]:.3f}"
@@ -110,7 +111,8 @@ def preference_stage(p, model: registry.Model, algorithm: registry.Algorithm,
   policy = weights(state)
   handed_on = _save_policy(c, policy, int(state.step), reference_path, algorithm.name)
   if c.checkpoint.export_hf:
-    _export_hf(c, policy, int(state.step), p.data, model.path)
+    with progress.doing(f"the export to {c.checkpoint.export_hf}"):
+      _export_hf(c, policy, int(state.step), p.data, model.path)
   final, samples = evaluate_state(spec.total_steps, state)
   summary.update(final)
   summary["skipped_steps"] = int(state.skipped)
