@@ -316,7 +316,10 @@ class Data:
           if chat.describe_cuts(counts):
             print(f"{report['path']} {part}: over --max_prompt_length, "
                   f"{chat.describe_cuts(counts)}")
-      print(f"wrote {len(records)} {'pairs' if self.pairs is not None else 'examples'} to "
+      split = "" if self.rm_pairs is None else (
+          f" (the policy stages'; --rm_split gives the reward model "
+          f"{len(self.rm_pairs['tokens'])} others)")
+      print(f"wrote {len(records)} {'pairs' if self.pairs is not None else 'examples'}{split} to "
             f"{path}; --inspect_data: not training", flush=True)
     return {"inspect_data": path, "pairs": len(records), "data": self.reports}
 

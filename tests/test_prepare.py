@@ -180,6 +180,13 @@ def test_inspect_data_writes_the_preview_and_trains_nothing(tmp_path, capsys):
                                   r["rejected_ids"])
   printed = capsys.readouterr().out
   assert "prompt_text: '<|im_start|>system" in printed and "not training" in printed
+  # With --rm_split the preview is the policy stages' pairs, and says so.
+  loop.run(cfg.replace(stage="sft,rm,dpo", rm_split=0.5, inspect_data=500))
+  d = loop.Data(cfg.replace(stage="sft,rm,dpo", rm_split=0.5))
+  n, rm = len(d.pairs["tokens"]), len(d.rm_pairs["tokens"])
+  assert n > 0 and rm > 0 and n + rm == len(loop.Data(cfg).pairs["tokens"])
+  assert (f"wrote {n} pairs (the policy stages'; --rm_split gives the reward model {rm} "
+          f"others) to {out / 'data_preview.jsonl'}") in capsys.readouterr().out
 
 
 def test_the_preview_and_the_log_say_which_prompts_lost_turns(tmp_path, capsys, caplog):
