@@ -204,9 +204,10 @@ def run(p, model: registry.Model) -> registry.Model:
     logging.info("rm: held-out accuracy %.3f, margin %+.4f, loss %.4f over %d pairs",
                  held["accuracy"], held["margin"], held["loss"], held["pairs"])
   if c.reward.export_rm_hf:
-    _export_hf(c, made, p.data, model.path)
-    if c.lora.enabled:
-      _export_adapter(c, base, state.params, p.data.tok.pad_id)
+    with progress.doing(f"the reward model's export to {c.reward.export_rm_hf}"):
+      _export_hf(c, made, p.data, model.path)
+      if c.lora.enabled:
+        _export_adapter(c, base, state.params, p.data.tok.pad_id)
   p.summary["rm_time_s"] = round(time.perf_counter() - t_rm, 1)
   logging.info("rm: reward model -> %s", out)
   return model
