@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -23,30 +24,38 @@ def tensorboard_scalars(logdir) -> dict:
           for tag in acc.Tags()["tensors"]}
 
 
-def wandb_history(run_dir) -> list[dict]:
+def wandb_history(run_dir, timeout=60.0) -> list[dict]:
   """The history rows of an offline W&B run: the .wandb transaction log (LevelDB log framing:
   32 KiB blocks of records with a 7-byte header after the 7-byte W&B file header), each record
-  parsed with W&B's own protobuf."""
+  parsed with W&B's own protobuf. W&B's service may still be writing the log when `finish()`
+  returns (a loaded machine read it with no history yet), so it is read again until it holds
+  the run's exit record."""
   from wandb.proto import wandb_internal_pb2
   (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
-  data, pos, chunk, rows = open(path, "rb").read(), 7, b"", []
-  assert data[:4] == b":W&B"
-  while pos + 7 <= len(data):
-    if 32768 - pos % 32768 < 7:
-      pos += 32768 - pos % 32768
-      continue
-    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-    if kind == 0:
-      break
-    chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
-    if kind in (1, 4):  # FULL or LAST
-      record = wandb_internal_pb2.Record()
-      record.ParseFromString(chunk)
-      chunk = b""
-      if record.WhichOneof("record_type") == "history":
-        rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                     for i in record.history.item})
-  return rows
+  deadline = time.monotonic() + timeout
+  while True:
+    data, pos, chunk, rows, ended = open(path, "rb").read(), 7, b"", [], False
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+      if 32768 - pos % 32768 < 7:
+        pos += 32768 - pos % 32768
+        continue
+      _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+      if kind == 0 or pos + 7 + length > len(data):  # the end, or a record still being written
+        break
+      chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+      if kind in (1, 4):  # FULL or LAST
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        chunk = b""
+        ended |= record.WhichOneof("record_type") == "exit"
+        if record.WhichOneof("record_type") == "history":
+          rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                       for i in record.history.item})
+    if ended:
+      return rows
+    assert time.monotonic() < deadline, f"{path}: no exit record {timeout:.0f} s after finish()"
+    time.sleep(0.1)
 
 
 def assert_mirrored(records, out, wandb=True):
