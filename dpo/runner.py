@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from dpo import checkpoint
+from models import sharding
 
 
 class Hook:
@@ -276,6 +277,7 @@ class Stage:
 
   def run(self):
     self.state, self._frozen0 = self.fresh(), self.frozen
+    self._log_state_bytes()
     self._restore(resumed=True)
     pending = None
     while self.step < self.steps or pending is not None:
@@ -354,6 +356,19 @@ class Stage:
       return like
     return {"state": like, "hooks": {type(h).__name__: h.arrays_like(self, self.hook_meta(meta, h))
                                      for h in carriers}}
+
+  def _log_state_bytes(self):
+    """One line: the bytes a device holds of the stage's arrays, measured on them (the loop's
+    estimate before the run is the DPO stage's; a part trained beside the policy, PPO's value
+    model, and its optimizer moments are counted here)."""
+    def size(tree):
+      n = sharding.placed_bytes(tree)
+      return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+    params = self.state.params
+    beside = (" (" + ", ".join(f"{k} {size(v)}" for k, v in params.items()) + ")"
+              if self.policy_path else "")  # {"policy": ..., "beside": ...}
+    logging.info("%s: per-device arrays: frozen %s, trained %s%s, optimizer state %s", self.name,
+                 size(self.frozen), size(params), beside, size(self.state.opt_state))
 
   def _restore(self, before: int | None = None, resumed: bool = False) -> None:
     """Loads the newest intact checkpoint (below `before`) with the loader, hook states and

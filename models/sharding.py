@@ -143,6 +143,12 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
 
 
+def placed_bytes(tree) -> int:
+  """Bytes one device holds of a pytree of placed arrays: each array's first addressable shard
+  (with this module's shardings every device holds equally sized shards)."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
 def shard_bytes(abstract_tree, sharding_tree) -> int:
   """Bytes one device holds of a pytree of arrays / ShapeDtypeStructs under the given shardings.
 

@@ -5,6 +5,7 @@ the policy's trunk), a bitwise resume after a kill during generation, during an 
 during a checkpoint, and the settings it refuses."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,10 +136,23 @@ def test_a_killed_ppo_run_resumes_bitwise(whole, tmp_path, monkeypatch, where):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("value_model,lora_rank", [("head", 4), ("separate", 0)])
-def test_the_value_model_kinds(tmp_path, value_model, lora_rank):
+def test_the_value_model_kinds(tmp_path, caplog, value_model, lora_rank):
   """A head on the policy's trunk (with LoRA), and a separate copy of every weight (full
-  fine-tune): each trains, with its own part of the state."""
-  loop.run(_cfg(tmp_path, ppo_value_model=value_model, lora_rank=lora_rank, ppo_steps=4))
+  fine-tune): each trains, with its own part of the state, which the stage's memory line
+  counts."""
+  with caplog.at_level("INFO"):
+    loop.run(_cfg(tmp_path, ppo_value_model=value_model, lora_rank=lora_rank, ppo_steps=4))
+  [line] = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("ppo: per-device arrays: ")]
+  kib = {k: float(v) * (1024 if unit == "MiB" else 1)
+         for k, v, unit in re.findall(r"(\w+(?: state)?) (\d+\.\d+) (MiB|KiB)", line)}
+  assert set(kib) == {"frozen", "trained", "policy", "beside", "optimizer state"}, line
+  assert abs(kib["trained"] - kib["policy"] - kib["beside"]) <= 0.2, line
+  assert kib["optimizer state"] >= 2 * kib["trained"], line  # AdamW's two moments of both parts
+  if value_model == "separate":  # a copy of every weight beside the policy, which the
+    assert kib["beside"] > kib["policy"] == kib["frozen"], line  # reference equals in size
+  else:  # a head on the policy's trunk: a vector beside the LoRA factors
+    assert 0 < kib["beside"] < kib["policy"] < kib["frozen"], line
   steps = _records(tmp_path)
   assert [r["step"] for r in steps] == [1, 2, 3, 4]
   assert steps[-1]["vf_loss"] < steps[0]["vf_loss"]
