@@ -57,7 +57,7 @@ class DataConfig:
                            "DatasetMixtureConfig: the largest mixture that repeats no record, "
                            "each source's first records; 'a,b' = all of each; a part is split "
                            "at its last ':' only before a number), or a Hub data set "
-                           "ORG/NAME[@REVISION][/DATA_DIR][[:SUBSET]:SPLIT] (split train when not "
+                           "[hf:]ORG/NAME[@REVISION][/DATA_DIR][[:SUBSET]:SPLIT] (split train when not "
                            "given; read through datasets.load_dataset, the hub extra; a local "
                            "path of that name wins). Empty = the embedded default task.")
   eval_data: str = option("", "Held-out preference data (same forms as train_data); empty = "
@@ -83,7 +83,8 @@ class DataConfig:
                              "<output_dir>/data_preview.jsonl, print a few, and exit without "
                              "training.")
   tokenizer: str = option("", "Hugging Face tokenizer.json (or its directory), or a Hub model "
-                          "ORG/NAME[@REVISION] (its snapshot, the hub extra); empty = bytes.")
+                          "[hf:]ORG/NAME[@REVISION] (its snapshot, the hub extra; hf: optional); "
+                          "empty = bytes.")
   bos_token: str = option("", "BOS token text ('none' = no BOS); empty = tokenizer_config.json or "
                           "GPT-2's <|endoftext|>.")
   eos_token: str = option("", "EOS token text; empty = tokenizer_config.json or <|endoftext|>.")
@@ -253,7 +254,8 @@ class CheckpointConfig:
                           "Face directory (config.json + *.safetensors) whose config replaces the "
                           "model section, or hf:ORG/NAME[@REVISION], a Hub model (its snapshot in "
                           "the Hub cache, downloaded once; the hub extra; a local DIR of that "
-                          "name wins). For --stage=dpo it is both the initial policy and the "
+                          "name wins; a bare ORG/NAME that is no local path is read from the Hub "
+                          "cache, else refused naming hf:ORG/NAME). For --stage=dpo it is both the initial policy and the "
                           "reference.")
   export_hf: str = option("", "After DPO, write the policy (LoRA merged) as a Hugging Face "
                           "directory here, plus the LoRA factors alone in PEFT layout under "

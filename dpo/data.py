@@ -98,7 +98,7 @@ def _split_fraction(part: str) -> Source:
 def parse_sources(value: str) -> tuple[Source, ...]:
   """The sources a data flag's value names (`()` for an empty value).
 
-  `PATH` is one source. `PATH:FRACTION,PATH:FRACTION,...` is a mixture whose fractions are
+  `PATH` is one source (`hf:PATH` the same: dpo/hub.py). `PATH:FRACTION,PATH:FRACTION,...` is a mixture whose fractions are
   each source's share of it, as TRL's `DatasetMixtureConfig` means them (`mixture_counts`);
   `PATH,PATH,...` without fractions is every record of each source, one after another. A part
   is split at its last ':' only when what follows reads as a number, so a path holding ':'
@@ -111,7 +111,8 @@ def parse_sources(value: str) -> tuple[Source, ...]:
     return ()
   if os.path.exists(value):
     return (Source(value),)
-  sources = tuple(_split_fraction(part.strip()) for part in value.split(","))
+  # `hf:NAME` is NAME: a local path, else a Hub data set (dpo/hub.py's one rule for every flag).
+  sources = tuple(_split_fraction(part.strip().removeprefix(hub.HF)) for part in value.split(","))
   if any(not s.path for s in sources):
     raise ValueError("an empty source between commas")
   for s in sources:
@@ -247,7 +248,7 @@ def check_sources(flag: str, value: str) -> None:
       if arrow:
         _pyarrow(arrow[0])
     except DataError as e:
-      message = str(e).removeprefix(f"{value}: ")
+      message = str(e).removeprefix(f"{value}: ").removeprefix(f"{s.path}: ")
       where = f" ({os.path.abspath(value)})" if (
           value == s.path and message == "no such file" and not os.path.isabs(value)) else ""
       raise ValueError(f"--{flag}={value}: {message}{where}") from None

@@ -1,16 +1,22 @@
 """Hub names: models, tokenizers and data sets named by their Hugging Face Hub ids, resolved
 through `huggingface_hub` and `datasets` as their own users call them (the `hub` extra).
 
-A model flag's `hf:NAME` (`--init_from`, `--ref_init_from`, `--judge`) and a `--tokenizer=NAME`
-whose NAME is not a local path but reads as a Hub id, `ORG/NAME[@REVISION]`, is that model repo:
-`huggingface_hub.snapshot_download` (config, weights, tokenizer and template files only) gives
-its snapshot folder in the Hub cache, which `resolve` puts in the config in its place, so the
-rest of the program reads it as any `hf:DIR`. A data source (`--train_data`, `--eval_data`,
-`--sft_data`, or a part of a mixture) `ORG/NAME[@REVISION][/DATA_DIR][:SPLIT]` or
-`...:SUBSET:SPLIT` that is not a local path is `datasets.load_dataset(ORG/NAME, SUBSET,
-data_dir=DATA_DIR, split=SPLIT, revision=REVISION)` (SPLIT "train" when not given, TRL's
-`dataset_train_split`); the project reads the Arrow files `datasets` prepared for it
-(`dataset(...).files`, `data.source_files`), so its records are the rows `load_dataset` gives.
+One rule on every flag that can read from the Hub: `hf:NAME` names a Hugging Face source, NAME
+a local path or, when no local path of that name exists, a Hub id; a bare value is a local path
+first. For a model flag (`--init_from`, `--ref_init_from`, `--judge`) and `--tokenizer`, the Hub
+id `ORG/NAME[@REVISION]` is that model repo: `huggingface_hub.snapshot_download` (config,
+weights, tokenizer and template files only) gives its snapshot folder in the Hub cache, which
+`resolve` puts in the config in its place, so the rest of the program reads it as any `hf:DIR`.
+`--tokenizer` takes NAME bare or after `hf:` alike. A model flag's bare value is a dpo-jax
+checkpoint, so a bare `ORG/NAME` that is no local path is read as `hf:ORG/NAME` only when the Hub
+cache holds that model (unambiguous: nothing else could be meant; logged), and is otherwise
+refused in one line that gives the spelling that loads it. A data source (`--train_data`,
+`--eval_data`, `--sft_data`, or a part of a mixture), bare or after `hf:`,
+`ORG/NAME[@REVISION][/DATA_DIR][:SPLIT]` or `...:SUBSET:SPLIT` that is not a local path is
+`datasets.load_dataset(ORG/NAME, SUBSET, data_dir=DATA_DIR, split=SPLIT, revision=REVISION)`
+(SPLIT "train" when not given, TRL's `dataset_train_split`); the project reads the Arrow files
+`datasets` prepared for it (`dataset(...).files`, `data.source_files`), so its records are the
+rows `load_dataset` gives.
 
 The cache and offline mode are the libraries' own: `HF_HOME` / `HF_HUB_CACHE` /
 `HF_DATASETS_CACHE`, and `HF_HUB_OFFLINE=1` (or `HF_DATASETS_OFFLINE=1`). Offline, a data set is
@@ -42,7 +48,8 @@ _DATA = re.compile(rf"^(?P<repo>{_REPO})(?:@(?P<revision>[\w.-]+))?(?P<data_dir>
                    r"(?::(?P<first>[\w.-]+))?(?::(?P<second>[\w.-]+))?$")
 # A name ending as a file does is a missing file, never a Hub id.
 _FILE = re.compile(r"\.(jsonl?|gz|parquet|arrow|csv|txt|safetensors|model|npz)$")
-MODEL_FLAGS = ("init_from", "ref_init_from", "judge")  # hf:NAME; --tokenizer takes a bare NAME
+HF = "hf:"  # the prefix of a Hugging Face source, on every flag that can read one
+MODEL_FLAGS = ("init_from", "ref_init_from", "judge")  # a bare value: a dpo-jax checkpoint
 
 
 class HubError(ValueError):
@@ -97,14 +104,14 @@ def _offline() -> bool:
   return bool(constants.HF_HUB_OFFLINE or (datasets_config and datasets_config.HF_HUB_OFFLINE))
 
 
-def model_folder(name: str, flag: str) -> str:
+def model_folder(name: str, named: str) -> str:
   """The snapshot folder of Hub model repo `name` (`ORG/NAME[@REVISION]`): its config, weights,
   tokenizer and template files, downloaded into the Hub cache or (offline) found there; a
-  HubError naming `--flag` and the name."""
+  HubError that starts with `named` (`--flag=VALUE` as given)."""
   try:
     return _model_folder(name)
   except HubError as e:
-    raise HubError(f"--{flag}={'hf:' if flag in MODEL_FLAGS else ''}{e}") from None
+    raise HubError(f"{named}: {str(e).removeprefix(name + ': ')}") from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -200,17 +207,51 @@ def dataset(path: str) -> Dataset:
 
 
 def resolve(cfg):
-  """`cfg` with each model flag's Hub name (`hf:ORG/NAME`) and a Hub `--tokenizer` replaced by
-  its snapshot folder; the data flags keep their names (`data.source_files` reads them)."""
+  """`cfg` with each model flag's and `--tokenizer`'s Hub name replaced by its snapshot folder
+  (the module doc's rule; a model flag keeps its `hf:` prefix); the data flags keep their names
+  (`data.source_files` reads them)."""
   changes = {}
-  for flag in ("init_from", "ref_init_from", "judge", "tokenizer"):
+  for flag in (*MODEL_FLAGS, "tokenizer"):
     value = _get(cfg, flag)
-    prefix = "hf:" if flag in MODEL_FLAGS else ""
-    if not value.startswith(prefix):
-      continue
-    if model_name(value[len(prefix):]):
-      changes[flag] = prefix + model_folder(value[len(prefix):], flag)
+    read = _model_source(flag, value)
+    if read != value:
+      changes[flag] = read
   return cfg.replace(**changes) if changes else cfg
+
+
+def _model_source(flag: str, value: str) -> str:
+  """What the program reads for model flag or --tokenizer `value`: a Hub name's snapshot folder
+  (`hf:FOLDER` on a model flag), or the value as it is."""
+  named, name = f"--{flag}={value}", value.removeprefix(HF)
+  if flag == "tokenizer":  # a tokenizer.json or its folder, after `hf:` or not
+    return model_folder(name, named) if model_name(name) else name
+  if value.startswith(HF):
+    return HF + model_folder(name, named) if model_name(name) else value
+  if not model_name(value):
+    return value
+  folder = _cached_model(value)
+  if folder is None:
+    raise HubError(f"{named}: no such checkpoint directory; a Hub model is spelled "
+                   f"--{flag}={HF}{value}")
+  logging.warning("%s: no such checkpoint directory; read as --%s=%s%s, the Hub model in the "
+                  "cache (%s)", named, flag, HF, value, folder)
+  return HF + folder
+
+
+def _cached_model(name: str) -> str | None:
+  """The Hub cache's snapshot folder of model repo `name` (`ORG/NAME[@REVISION]`), never from
+  the network; None when the cache does not hold it or huggingface_hub is not installed."""
+  m = _MODEL.match(name)
+  try:
+    hub = importlib.import_module("huggingface_hub")
+    errors = importlib.import_module("huggingface_hub.errors")
+  except ImportError:
+    return None
+  try:
+    return hub.snapshot_download(m["repo"], revision=m["revision"], allow_patterns=MODEL_FILES,
+                                 local_files_only=True)
+  except (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, OSError, ValueError):
+    return None
 
 
 def _get(cfg, flag: str) -> str:
@@ -231,8 +272,7 @@ def identity(cfg) -> dict[str, str]:
   Hub cache; {} for none. The data flags' are `data.hub_identity`."""
   out = {}
   for flag in ("init_from", "ref_init_from", "judge", "tokenizer"):
-    value = _get(cfg, flag)
-    folder = value[3:] if value.startswith("hf:") else value
+    folder = _get(cfg, flag).removeprefix(HF)
     m = _SNAPSHOT.search(os.path.abspath(folder)) if folder else None
     if m:
       out[f"{flag} hub"] = f"{m['org']}/{m['name']}@{m['commit']}"

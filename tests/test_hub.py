@@ -232,6 +232,52 @@ def test_a_missing_model_offline_is_one_line_naming_the_flag(home):
     assert "\n" not in str(e.value)
 
 
+def test_every_model_flag_reads_a_hub_name_in_either_spelling(home, caplog):
+  """`hf:ORG/NAME` on every flag that reads a model or tokenizer; a bare `ORG/NAME` on a model
+  flag (whose bare value is a dpo-jax checkpoint) read from the Hub cache, logged, since nothing
+  else could be meant; `--tokenizer=hf:DIR` as `--tokenizer=DIR`."""
+  folder = str(_model_repo(home))
+  for flag in ("init_from", "ref_init_from", "judge"):
+    for value in ("hf:org/tiny-llama", "org/tiny-llama"):
+      with caplog.at_level("WARNING"):
+        cfg = hub.resolve(configs.DEFAULT.replace(**{flag: value}))
+      assert hub._get(cfg, flag) == f"hf:{folder}", (flag, value)
+      assert hub.identity(cfg) == {f"{flag} hub": f"org/tiny-llama@{COMMIT}"}
+    assert (f"--{flag}=org/tiny-llama: no such checkpoint directory; read as "
+            f"--{flag}=hf:org/tiny-llama, the Hub model in the cache") in caplog.text
+  for value in ("hf:org/tiny-llama", "org/tiny-llama", f"hf:{folder}", folder):
+    assert hub.resolve(configs.DEFAULT.replace(tokenizer=value)).data.tokenizer == folder, value
+
+
+def test_a_bare_name_not_in_the_cache_names_the_spelling_that_loads_it(home, monkeypatch):
+  """A model flag's bare `ORG/NAME` that is neither a local checkpoint nor in the Hub cache (or
+  without huggingface_hub at all): one line giving `--flag=hf:ORG/NAME`; that spelling then says
+  what the Hub answered."""
+  for flag in ("init_from", "ref_init_from", "judge"):
+    with pytest.raises(hub.HubError) as e:
+      hub.resolve(configs.DEFAULT.replace(**{flag: "org/nope"}))
+    assert str(e.value) == (f"--{flag}=org/nope: no such checkpoint directory; a Hub model is "
+                            f"spelled --{flag}=hf:org/nope")
+  monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+  _model_repo(home)
+  with pytest.raises(hub.HubError, match=r"^--init_from=org/tiny-llama: no such checkpoint "
+                     r"directory; a Hub model is spelled --init_from=hf:org/tiny-llama$"):
+    hub.resolve(configs.DEFAULT.replace(init_from="org/tiny-llama"))
+
+
+def test_a_data_set_reads_the_same_after_hf(home):
+  """`hf:ORG/NAME:SPLIT` on a data flag is `ORG/NAME:SPLIT`, alone or in a mixture; a name that
+  does not resolve is one line naming the value as given."""
+  _dataset_repo(home)
+  assert _read("hf:org/prefs:train_prefs") == _read("org/prefs:train_prefs")
+  assert data.parse_sources("hf:org/prefs:train_prefs:0.5,hf:org/prefs:test_prefs:0.5") == (
+      data.Source("org/prefs:train_prefs", 0.5), data.Source("org/prefs:test_prefs", 0.5))
+  with pytest.raises(ValueError) as e:
+    data.check_sources("train_data", "hf:org/nope:train")
+  assert str(e.value) == ("--train_data=hf:org/nope:train: no such file, and the Hub data set "
+                          "org/nope is not in the cache (HF_HUB_OFFLINE is set)")
+
+
 def test_a_missing_package_names_the_extra(home, monkeypatch):
   monkeypatch.setitem(sys.modules, "huggingface_hub", None)
   with pytest.raises(hub.HubError, match=r"^--init_from=hf:org/x: a Hub name needs "
@@ -371,6 +417,40 @@ def test_launch_reads_hub_names_and_refuses_a_missing_one_in_one_line(home, tmp_
   assert out.stderr.strip().splitlines()[-1] == (
       "error: --train_data=org/nope:train_prefs: no such file, and the Hub data set org/nope is "
       "not in the cache (HF_HUB_OFFLINE is set)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spelling", ["hf:org/tiny-llama", "org/tiny-llama"])
+def test_launch_runs_with_one_spelling_on_both_model_flags(home, tmp_path, spelling):
+  """The same Hub name on --tokenizer and --init_from, with `hf:` on both or on neither, runs a
+  DPO step from the Hub model with its tokenizer; the bare name not in the cache stops in one line
+  that gives the spelling that loads it."""
+  _model_repo(home)
+  _dataset_repo(home)
+  run = lambda *flags: subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch.py"), "--train_data=org/prefs:train_prefs",
+       "--chat_template=plain", "--max_prompt_length=16", "--max_target_length=16",
+       "--task_eval_prompts=0", "--global_batch_size=8", "--stage=dpo", "--steps=1",
+       "--checkpoint_every=0", *flags, f"--output_dir={tmp_path / 'run'}"],
+      capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=tmp_path,
+      timeout=300)
+  out = run(f"--tokenizer={spelling}", f"--init_from={spelling}")
+  assert out.returncode == 0, out.stderr[-2000:]
+  steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert [(r["stage"], r["step"]) for r in steps if "loss" in r] == [("dpo", 1)]
+  flags = (tmp_path / "run" / "flags.txt").read_text().split("\n")
+  assert {f"--tokenizer={spelling}", f"--init_from={spelling}"} <= set(flags)
+  meta = checkpoint.read_meta(str(tmp_path / "run" / "checkpoints" / "dpo" / "step_00000001"))
+  assert meta["fingerprint"]["init_from hub"] == f"org/tiny-llama@{COMMIT}"
+  assert meta["fingerprint"]["tokenizer hub"] == f"org/tiny-llama@{COMMIT}"
+  if spelling.startswith("hf:"):
+    return
+  assert "read as --init_from=hf:org/tiny-llama, the Hub model in the cache" in out.stderr
+  out = run("--tokenizer=org/tiny-llama", "--init_from=org/other")
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: --init_from=org/other: no such checkpoint directory; a Hub model is spelled "
+      "--init_from=hf:org/other")
 
 
 @pytest.mark.slow
