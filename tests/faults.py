@@ -1,5 +1,5 @@
 """Fault injection for tests: stage-runner hooks (dpo/runner.py), kills at each phase of a
-checkpoint write (real SIGKILL or simulated), and a full disk.
+checkpoint write (real SIGKILL or simulated), a full disk, and a wrong packing layout.
 
 Installed with `loop.run(cfg, extra_hooks={"dpo": [NanLoss(2)]})`; none of this is reachable
 from the user's config or flags.
@@ -14,7 +14,7 @@ import signal
 import jax
 import numpy as np
 
-from dpo import checkpoint
+from dpo import checkpoint, packing
 from dpo.runner import Hook
 
 
@@ -97,6 +97,15 @@ def kill_after_checkpoint(step: int) -> None:
     return out
 
   checkpoint.Manager.save = killing_save
+
+
+def pack_block_zero() -> None:
+  """Every process packs process 0's block of each batch (dpo/packing.py Packer.pack), the
+  mistake per-process packing must not make: the other processes train on copies of process 0's
+  pairs instead of their own."""
+  pack = packing.Packer.pack
+  logging.warning("fault: every process packs block 0 of the batch")
+  packing.Packer.pack = lambda self, batch, block=0: pack(self, batch, 0)
 
 
 class Killed(BaseException):

@@ -5,6 +5,8 @@ committed; tests/test_checkpoint.py), `after` (SIGKILL once the step-STEP checkp
 committed and every process is past it; tests/test_multihost.py kills one peer so), or
 `full-checkpoint` / `full-metrics` (the disk fills at the next checkpoint write, or at the
 metrics.jsonl write after STEP good records; tests/test_checkpoint.py).
+`python tests/launch_with_kill.py pack-block-0 launch-flags...`: every process packs process 0's
+block of the batch (tests/test_multihost.py's wrong layout).
 """
 
 import os
@@ -19,8 +21,11 @@ import faults  # noqa: E402
 import launch  # noqa: E402
 
 if __name__ == "__main__":
-  when, step = sys.argv.pop(1), int(sys.argv.pop(1))
-  if when.startswith("full-"):
+  when = sys.argv.pop(1)
+  step = 0 if when == "pack-block-0" else int(sys.argv.pop(1))
+  if when == "pack-block-0":
+    faults.pack_block_zero()
+  elif when.startswith("full-"):
     faults.no_space(pytest.MonkeyPatch(), when.removeprefix("full-"), after=step)
   else:
     {"commit": faults.kill_during_commit, "after": faults.kill_after_checkpoint}[when](step)

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import configs
 import faults
+from records import metrics as timeless_records
 from dpo import checkpoint, loop, runner, train
 from faults import Crash, SimulatedCrash
 from models import lora as lora_lib
@@ -45,10 +46,8 @@ def tiny_cfg(out, **kw):
 
 
 def records(out):
-  """metrics.jsonl keyed by (stage, step), wall-clock fields dropped."""
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  return [{k: v for k, v in r.items() if k != "tokens_per_sec"} for r in rows]
+  """metrics.jsonl's records, wall-clock fields dropped (tests/records.py)."""
+  return timeless_records(out)
 
 
 def assert_tree_bitwise(a, b):
@@ -787,7 +786,5 @@ def test_a_kill_after_a_checkpoint_keeps_that_steps_evaluation(tmp_path, monkeyp
     with pytest.raises(SimulatedCrash):
       loop.run(tiny_cfg(tmp_path / "cut", **kw))
   loop.run(tiny_cfg(tmp_path / "cut", **kw))
-  timeless = lambda out: [{k: v for k, v in r.items() if k != "eval/eval_time_s"}
-                          for r in records(out)]
-  assert timeless(tmp_path / "cut") == timeless(tmp_path / "ref")
+  assert records(tmp_path / "cut") == records(tmp_path / "ref")
   assert [r["step"] for r in records(tmp_path / "ref") if r["stage"] == "eval"] == [2, 4, 6]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import configs
+import records
 from dpo import data as data_lib
 from dpo import formats, unpaired
 from dpo.algorithms import kto
@@ -322,8 +323,7 @@ def _run(cfg, **kw):
 
 
 def _records(out):
-  return [{k: v for k, v in json.loads(l).items()
-           if k not in ("tokens_per_sec", "eval/eval_time_s")} for l in open(out / "metrics.jsonl")]
+  return records.metrics(out)
 
 
 @pytest.mark.slow

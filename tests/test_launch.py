@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import configs
+import records
 from dpo import cli, registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,19 +64,20 @@ def test_launch_cli_writes_its_logs_and_its_flag_file_repeats_it(tmp_path):
   lines = open(out / "flags.txt").read().split()
   assert lines[0] == "--config=default" and "--beta=0.2" in lines
   assert not [l for l in lines if l.startswith("--learning_rate")]  # only what differs
-  records = [json.loads(l) for l in open(out / "metrics.jsonl")]
-  assert {r["stage"] for r in records} == {"sft", "dpo", "eval"}
-  tb = assert_mirrored(records, out)
+  rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+  assert {r["stage"] for r in rows} == {"sft", "dpo", "eval"}
+  tb = assert_mirrored(rows, out)
   assert {"sft/loss", "dpo/loss", "dpo/kl", "eval/win_rate", "eval/perplexity"} <= set(tb)
   import matplotlib.image
   assert matplotlib.image.imread(out / "curves.png").ndim == 3
   again = tmp_path / "again"
   proc = _launch(f"--flagfile={out / 'flags.txt'}", f"--output_dir={again}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  # The figures: every number but timings, and the config hash, which leaves out the output
-  # directory (the same run in another folder).
-  figures = lambda d: {k: v for k, v in json.load(open(d / "summary.json")).items()
-                       if isinstance(v, (int, float)) and not k.endswith("_time_s")}
+  # The figures: every number but timings (tests/records.py), and the config hash, which leaves
+  # out the output directory (the same run in another folder).
+  figures = lambda d: {k: v for k, v in
+                       records.timeless(json.load(open(d / "summary.json"))).items()
+                       if isinstance(v, (int, float))}
   assert len(figures(out)) > 20 and figures(again) == figures(out)
   sha = lambda d: json.load(open(d / "summary.json"))["config_sha256"]
   assert sha(again) == sha(out)
