@@ -57,8 +57,8 @@ class DataConfig:
                            "DatasetMixtureConfig: the largest mixture that repeats no record, "
                            "each source's first records; 'a,b' = all of each; a part is split "
                            "at its last ':' only before a number), or a Hub data set "
-                           "[hf:]ORG/NAME[@REVISION][/DATA_DIR][[:SUBSET]:SPLIT] (split train when not "
-                           "given; read through datasets.load_dataset, the hub extra; a local "
+                           "[hf:]ORG/NAME[@REVISION][/DATA_DIR][[:SUBSET]:SPLIT] (split train "
+                           "when not given; read through datasets.load_dataset, the hub extra; a local "
                            "path of that name wins). Empty = the embedded default task.")
   eval_data: str = option("", "Held-out preference data (same forms as train_data); empty = "
                           "--eval_split of train_data, or the embedded task's held-out pairs.")
@@ -255,8 +255,8 @@ class CheckpointConfig:
                           "model section, or hf:ORG/NAME[@REVISION], a Hub model (its snapshot in "
                           "the Hub cache, downloaded once; the hub extra; a local DIR of that "
                           "name wins; a bare ORG/NAME that is no local path is read from the Hub "
-                          "cache, else refused naming hf:ORG/NAME). For --stage=dpo it is both the initial policy and the "
-                          "reference.")
+                          "cache, else refused naming hf:ORG/NAME). For --stage=dpo it is both "
+                          "the initial policy and the reference.")
   export_hf: str = option("", "After DPO, write the policy (LoRA merged) as a Hugging Face "
                           "directory here, plus the LoRA factors alone in PEFT layout under "
                           "DIR/adapter.")

@@ -98,9 +98,10 @@ def _split_fraction(part: str) -> Source:
 def parse_sources(value: str) -> tuple[Source, ...]:
   """The sources a data flag's value names (`()` for an empty value).
 
-  `PATH` is one source (`hf:PATH` the same: dpo/hub.py). `PATH:FRACTION,PATH:FRACTION,...` is a mixture whose fractions are
-  each source's share of it, as TRL's `DatasetMixtureConfig` means them (`mixture_counts`);
-  `PATH,PATH,...` without fractions is every record of each source, one after another. A part
+  `PATH` is one source (`hf:PATH` the same: dpo/hub.py). `PATH:FRACTION,PATH:FRACTION,...` is
+  a mixture whose fractions are each source's share of it, as TRL's `DatasetMixtureConfig`
+  means them (`mixture_counts`); `PATH,PATH,...` without fractions is every record of each
+  source, one after another. A part
   is split at its last ':' only when what follows reads as a number, so a path holding ':'
   (`C:\\data\\a.jsonl`) stays a path, and a value that names an existing file or folder is
   that one source whatever it holds. ValueError, in words that follow `--flag=VALUE: `, for a
