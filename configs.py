@@ -58,8 +58,8 @@ class DataConfig:
                            "each source's first records; 'a,b' = all of each; a part is split "
                            "at its last ':' only before a number), or a Hub data set "
                            "[hf:]ORG/NAME[@REVISION][/DATA_DIR][[:SUBSET]:SPLIT] (split train "
-                           "when not given; read through datasets.load_dataset, the hub extra; a local "
-                           "path of that name wins). Empty = the embedded default task.")
+                           "when not given; read through datasets.load_dataset, the hub extra; "
+                           "a local path of that name wins). Empty = the embedded default task.")
   eval_data: str = option("", "Held-out preference data (same forms as train_data); empty = "
                           "--eval_split of train_data, or the embedded task's held-out pairs.")
   sft_data: str = option("", "SFT data ({prompt, completion}, {messages}, ShareGPT "
