@@ -261,9 +261,12 @@ class CheckpointConfig:
                           "directory here, plus the LoRA factors alone in PEFT layout under "
                           "DIR/adapter.")
   resume: str = option("auto", "auto: resume from output_dir's checkpoints when there are any (the "
-                       "rerun must be the same run: hyperparameters, data, tokenizer and initial "
-                       "model are fingerprinted; changed library source is logged); never: refuse "
-                       "an output_dir that holds checkpoints; must: refuse to start without one.")
+                       "rerun must be the same run: hyperparameters, data, tokenizer, initial "
+                       "model and library source are fingerprinted); never: refuse an output_dir "
+                       "that holds checkpoints; must: refuse to start without one.")
+  resume_changed_code: bool = option(False, "Resume checkpoints written by other library source "
+                                     "(refused without it, naming the changed files); the "
+                                     "change is logged and recorded in summary.json.")
 
   def __post_init__(self):
     rules(self, checkpoint_every=NONNEG, keep_checkpoints=at_least(1),

@@ -543,20 +543,25 @@ def check_model_source(flag: str, source: str) -> None:
 
 # --- a directory of step checkpoints --------------------------------------------------------------
 
-def _log_source_change(path: str, old, new: dict) -> None:
-  """One warning when the library source differs from the one that wrote `path`."""
+def source_change(old, new: dict) -> str:
+  """How the library source `new` ({file: digest}) differs from `old`, the one a checkpoint
+  recorded: "changed a.py; added b.py; removed c.py", or "" when they are the same."""
   if old == new:
-    return
+    return ""
   if not isinstance(old, dict):  # written before the source was hashed file by file
-    logging.warning("%s was written by other library source (files not recorded); resuming it",
-                    path)
-    return
+    return "files not recorded"
   changed = sorted(f for f in set(old) & set(new) if old[f] != new[f])
-  parts = [f"{what} {', '.join(files)}" for what, files in (
+  return "; ".join(f"{what} {', '.join(files)}" for what, files in (
       ("changed", changed), ("added", sorted(set(new) - set(old))),
-      ("removed", sorted(set(old) - set(new)))) if files]
-  logging.warning("%s was written by other library source (%s); resuming it", path,
-                  "; ".join(parts))
+      ("removed", sorted(set(old) - set(new)))) if files)
+
+
+def _log_source_change(path: str, old, new: dict) -> None:
+  """One warning when the library source differs from the one that wrote `path` (a run may
+  resume it only with --resume_changed_code: identity.check_source, before any work)."""
+  change = source_change(old, new)
+  if change:
+    logging.warning("%s was written by other library source (%s); resuming it", path, change)
 
 
 class Manager:

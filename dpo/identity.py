@@ -6,9 +6,11 @@ sections, the seed, the data settings), content hashes of the data (every shard 
 save_to_disk folder, a mixture's fractions), the tokenizer and the tokenised arrays, the
 initial model's content (a checkpoint's manifest digest, or a Hugging Face folder's files), the
 repo and commit each Hub name resolved to (`hub.identity`, `data.hub_identity`), and the
-library's source (a hash of each file). `checkpoint.Manager` stores it and refuses a checkpoint whose fingerprint differs,
-naming each field with its old and new value; a source change alone is logged with the changed
-files named and the run resumes, so a fork that edits the code can continue its runs.
+library's source (a hash of each file). `checkpoint.Manager` stores it and refuses a checkpoint
+whose fingerprint differs, naming each field with its old and new value. A source change is
+refused before any work (`check_source`), naming the changed files, since resuming would carry
+on a run the new code never trained; `--resume_changed_code` continues it anyway (logged, and
+recorded in summary.json as `resumed_onto_changed_code`).
 Left out, because they do not change what a step computes: the stage's length (`--steps`,
 `--sft_steps`: extending is allowed and logged, shortening below a checkpoint refused by the
 runner), paths, cadences, evaluation, the mesh (a checkpoint restores onto any mesh), `--log_kl`.
@@ -132,11 +134,43 @@ def sections(cfg, names: tuple[str, ...]) -> dict:
           if k not in _NEVER and not k.startswith("sft_")}
 
 
+def _found(checkpoints_dir: str) -> list[str]:
+  """The step checkpoints and complete saved models under `checkpoints_dir`, sorted."""
+  return sorted(glob.glob(os.path.join(checkpoints_dir, "*", "step_*")) +
+                [p for p in glob.glob(os.path.join(checkpoints_dir, "*"))
+                 if checkpoint.is_complete(p)])
+
+
+def check_source(checkpoints_dir: str, changed_ok: bool) -> str:
+  """How the library source differs from the one that wrote a checkpoint under
+  `checkpoints_dir` ("" when it does not, or there is none): a resume onto changed code would
+  carry on a run that the new code never trained, so it is refused in one line naming the files,
+  before any work, unless `changed_ok` (--resume_changed_code: logged, and returned for the
+  summary)."""
+  for path in _found(checkpoints_dir):
+    try:
+      meta = checkpoint.read_meta(path)
+    except checkpoint.CheckpointError:
+      continue  # damaged or unreadable: the stage that reads it says so
+    change = checkpoint.source_change(meta.get("fingerprint", {}).get(checkpoint.SOURCE),
+                                      source_digests())
+    if not change or checkpoint.SOURCE not in meta.get("fingerprint", {}):
+      continue
+    where = os.path.relpath(path, os.path.dirname(checkpoints_dir))
+    if not changed_ok:
+      raise checkpoint.CheckpointError(
+          f"{where} was written by other library source ({change}); refusing to resume it onto "
+          f"this code: use a fresh --output_dir, or --resume_changed_code to continue the run "
+          f"anyway")
+    logging.warning("%s was written by other library source (%s); --resume_changed_code: "
+                    "resuming it", where, change)
+    return change
+  return ""
+
+
 def check_policy(resume: str, checkpoints_dir: str) -> None:
   """--resume=never refuses a directory that holds checkpoints; must refuses one that holds none."""
-  found = sorted(glob.glob(os.path.join(checkpoints_dir, "*", "step_*")) +
-                 [p for p in glob.glob(os.path.join(checkpoints_dir, "*"))
-                  if checkpoint.is_complete(p)])
+  found = _found(checkpoints_dir)
   if resume == "never" and found:
     raise checkpoint.CheckpointError(
         f"--resume=never but {checkpoints_dir} holds checkpoints of an earlier run "

@@ -437,6 +437,8 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
     return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
   recipe = registry.recipe(cfg.run.stages)
   identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
+  changed_code = identity.check_source(os.path.join(out, "checkpoints"),
+                                       cfg.checkpoint.resume_changed_code)
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out, cfg.run.stages, registry.ALGORITHMS)
@@ -462,6 +464,8 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
                jax.process_count(), pid, nproc)
   log_memory_estimate(cfg, mesh)
   summary: dict[str, Any] = provenance(cfg, mesh)
+  if changed_code:
+    summary["resumed_onto_changed_code"] = changed_code
   if data.reports:
     summary["data"] = data.reports
   # TensorBoard / W&B get each record of metrics.jsonl as it is written (and flushed, so a

@@ -77,16 +77,28 @@ def test_changed_data_file_or_initial_model_refuses_changed_source_is_logged(tmp
   run = lambda: loop.run(tiny_cfg(tmp_path / "run", train_data=str(data), init_from=init,
                                   steps=1))
   run()
-  # A fork that edits, adds and removes source files resumes its run, and says which files.
+  # A fork that edits, adds and removes source files: rerunning the finished run into the same
+  # directory is refused in one line naming the files (the new code never trained it), before
+  # any work; --resume_changed_code resumes it, logged and recorded in the summary.
   source = dict(identity.source_digests())
   assert "dpo/losses.py" in source and "models/transformer.py" in source
   forked = {**source, "dpo/losses.py": "0123456789abcdef", "dpo/new_algorithm.py": "0" * 16}
   del forked["models/transformer.py"]
+  change = "changed dpo/losses.py; added dpo/new_algorithm.py; removed models/transformer.py"
+  records = (tmp_path / "run" / "metrics.jsonl").read_text()
   with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
     m.setattr(identity, "source_digests", lambda: forked)
-    run()
-  assert ("was written by other library source (changed dpo/losses.py; added "
-          "dpo/new_algorithm.py; removed models/transformer.py); resuming it") in caplog.text
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      run()
+    assert str(e.value).endswith(
+        f"was written by other library source ({change}); refusing to resume it onto this "
+        f"code: use a fresh --output_dir, or --resume_changed_code to continue the run anyway")
+    assert "\n" not in str(e.value)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == records  # nothing ran
+    summary = loop.run(tiny_cfg(tmp_path / "run", train_data=str(data), init_from=init, steps=1,
+                                resume_changed_code=True))
+  assert summary["resumed_onto_changed_code"] == change
+  assert f"was written by other library source ({change}); resuming it" in caplog.text
   rows[3]["chosen"] = "a different answer"
   data.write_text("".join(json.dumps(r) + "\n" for r in rows))
   with pytest.raises(checkpoint.CheckpointError, match="train_data sha256: '[0-9a-f]{64}' -> "):
