@@ -98,6 +98,22 @@ def assert_mistake_caught(checks: dict, mistake: str) -> None:
                                    f"bound (want >= {MISTAKE_FACTOR:g}x)")
 
 
+def forward_tol(model, seq_len: int) -> float:
+  """The reordering bound of a forward pass's log-probs: its longest sums are over the
+  vocabulary (the softmax's normaliser), the MLP's hidden units, the model width or the
+  sequence (attention), through the forward half of `backprop_depth`'s contractions."""
+  return reorder_tol(max(model.vocab_size, model.mlp_dim, model.d_model, seq_len),
+                     backprop_depth(model.n_layers) // 2)
+
+
+def implicit_reward_noise(beta: float, tau: float, *logps: float) -> float:
+  """How far from 0 an implicit reward (or a mean or difference of them) of a policy equal to
+  its reference can land when the two forwards are compiled apart: a reward is beta times a
+  difference of two log-probs, each within tau of its magnitude, so at most 2 beta tau times
+  the magnitudes of the log-probs `logps` it is made of."""
+  return 2 * beta * tau * sum(abs(x) for x in logps)
+
+
 def backprop_depth(n_layers: int) -> int:
   """Contractions in sequence on the longest path of a forward and backward pass: six a layer
   (the q/k/v projections, the scores, the weighted values, the output projection, gate/up,

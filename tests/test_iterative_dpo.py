@@ -126,11 +126,9 @@ def test_a_tiny_run_writes_rounds_the_judge_ordered_and_moves_the_reference(tmp_
   # on one CPU). A summed log-prob, through the forward's contractions of at most n terms, is then
   # within tests/numerics.py's reordering bound tau of its magnitude; a mean implicit reward is
   # beta times the difference of two such log-probs, so within 2 beta tau of their magnitude.
-  m = cfg.model
-  tau = numerics.reorder_tol(
-      max(m.vocab_size, m.mlp_dim, m.d_model, cfg.data.max_prompt_length +
-          cfg.data.max_target_length), numerics.backprop_depth(m.n_layers) // 2)
-  bound = lambda s, *sides: 2 * cfg.loss.beta * tau * sum(abs(s[f"logps/{k}"]) for k in sides)
+  tau = numerics.forward_tol(cfg.model, cfg.data.max_prompt_length + cfg.data.max_target_length)
+  bound = lambda s, *sides: numerics.implicit_reward_noise(
+      cfg.loss.beta, tau, *(s[f"logps/{k}"] for k in sides))
   for first in (steps[0], steps[3]):
     assert abs(first["rewards/chosen"]) <= bound(first, "chosen"), first
     assert abs(first["rewards/margins"]) <= bound(first, "chosen", "rejected"), first

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import configs
+import records
 from dpo import checkpoint, data, judges, loop, registry, train
 from dpo.algorithms import ppo
 from faults import Killed, kill_at
@@ -36,8 +37,7 @@ def _records(out):
 
 
 def _strip(rows):
-  return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_sec"}
-          for r in rows]
+  return records.timeless(rows)
 
 
 def _policy(out):

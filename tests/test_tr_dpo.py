@@ -1,14 +1,12 @@
 """TR-DPO: the soft update mixes weights (for LoRA the adapter products, kept exactly); the moving
 reference is checkpointed, so resume and rollback are bitwise exact."""
 
-import json
-import os
-
 import jax
 import numpy as np
 import pytest
 
 import configs
+import records
 from dpo import checkpoint, loop, reference, train
 from faults import Crash, LrSpike, Recorder, SimulatedCrash
 from models import lora as lora_lib
@@ -72,8 +70,7 @@ def test_soft_update_mixes_the_adapter_products_exactly():
 
 
 def _records(out):
-  rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-  return [{k: v for k, v in r.items() if k != "tokens_per_sec"} for r in rows]
+  return records.metrics(out)
 
 
 def _policy(out):

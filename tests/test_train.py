@@ -46,8 +46,13 @@ def test_first_loss_is_ln2_and_only_lora_changes(setup):
   lora_before = jax.tree.map(np.asarray, state.params)
   batch = train.device_batch(mesh, PairBatch.of({k: v[:8] for k, v in pairs.items()}))
   state, m = step(state, base, batch)
-  assert abs(float(m["loss"]) - math.log(2)) < 1e-6  # policy == reference at B = 0
-  assert float(m["rewards/margins"]) == 0.0
+  # Policy == reference at B = 0, the two forwards compiled apart: the margins are rounding
+  # noise (tests/numerics.py), and the loss -log sigmoid(margin) is ln 2 within half of it.
+  noise = numerics.implicit_reward_noise(
+      CFG.loss.beta, numerics.forward_tol(CFG.model, pairs["tokens"].shape[-1]),
+      float(m["logps/chosen"]), float(m["logps/rejected"]))
+  assert abs(float(m["rewards/margins"])) <= noise
+  assert abs(float(m["loss"]) - math.log(2)) <= noise / 2 + numerics.U
   state, m = step(state, base, batch)
   assert float(m["loss"]) < math.log(2)
   for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(base)):
