@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from dpo import algorithms  # noqa: F401 (importing it registers every algorithm and its sections)
 from dpo import data as data_lib
 from dpo import registry
+from dpo import task as task_lib
 from dpo.losses import LossConfig
 from models.config import (ARCHS, FINITE_NONNEG, FINITE_POS, FRACTION, LORA_TARGETS, NONNEG, POS,
                            UNIT, LoraConfig, ModelConfig, at_least, check, one_of, option, rules,
@@ -97,6 +98,11 @@ class DataConfig:
                                   "turns (system message and template framing kept), a text "
                                   "prompt keeps its end.")
   max_target_length: int = option(512, "Completion tokens kept (the start is kept).")
+  task: str = option("reviews", "The embedded task, without --train_data: reviews (short reviews, "
+                     "a sentiment reward; dpo/task.py) or arithmetic (chain arithmetic with "
+                     "worked solutions in <think>...</think> and a verifiable answer reward; "
+                     "dpo/reasoning.py).")
+  task_difficulty: int = option(4, "Embedded arithmetic task: problems of 1 to N operations.")
   task_train_pairs: int = option(4096, "Embedded task: number of training preference pairs.")
   task_sft_examples: int = option(4096, "Embedded task: number of SFT demonstrations.")
   task_eval_pairs: int = option(256, "Embedded task: held-out preference pairs.")
@@ -107,8 +113,15 @@ class DataConfig:
   def __post_init__(self):
     rules(self, max_prompt_length=(lambda v: v >= 1, ">= 1 (tokens kept of each prompt)"),
           max_target_length=(lambda v: v >= 1, ">= 1 (tokens kept of each completion)"),
-          eval_split=UNIT, task_train_pairs=POS, task_sft_examples=POS,
-          task_eval_pairs=NONNEG, task_eval_prompts=NONNEG)
+          eval_split=UNIT, task=one_of(tuple(task_lib.TASKS)), task_difficulty=at_least(1),
+          task_train_pairs=POS, task_sft_examples=POS, task_eval_pairs=NONNEG,
+          task_eval_prompts=NONNEG)
+    check(not self.train_data or self.task == "reviews",
+          f"--task={self.task}: an embedded task, read only without --train_data")
+    check(self.task == "arithmetic" or
+          self.task_difficulty == self.__dataclass_fields__["task_difficulty"].default,
+          f"--task_difficulty={self.task_difficulty}: must go with --task=arithmetic (read "
+          f"only there)")
     for name in data_lib.DATA_FLAGS:  # a mixture's syntax and fractions (the files: launch.py)
       value = getattr(self, name)
       try:
@@ -235,7 +248,8 @@ class EvalConfig:
                           "response) returning a number (rule-based or verifiable rewards), or "
                           "several comma-separated (a:f,b:g), one judge whose reward is their "
                           "sum weighted by --reward_weights; empty = the embedded task's true "
-                          "reward (dpo.task:reward) on that task, no judge on other data.")
+                          "reward on that task (dpo.task:reward, dpo.reasoning:reward with "
+                          "--task=arithmetic), no judge on other data.")
 
   def __post_init__(self):
     rules(self, eval_every=NONNEG, eval_batch_size=POS, eval_max_new_tokens=NONNEG,
@@ -452,6 +466,14 @@ DEFAULT = Config().replace(
     lora_targets=LORA_TARGETS, scan_unroll=4, matmul_backward="explicit", log_every=20,
     eval_every=0, log_kl=True, task_eval_prompts=512, output_dir="runs/default")
 
+# reasoning: the embedded arithmetic task (dpo/reasoning.py) on the default byte model: SFT on
+# worked solutions of mixed quality, then GRPO against the verifiable answer reward, judged by
+# held-out pass@1 against the SFT model on 128 problems, 4 samples each (pass@4, maj@4).
+REASONING = DEFAULT.replace(
+    task="arithmetic", stage="sft,grpo", max_prompt_length=24, max_target_length=64,
+    max_completion_length=64, eval_max_new_tokens=64, grpo_steps=300, num_generations=4,
+    grpo_beta=0.04, learning_rate=2e-3, output_dir="runs/reasoning")
+
 # bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are;
 # --autotune on, these settings its first candidate (the best differs by CPU and load).
 BENCH_SMALL = Config(
@@ -549,6 +571,7 @@ PRESETS: dict[str, Config] = {
     "smollm2-hh": SMOLLM2_HH,
     "smollm2-hh-tpu": SMOLLM2_HH_TPU,
     "default": DEFAULT,
+    "reasoning": REASONING,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),  # bench-small, every weight trained
     **{name: _real(name, m) for name, m in {

@@ -14,7 +14,11 @@ from the reference with models/sampler.py, then report
     log pi(y|x) - log pi_ref(y|x) (nats): per sequence, and per token as the sum of those
     differences over the sum of sampled tokens (EOS counted, prompt not);
   * response lengths (tokens, EOS included), the fraction that ended with EOS, and distinct-n
-    (unique / total whitespace-word n-grams over all samples, Li et al. 2016).
+    (unique / total whitespace-word n-grams over all samples, Li et al. 2016);
+  * on a reasoning task (dpo/reasoning.py), for policy and reference on the same held-out
+    problems and sampler: pass@1, pass@k and majority@k over each problem's k samples, answer
+    extraction failures, the format rate and pass@1 per difficulty, the policy's pass@1 gain,
+    and one record a problem (`Evaluator.answers`, the run's answers.jsonl).
 The KL estimate is exact in expectation only for temperature 1 with no top-k / top-p filter;
 with other settings it is the log-ratio on the samples actually drawn.
 """
@@ -49,7 +53,8 @@ class EvalSet(NamedTuple):
   `well_formed_fn(prompt, response)` the task's grammar check; sampling stops at EOS or any of
   `stop_ids`. A judge reads `chats`, each prompt as the data gave it (text, or a conversation
   of Messages: `prompts` by default), and `held_records`, the held-out pairs as read (its
-  accuracy)."""
+  accuracy). `reasoning`: the task's reasoning evaluation (dpo/reasoning.py: `metrics` of the
+  samples, each prompt a problem), None on a task without answers."""
   tok: Any
   prompts: Sequence[str]
   prompt_ids: Sequence[Sequence[int]] | None = None
@@ -59,6 +64,7 @@ class EvalSet(NamedTuple):
   stop_ids: Sequence[int] = ()
   chats: Sequence | None = None
   held_records: Sequence | None = None
+  reasoning: Any = None
 
 
 def _policy_and_reference(score_fn, model, lora_cfg, policy: Weights, ref_params, batch):
@@ -237,6 +243,7 @@ class Evaluator:
     if len(self.chats) != len(self.prompt_texts):
       raise ValueError(f"{len(self.chats)} judge prompts for {len(self.prompt_texts)} prompts")
     self.held_records = data.held_records
+    self.reasoning, self.answers = data.reasoning, []
     self._judge_accuracy = None
     self.scfg = sampling_config(cfg, tok, data.stop_ids)
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 7)
@@ -265,6 +272,16 @@ class Evaluator:
     formed = (None if self.well_formed_fn is None else
               np.array([self.well_formed_fn(p, t) for p, t in zip(self.prompt_texts, texts)]))
     return texts, rewards, formed
+
+  def _reasoning(self, texts, ref_texts) -> dict:
+    """The reasoning figures of policy and reference samples (the reference's prefixed
+    `reference_`) and the pass@1 gain; one record a problem into `self.answers`."""
+    mine, rows = self.reasoning.metrics(self.prompt_texts, texts, "")
+    theirs, ref_rows = self.reasoning.metrics(self.prompt_texts, ref_texts, "reference_")
+    self.answers = [{**r, **{f"reference_{k}": s[k] for k in ("answers", "correct", "majority",
+                                                              "pass@1")}}
+                    for r, s in zip(rows, ref_rows)]
+    return {**mine, **theirs, "pass@1_gain": mine["pass@1"] - theirs["reference_pass@1"]}
 
   def judge_accuracy(self) -> float | None:
     """The judge's accuracy on the held-out pairs (computed once; None without them)."""
@@ -309,6 +326,8 @@ class Evaluator:
       m["judge_accuracy"] = self.judge_accuracy()
     m["policy_wellformed_rate"] = None if formed is None else float(formed.mean())
     m["reference_wellformed_rate"] = None if ref_formed is None else float(ref_formed.mean())
+    if self.reasoning is not None:
+      m.update(self._reasoning(texts, ref_texts))
     m.update(_length_stats("policy", comps, texts, self.tok.eos_id))
     m.update(_length_stats("reference", ref_comps, ref_texts, self.tok.eos_id))
     m["eval_prompts"] = len(self.prompt_ids)
@@ -331,6 +350,10 @@ WIN_RATE_MIN = 0.7
 KL_PER_TOKEN_BAND = (0.01, 0.1)
 PERPLEXITY_RATIO_MAX = 1.5
 WELLFORMED_MIN = 0.95
+# On a reasoning task the reward is a 0/1 answer check, so most comparisons tie and the win rate
+# says little: the target is the policy's held-out pass@1 above its reference's (the SFT model's,
+# same problems, same sampler) by this much; well-formed is then the format rate.
+PASS_AT_1_GAIN_MIN = 0.15
 
 
 def verdicts(metrics: dict, reference_perplexity: float | None) -> list[dict]:
@@ -340,7 +363,10 @@ def verdicts(metrics: dict, reference_perplexity: float | None) -> list[dict]:
   ppl, ratio = metrics.get("perplexity"), None
   if ppl is not None and reference_perplexity:
     ratio = ppl / reference_perplexity
+  reasoning = "pass@1_gain" in metrics
   checks = [
+      ("pass@1 gain", f">= {PASS_AT_1_GAIN_MIN}", metrics.get("pass@1_gain"),
+       lambda v: v >= PASS_AT_1_GAIN_MIN) if reasoning else
       ("win rate", f">= {WIN_RATE_MIN}", metrics.get("win_rate"), lambda v: v >= WIN_RATE_MIN),
       ("KL per token (nats)", f"in [{lo}, {hi}]", metrics.get("kl_per_token"),
        lambda v: lo <= v <= hi),
@@ -388,6 +414,13 @@ def report(metrics: dict, samples: Sequence[dict], show: int,
       ("distinct-1 / distinct-2: policy", ("policy_distinct_1", "policy_distinct_2")),
       ("distinct-1 / distinct-2: reference", ("reference_distinct_1", "reference_distinct_2")),
   ]
+  if "pass@1" in metrics:  # a reasoning task's figures, policy / reference
+    ks = sorted(k for k in metrics if k.startswith(("pass@", "maj@")) and "/" not in k
+                and k != "pass@1_gain")
+    rows[1:1] = [*((f"{k}: policy / reference", (k, f"reference_{k}")) for k in ks),
+                 ("pass@1 gain (policy - reference)", "pass@1_gain"),
+                 ("answer extraction failures: policy / reference",
+                  ("extraction_failure_rate", "reference_extraction_failure_rate"))]
   width = max(len(r[0]) for r in rows)
   lines = ["", "=== evaluation " + "=" * (width - 3)]
   for label, key in rows:

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import chat, checkpoint, formats, registry, reward_model, train
+from dpo import chat, checkpoint, formats, registry, reward_model, task, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.batches import Rows
@@ -326,7 +326,7 @@ def source(cfg) -> str:
     return cfg.eval.judge
   if cfg.eval.reward_fn:
     return f"reward_fn:{cfg.eval.reward_fn}"
-  return "reward_fn:dpo.task:reward" if not cfg.data.train_data else ""
+  return f"reward_fn:{task.embedded(cfg.data).reward_fn}" if not cfg.data.train_data else ""
 
 
 def _functions(cfg) -> FunctionJudge | RewardFunctions | None:
@@ -376,7 +376,7 @@ def load(cfg, mesh, run_tok, run_template) -> Judge | None:
   if e.reward_fn:
     return _functions(cfg)
   if not cfg.data.train_data:
-    return FunctionJudge("dpo.task:reward", "the embedded task's reward")
+    return FunctionJudge(task.embedded(cfg.data).reward_fn, "the embedded task's reward")
   return None
 
 

@@ -57,6 +57,7 @@ class Data:
       raise ValueError(f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                        f"{self.tok.vocab_size} ids")
     self.embedded = not d.train_data
+    self.task = task.embedded(d) if self.embedded else None  # --task
     self.template = chat.resolve_template(d.chat_template, self.tok)
     self.reports = []
     self.held_records = None  # the held-out pairs as read, one per held-out row
@@ -98,10 +99,10 @@ class Data:
     """(training pairs, held-out pairs) of the embedded task (held-out: --eval_data if given)."""
     d, seed = cfg.data, cfg.run.seed
     lens = (d.max_prompt_length, d.max_target_length)
-    pairs = task.preference_records(d.task_train_pairs, seed)
+    pairs = self.task.preference_records(d.task_train_pairs, seed)
     self.train_records = list(pairs)
     held = (data_lib.load_preference_jsonl(self._value(cfg, "eval_data")) if d.eval_data else
-            task.preference_records(d.task_eval_pairs, seed, held_out=True))
+            self.task.preference_records(d.task_eval_pairs, seed, held_out=True))
     self.held_records = list(held) or None
     return (data_lib.tokenize_pairs(pairs, self.tok, *lens, what="train pairs"),
             data_lib.tokenize_pairs(held, self.tok, *lens, what="held-out pairs") if held
@@ -195,8 +196,8 @@ class Data:
       self.reports.append(report)
       return sft
     if self.embedded:
-      return data_lib.tokenize_sft(task.sft_records(d.task_sft_examples, cfg.run.seed), self.tok,
-                                   *lens, what="sft data")
+      return data_lib.tokenize_sft(self.task.sft_records(d.task_sft_examples, cfg.run.seed),
+                                   self.tok, *lens, what="sft data")
     if self.unpaired is not None:
       keep = self.unpaired["label"]
       logging.info("sft: the %d desirable completions of %s", int(keep.sum()), d.train_data)
@@ -242,7 +243,7 @@ class Data:
     n = cfg.data.task_eval_prompts
     self.eval_prompt_ids, self.stop_ids = None, ()
     if self.embedded:
-      self.eval_prompts = task.eval_prompts(n)
+      self.eval_prompts = self.task.eval_prompts(n)
       self.eval_chats = list(self.eval_prompts)
     else:
       held = self.held
@@ -253,14 +254,15 @@ class Data:
       self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
       self.eval_chats = [self.held_records[i].prompt for i, _ in rows]
       self.stop_ids = tuple(chat.end_of_turn_ids(self.template, self.tok))
-    self.well_formed_fn = task.well_formed if self.embedded else None
+    self.well_formed_fn = self.task.well_formed if self.embedded else None
 
   def eval_set(self, judge=None) -> evaluate.EvalSet:
     """What the DPO stage is evaluated on (dpo/evaluate.py), scored by `judge`
     (dpo/judges.py)."""
     return evaluate.EvalSet(self.tok, self.eval_prompts, self.eval_prompt_ids, self.held,
                             judge, self.well_formed_fn, self.stop_ids, self.eval_chats,
-                            self.held_records if self.held is not None else None)
+                            self.held_records if self.held is not None else None,
+                            self.task.reasoning if self.embedded else None)
 
   def preview(self, n: int) -> list[dict]:
     """The first `n` training pairs (or unpaired examples, with their label) as the model sees

@@ -20,7 +20,10 @@ in training.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -120,3 +123,34 @@ def eval_prompts(n: int) -> list[str]:
   """Held-out prompts, cycled to n."""
   prompts = [prompt_text(p, c) for p, c in _prompts(held_out=True)]
   return [prompts[i % len(prompts)] for i in range(n)]
+
+
+# --- the embedded tasks (--task) ------------------------------------------------------------------
+
+# Each a module with sft_records(n, seed), preference_records(n, seed, held_out),
+# eval_prompts(n), reward(prompt, completion) and well_formed(prompt, text); a module whose
+# functions take a difficulty (dpo/reasoning.py) gets --task_difficulty.
+TASKS = {"reviews": "dpo.task", "arithmetic": "dpo.reasoning"}
+
+
+class Embedded(NamedTuple):
+  """One embedded task as a run reads it (`embedded`): its data, its held-out prompts, its true
+  reward (`reward_fn`, the judge's --reward_fn spelling) and its format check; `reasoning` the
+  module whose `metrics` evaluate reasoning (None for a task without answers)."""
+  name: str
+  sft_records: Callable[[int, int], list]
+  preference_records: Callable[..., list]
+  eval_prompts: Callable[[int], list]
+  reward_fn: str
+  well_formed: Callable[[str, str], bool]
+  reasoning: object = None
+
+
+def embedded(d) -> Embedded:
+  """The embedded task --task names (`d` the data section)."""
+  module = importlib.import_module(TASKS[d.task])
+  knob = {"max_difficulty": d.task_difficulty} if d.task == "arithmetic" else {}
+  bind = lambda f: functools.partial(f, **knob)
+  return Embedded(d.task, bind(module.sft_records), bind(module.preference_records),
+                  bind(module.eval_prompts), f"{TASKS[d.task]}:reward", module.well_formed,
+                  module if d.task == "arithmetic" else None)

@@ -121,6 +121,8 @@ def preference_stage(p, model: registry.Model, algorithm: registry.Algorithm,
   if p.writer.enabled:
     if samples:
       _write_jsonl(os.path.join(c.run.output_dir, "samples.jsonl"), samples)
+    if evaluator.answers:  # a reasoning task: one record a held-out problem
+      _write_jsonl(os.path.join(c.run.output_dir, "answers.jsonl"), evaluator.answers)
     print(evaluate.report(final, samples, c.eval.eval_show, summary["verdicts"]), flush=True)
   return handed_on
 
