@@ -556,13 +556,6 @@ def source_change(old, new: dict) -> str:
       ("removed", sorted(set(old) - set(new)))) if files)
 
 
-def _log_source_change(path: str, old, new: dict) -> None:
-  """One warning when the library source differs from the one that wrote `path` (a run may
-  resume it only with --resume_changed_code: identity.check_source, before any work)."""
-  change = source_change(old, new)
-  if change:
-    logging.warning("%s was written by other library source (%s); resuming it", path, change)
-
 
 class Manager:
   """Step checkpoints of one stage under `directory`, newest `keep` retained.
@@ -619,8 +612,8 @@ class Manager:
   def check_identity_of(path: str, meta: dict, identity: dict) -> None:
     """Raises CheckpointError naming every value of `identity` (nested one level, as the
     fingerprint is) that differs in `meta`, with the checkpoint's and this run's value. The
-    library's source (`SOURCE`) is the exception: a change there is logged, naming the files,
-    and does not refuse."""
+    library's source (`SOURCE`) is not compared here: `identity.check_source` refuses (or, with
+    --resume_changed_code, logs) a change there once for the run, before any work."""
     pairs = []  # (field, checkpoint's value, this run's value)
     for k, v in identity.items():
       old = meta.get(k)
@@ -631,9 +624,7 @@ class Manager:
         pairs.append((k, old, v))
     diff = []
     for field, old, new in pairs:
-      if field == SOURCE:
-        _log_source_change(path, old, new)
-      elif old != new:
+      if field != SOURCE and old != new:
         diff.append(f"{field}: {old!r} -> {new!r}")
     if diff:
       raise CheckpointError(f"{path} was written by a different run, refusing to resume it "

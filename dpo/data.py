@@ -101,12 +101,11 @@ def parse_sources(value: str) -> tuple[Source, ...]:
   `PATH` is one source (`hf:PATH` the same: dpo/hub.py). `PATH:FRACTION,PATH:FRACTION,...` is
   a mixture whose fractions are each source's share of it, as TRL's `DatasetMixtureConfig`
   means them (`mixture_counts`); `PATH,PATH,...` without fractions is every record of each
-  source, one after another. A part
-  is split at its last ':' only when what follows reads as a number, so a path holding ':'
-  (`C:\\data\\a.jsonl`) stays a path, and a value that names an existing file or folder is
-  that one source whatever it holds. ValueError, in words that follow `--flag=VALUE: `, for a
-  fraction that is not a number in (0, 1], fractions on some sources only, a fraction on a
-  lone source, a source named twice, or an empty part.
+  source, one after another. A part is split at its last ':' only when what follows reads as a
+  number, so a path holding ':' (`C:\\data\\a.jsonl`) stays a path, and a value that names an
+  existing file or folder is that one source whatever it holds. ValueError, in words that follow
+  `--flag=VALUE: `, for a fraction that is not a number in (0, 1], fractions on some sources
+  only, a fraction on a lone source, a source named twice, or an empty part.
   """
   if not value:
     return ()
@@ -249,7 +248,9 @@ def check_sources(flag: str, value: str) -> None:
       if arrow:
         _pyarrow(arrow[0])
     except DataError as e:
-      message = str(e).removeprefix(f"{value}: ").removeprefix(f"{s.path}: ")
+      # A lone source's error starts with its path, which `--flag=value` already names.
+      alone = value.removeprefix(hub.HF) == s.path
+      message = str(e).removeprefix(f"{s.path}: ") if alone else str(e)
       where = f" ({os.path.abspath(value)})" if (
           value == s.path and message == "no such file" and not os.path.isabs(value)) else ""
       raise ValueError(f"--{flag}={value}: {message}{where}") from None

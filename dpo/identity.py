@@ -152,9 +152,11 @@ def check_source(checkpoints_dir: str, changed_ok: bool) -> str:
       meta = checkpoint.read_meta(path)
     except checkpoint.CheckpointError:
       continue  # damaged or unreadable: the stage that reads it says so
-    change = checkpoint.source_change(meta.get("fingerprint", {}).get(checkpoint.SOURCE),
-                                      source_digests())
-    if not change or checkpoint.SOURCE not in meta.get("fingerprint", {}):
+    recorded = meta.get("fingerprint", {})
+    if checkpoint.SOURCE not in recorded:
+      continue  # a saved model that carries no fingerprint (the policy, an export)
+    change = checkpoint.source_change(recorded[checkpoint.SOURCE], source_digests())
+    if not change:
       continue
     where = os.path.relpath(path, os.path.dirname(checkpoints_dir))
     if not changed_ok:

@@ -98,7 +98,8 @@ def test_changed_data_file_or_initial_model_refuses_changed_source_is_logged(tmp
     summary = loop.run(tiny_cfg(tmp_path / "run", train_data=str(data), init_from=init, steps=1,
                                 resume_changed_code=True))
   assert summary["resumed_onto_changed_code"] == change
-  assert f"was written by other library source ({change}); resuming it" in caplog.text
+  assert (f"was written by other library source ({change}); --resume_changed_code: resuming it"
+          in caplog.text)
   rows[3]["chosen"] = "a different answer"
   data.write_text("".join(json.dumps(r) + "\n" for r in rows))
   with pytest.raises(checkpoint.CheckpointError, match="train_data sha256: '[0-9a-f]{64}' -> "):

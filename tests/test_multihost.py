@@ -18,9 +18,10 @@ import time
 import numpy as np
 import pytest
 
-import numerics
-import records
 from dpo import checkpoint
+# By package path: launch.py imports this module for --reward_fn=tests.test_multihost:... with
+# the repository root, not tests/, on its path.
+from tests import numerics, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
