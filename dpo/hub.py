@@ -271,7 +271,7 @@ def identity(cfg) -> dict[str, str]:
   """{"<flag> hub": "ORG/NAME@COMMIT"} for each model flag a Hub name resolved to a folder in the
   Hub cache; {} for none. The data flags' are `data.hub_identity`."""
   out = {}
-  for flag in ("init_from", "ref_init_from", "judge", "tokenizer"):
+  for flag in (*MODEL_FLAGS, "tokenizer"):
     folder = _get(cfg, flag).removeprefix(HF)
     m = _SNAPSHOT.search(os.path.abspath(folder)) if folder else None
     if m:

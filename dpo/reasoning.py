@@ -19,8 +19,9 @@ the verifiable reward has something to remove. A preference pair is a correct wo
 over one with a slip, for the same problem (DPO on the task; GRPO reads only the prompts).
 
 A fifth of all problems (by a hash of the expression) never appear in training; the held-out
-problems sampled at evaluation are drawn from them, the same number of each difficulty, so a
-gain is measured on problems the policy never saw, per difficulty too.
+problems sampled at evaluation are drawn from them, spread over the difficulties as evenly as
+each has problems (`eval_problems`), so a gain is measured on problems the policy never saw, per
+difficulty too.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _held_out(problem: Problem) -> bool:
 
 
 def _problem(rng: np.random.Generator, difficulty: int) -> Problem:
-  operands, ops, value = [int(rng.integers(1, 10))], [], None
+  operands, ops = [int(rng.integers(1, 10))], []
   value = operands[0]
   for _ in range(difficulty):
     x = int(rng.integers(1, 10))
