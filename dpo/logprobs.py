@@ -77,10 +77,14 @@ class TokenStats(NamedTuple):
 
 
 def score(cfg: ModelConfig, params, rows: Rows, adapter: Adapter | None = None,
-          wpo: bool = False, with_logits: bool = False) -> TokenStats:
+          wpo: bool = False, with_logits: bool = False, temperature: float = 1.0) -> TokenStats:
   """The one scoring path (policy, reference, SFT, evaluation, precompute): forward the [B, T]
-  `rows` (the base, plus `adapter`'s LoRA delta) and score each masked token."""
+  `rows` (the base, plus `adapter`'s LoRA delta) and score each masked token; with `temperature`
+  (GRPO's and RLOO's, the sampler's, as TRL scores) of the logits divided by it (the kept logits
+  too)."""
   logits = transformer.forward(cfg, params, rows.inputs(), adapter)
+  if temperature != 1.0:
+    logits = logits.astype(jnp.float32) / temperature
   mask = rows.loss_mask.astype(jnp.float32)
   return TokenStats(token_logps(logits, rows.tokens) * mask, mask,
                     wpo_token_logw(logits, rows.tokens) * mask if wpo else None,

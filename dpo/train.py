@@ -60,6 +60,7 @@ class StepConfig:
   score_slots: int = 0      # DPO: most tokens a pair row scores (LM head only there); 0 = all
   own: Any = None           # what the algorithm's own step reads of its own sections (rm: its
                             # RewardConfig, grpo: GRPOConfig, kto: unpaired.Objective, ...)
+  temperature: float = 1.0  # GRPO, RLOO: the log-probs' temperature, the sampler's (TRL's)
 
   @classmethod
   def sft(cls, cfg) -> "StepConfig":

@@ -652,3 +652,62 @@ def test_scale_rewards_spellings_are_trls(given):
 def test_epsilon_high_zero_is_epsilon():
   assert pg.GRPOConfig(grpo_epsilon=0.1).epsilon_high == 0.1
   assert pg.GRPOConfig(grpo_epsilon=0.1, grpo_epsilon_high=0.3).epsilon_high == 0.3
+
+
+# --- the log-probs' temperature -------------------------------------------------------------------
+
+def test_logps_and_entropies_at_the_samplers_temperature_are_trls(tmp_path):
+  """GRPO and RLOO score their samples at the sampler's temperature, as TRL does: TRL's own
+  fused LM head (`add_fused_lm_head`, the one GRPOTrainer and RLOOTrainer install with
+  args.temperature) on a random transformers Llama gives the per-token log-probs and entropies
+  that logprobs.score and token_entropy give at that temperature on the same weights; at T = 1
+  they differ (the negative control)."""
+  transformers = pytest.importorskip("transformers")
+  from trl.trainer.utils import add_fused_lm_head
+  from dpo import logprobs
+  from dpo.algorithms import grpo
+  from dpo.batches import Rows
+  from models import hf, sharding
+  import configs
+
+  config = transformers.LlamaConfig(
+      vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+      tie_word_embeddings=False)
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager")
+  model = model.float().eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.3 * torch.randn_like(p))
+  model.save_pretrained(tmp_path)
+  cfg, params = hf.load(str(tmp_path), sharding.make_mesh("data:1", jax.devices()[:1]))
+  temperature = 0.7
+  add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
+
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 96, (3, 16)).astype(np.int32)
+  prompt = np.array([4, 6, 9])  # each row's prompt length; the rest is its completion
+  mask = (np.arange(16) >= prompt[:, None]).astype(np.float32)
+  labels = torch.tensor(np.where(mask > 0, tokens, -100), dtype=torch.long)
+  with torch.no_grad():
+    out = model(input_ids=torch.tensor(tokens, dtype=torch.long), labels=labels,
+                fused_lm_head=True)
+  trl_logps, trl_entropy = out.log_probs.numpy(), out.entropy.numpy()  # [B, T - 1], shifted
+  scored = mask[:, 1:] > 0
+  rows = Rows(tokens, np.tile(np.arange(16, dtype=np.int32), (3, 1)),
+              np.ones_like(tokens), mask)
+
+  def ours(t):
+    s = logprobs.score(cfg, params, rows, with_logits=True, temperature=t)
+    return np.asarray(s.logps)[:, 1:], np.asarray(pg.token_entropy(s.logits))[:, 1:]
+
+  logps, entropy = ours(temperature)
+  np.testing.assert_allclose(logps[scored], trl_logps[scored], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(entropy[scored], trl_entropy[scored], rtol=1e-4, atol=1e-4)
+  plain, _ = ours(1.0)
+  assert np.abs(plain[scored] - trl_logps[scored]).max() > 1e-2
+  # The stage's steps read the sampler's temperature; greedy samples are scored at 1.
+  run = configs.DEFAULT.replace(stage="sft,grpo", online_temperature=0.7)
+  assert grpo.step_config(run).temperature == 0.7
+  assert grpo.temperature(run.replace(online_temperature=0.0)) == 1.0

@@ -15,7 +15,9 @@ between generation batches (--checkpoint_every and --grpo_steps must be multiple
 --num_iterations), so no batch of samples outlives a checkpoint and a resumed run draws what the
 uninterrupted one drew (the sampling key of a batch is fold_in(key, its first step)). Sampling is
 online DPO's (dpo/algorithms/online_dpo.py): jitted on the training mesh, no weight copy, fixed
-shapes. LoRA dropout is off in the GRPO step, so the importance ratio of the first update of a
+shapes. Every log-prob (the step's, the old policy's, the reference's) and entropy is of the logits
+divided by the sampler's temperature (--online_temperature), as TRL scores its samples (RLOO
+too). LoRA dropout is off in the GRPO step, so the importance ratio of the first update of a
 batch is exactly 1. Several processes as online DPO: each samples, scores and judges the whole
 generation batch alike (the log-probs gathered to every process) and trains on its own block.
 
@@ -72,7 +74,8 @@ def grpo_step(spec: train.StepConfig, state: train.TrainState, frozen,
 
   def loss_fn(trainable, micro):
     params, adapter = policy_weights(spec, frozen, trainable)
-    s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True)
+    s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True,
+                       temperature=spec.temperature)
     entropies = pg.token_entropy(s.logits)  # TRL's: logged, and read by the entropy options
     if not spec.own.entropy_coef:
       entropies = jax.lax.stop_gradient(entropies)
@@ -87,8 +90,14 @@ def grpo_step(spec: train.StepConfig, state: train.TrainState, frozen,
   return train.apply_update(state, *spec.optimizer(), loss, grads, metrics)
 
 
-def _token_logps(model, params, rows, adapter=None):
-  return logprobs.score(model, params, rows, adapter).logps
+def _token_logps(model, temperature, params, rows, adapter=None):
+  return logprobs.score(model, params, rows, adapter, temperature=temperature).logps
+
+
+def temperature(cfg) -> float:
+  """The temperature GRPO's and RLOO's log-probs are taken at: the sampler's
+  (--online_temperature), as TRL scores its samples; 1 for greedy samples (0)."""
+  return cfg.online.online_temperature or 1.0
 
 
 @dataclasses.dataclass
@@ -117,7 +126,7 @@ class Generated(online_dpo.Sampled):
   def __call__(self, spec, update):
     key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), self.salt)
     G, K = self.generations, self.repeat
-    score = jax.jit(functools.partial(_token_logps, self.cfg.model))
+    score = jax.jit(functools.partial(_token_logps, self.cfg.model, spec.temperature))
 
     def dispatch(state, frozen, batch):
       step = int(state.step)
@@ -237,7 +246,7 @@ def run(p, model: registry.Model) -> registry.Model:
 
 def step_config(cfg) -> train.StepConfig:
   return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.grpo_steps,
-                             loss=None, kl=False, own=cfg.grpo)
+                             loss=None, kl=False, own=cfg.grpo, temperature=temperature(cfg))
 
 
 def check_groups(cfg, stage: str, prefix: str, section, group: str) -> None:
@@ -271,7 +280,7 @@ def check_config(cfg) -> None:
   """Groups and iterations; --reward_weights: one weight per --reward_fn function (TRL's
   reward_weights)."""
   check_groups(cfg, GRPO.name, "", cfg.grpo, "G")
-  weights, functions = cfg.grpo.reward_weights, len(cfg.eval.reward_fn.split(","))
+  weights, functions = cfg.grpo.reward_weights, len(judges.specs(cfg))
   check(not weights or bool(cfg.eval.reward_fn),
         f"--reward_weights={shown(weights)}: weighs the functions of --reward_fn=a:f,b:g; "
         f"give them")

@@ -52,7 +52,8 @@ def rloo_step(spec: train.StepConfig, state: train.TrainState, frozen,
   from its logits, logged as TRL's."""
   def loss_fn(trainable, micro):
     params, adapter = grpo.policy_weights(spec, frozen, trainable)
-    s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True)
+    s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True,
+                       temperature=spec.temperature)
     entropies = jax.lax.stop_gradient(pg.token_entropy(s.logits))
     return pg.rloo_loss(s.logps, micro.old_logps, micro.advantages, s.mask, spec.own,
                         entropies_NT=entropies)
@@ -116,7 +117,8 @@ def run(p, model: registry.Model) -> registry.Model:
 
 def step_config(cfg) -> train.StepConfig:
   return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.rloo_steps,
-                             loss=None, kl=False, own=cfg.rloo)
+                             loss=None, kl=False, own=cfg.rloo,
+                             temperature=grpo.temperature(cfg))
 
 
 def check_config(cfg) -> None:
