@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpo import chat, checkpoint, formats, registry, reward_model, task, train
+from dpo import chat, checkpoint, formats, registry, reward_model, rewards, task, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
 from dpo.batches import Rows
@@ -72,13 +72,26 @@ def records_of(prompt, responses: Sequence[str]) -> list[Record]:
 
 
 class FunctionJudge:
-  """--reward_fn=module:function: function(prompt, response) -> a finite number."""
+  """--reward_fn=module:function, or a name of dpo/rewards.py's (TRL's reward functions). A
+  function of (prompt, response) is called once a record; a function with a `completions`
+  parameter (TRL's convention, as dpo/rewards.py's) once a batch, with the keywords `prompts`,
+  `completions` (text, or for a conversation's prompt its one assistant message as a list of one
+  {"role", "content"} dict), `completion_ids` (the completions' token ids) and the data's extra
+  columns (e.g. `solution`), returning one reward or None per completion."""
 
-  def __init__(self, spec: str, flag: str = "--reward_fn"):
-    self.name, self.flag = spec, flag
+  def __init__(self, spec: str, flag: str = "--reward_fn", completion_length: int | None = None):
+    self.name, self.flag, self.tok = spec, flag, None
+    if rewards.is_named(spec):
+      try:
+        self.fn = rewards.build(spec, completion_length)
+      except rewards.RewardSpecError as e:
+        raise JudgeError(f"{flag}={spec}: {str(e).removeprefix(spec + ': ')}") from None
+      self.batch = True
+      return
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-      raise JudgeError(f"{flag}={spec}: give module:function, e.g. dpo.task:reward")
+      raise JudgeError(f"{flag}={spec}: give module:function (e.g. dpo.task:reward) or a reward "
+                       f"function's name ({', '.join(rewards.PARAMETERS)})")
     try:
       mod = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 (whatever the import raises, it is this flag's)
@@ -90,41 +103,98 @@ class FunctionJudge:
     if not callable(fn):
       raise JudgeError(f"{flag}={spec}: {module}.{attr} is {_short(fn)} "
                        f"({type(fn).__name__}), not a function of (prompt, response)")
-    self.fn: Callable[[Any, str], Any] = fn
+    self.fn: Callable[..., Any] = fn
+    self.batch = "completions" in _parameters(fn)
 
   @classmethod
   def wrap(cls, fn: Callable[[Any, str], Any], name: str = "") -> "FunctionJudge":
     """A judge of a function in hand (a tool's or a test's), named `name`."""
     judge = cls.__new__(cls)
     judge.name, judge.flag, judge.fn = name or getattr(fn, "__name__", "function"), "judge", fn
+    judge.tok, judge.batch = None, "completions" in _parameters(fn)
     return judge
 
   def score(self, records: Sequence[Record], allow_none: bool = False,
-            what: str = "record") -> np.ndarray:
+            what: str = "record", ids: Sequence[Sequence[int]] | None = None,
+            columns: Sequence[dict] | None = None) -> np.ndarray:
     """[N] float64: the function of each record's prompt and chosen response; with
     `allow_none`, a None is NaN (TRL's "this function does not apply to this completion").
+    A batch function also reads `ids`, the responses' token ids (None: the responses tokenised
+    by the judge's tokenizer), and `columns`, each record's extra data columns.
     An exception or a value that is not a finite number is a JudgeError naming the function,
     `what` and the record's index, its prompt's first characters and the value."""
+    prompts = [rec.prompt if isinstance(rec.prompt, str) else
+               [{"role": m.role, "content": m.content} for m in rec.prompt] for rec in records]
+    texts = [formats.response_text(rec.chosen) for rec in records]
+    if self.batch:
+      values = self._batch(prompts, texts, what, ids, columns)
+    else:
+      values = []
+      for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        try:
+          values.append(self.fn(prompt, text))
+        except Exception as e:  # noqa: BLE001 (whatever the user's function raises is its own)
+          raise JudgeError(f"{self.flag}={self.name}: raised {type(e).__name__}: "
+                           f"{_short(str(e), 120, repr_=False)} on {what} {i} (prompt "
+                           f"{_short(prompt)})") from None
     out = np.empty(len(records), np.float64)
-    for i, rec in enumerate(records):
-      prompt = (rec.prompt if isinstance(rec.prompt, str) else
-                [{"role": m.role, "content": m.content} for m in rec.prompt])
-      where = f"{what} {i} (prompt {_short(prompt)})"
-      try:
-        value = self.fn(prompt, formats.response_text(rec.chosen))
-      except Exception as e:  # noqa: BLE001 (whatever the user's function raises is its own)
-        raise JudgeError(f"{self.flag}={self.name}: raised {type(e).__name__}: "
-                         f"{_short(str(e), 120, repr_=False)} on {where}") from None
+    for i, value in enumerate(values):
       if value is None and allow_none:
         out[i] = np.nan
         continue
       if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or (
           not math.isfinite(float(value))):
         raise JudgeError(f"{self.flag}={self.name}: returned {_short(value)} "
-                         f"({type(value).__name__}) for {where}; a reward function returns a "
+                         f"({type(value).__name__}) for {what} {i} (prompt "
+                         f"{_short(prompts[i])}); a reward function returns a "
                          f"finite number{' or None' if allow_none else ''}")
       out[i] = float(value)
     return out
+
+  def _batch(self, prompts, texts, what, ids, columns) -> list:
+    """A batch function's rewards (TRL's calling convention), one per record."""
+    n, where = len(texts), f"the {len(texts)} {what}s (first prompt {_short(prompts[0])})"
+    params = _parameters(self.fn)
+    if ids is None and "completion_ids" in params:
+      if self.tok is None:
+        raise JudgeError(f"{self.flag}={self.name}: needs the completions' token ids, which "
+                         f"{where} lack")
+      ids = [self.tok.encode(t) for t in texts]
+    given = {}
+    for row in columns or ():
+      for key in row:
+        given.setdefault(key, [])
+    for key in given:
+      given[key] = [row.get(key) for row in columns]
+    needed = [k for k, v in params.items() if v and k not in ("prompts", "completions",
+                                                              "completion_ids")]
+    missing = [k for k in needed if k not in given]
+    if missing:
+      have = ", ".join(sorted(given)) or "none"
+      raise JudgeError(f"{self.flag}={self.name}: needs the data's {missing[0]!r} column, "
+                       f"which {where} lack (their extra columns: {have})")
+    completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                   for p, t in zip(prompts, texts)]
+    try:
+      values = self.fn(prompts=prompts, completions=completions,
+                       completion_ids=None if ids is None else [list(x) for x in ids], **given)
+    except Exception as e:  # noqa: BLE001 (whatever the function raises is its own)
+      raise JudgeError(f"{self.flag}={self.name}: raised {type(e).__name__}: "
+                       f"{_short(str(e), 120, repr_=False)} on {where}") from None
+    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != n:
+      raise JudgeError(f"{self.flag}={self.name}: returned {_short(values)} for {where}; a "
+                       f"function of `completions` returns one reward per completion ({n})")
+    return list(values)
+
+
+def _parameters(fn) -> dict[str, bool]:
+  """{name: required} of `fn`'s named parameters (none for a callable without a signature)."""
+  try:
+    sig = inspect.signature(fn, follow_wrapped=False)
+  except (TypeError, ValueError):
+    return {}
+  return {k: p.default is inspect.Parameter.empty for k, p in sig.parameters.items()
+          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 class RewardFunctions:
@@ -135,24 +205,35 @@ class RewardFunctions:
   it advantage 0; the win rate and online DPO, which need a number, refuse it)."""
 
   def __init__(self, specs: Sequence[str], weights: Sequence[float] = (),
-               flag: str = "--reward_fn"):
+               flag: str = "--reward_fn", completion_length: int | None = None):
     self.flag, self.name = flag, ",".join(specs)
     twice = sorted({s for s in specs if list(specs).count(s) > 1})
     if twice:  # the same function twice would log two columns under one name
       raise JudgeError(f"{flag}={self.name}: {', '.join(twice)} named more than once; weight one "
                        f"function with --reward_weights instead")
-    self.functions = [FunctionJudge(s, flag) for s in specs]
+    self.functions = [FunctionJudge(s, flag, completion_length) for s in specs]
     if weights and len(weights) != len(specs):
       raise JudgeError(f"--reward_weights={','.join(map(str, weights))}: give one weight per "
                        f"{flag} function ({len(specs)}: {self.name}), not {len(weights)}")
     self.weights = tuple(float(w) for w in weights) or (1.0,) * len(specs)
-    short = [s.partition(":")[2] for s in specs]  # TRL logs a function by its name
+    # TRL logs a function by its name
+    short = [s.partition("(")[0] if rewards.is_named(s) else s.partition(":")[2] for s in specs]
     self.names = short if len(set(short)) == len(short) else list(specs)
 
-  def each(self, records: Sequence[Record], what: str = "record") -> np.ndarray:
+  @property
+  def tok(self):
+    return self.functions[0].tok
+
+  @tok.setter
+  def tok(self, tok):
+    for f in self.functions:
+      f.tok = tok
+
+  def each(self, records: Sequence[Record], what: str = "record", ids=None,
+           columns=None) -> np.ndarray:
     """[N, F] float64: each function's reward of each record (NaN where it returned None)."""
-    return np.stack([f.score(records, allow_none=True, what=what) for f in self.functions],
-                    axis=-1)
+    return np.stack([f.score(records, allow_none=True, what=what, ids=ids, columns=columns)
+                     for f in self.functions], axis=-1)
 
   def combined(self, rewards_NF: np.ndarray) -> np.ndarray:
     """[N] the weighted sum (policy_gradient.weighted_rewards: TRL's nansum; NaN unscorable)."""
@@ -160,9 +241,9 @@ class RewardFunctions:
     return np.asarray(pg.weighted_rewards(np.asarray(rewards_NF, np.float32), self.weights),
                       np.float64)
 
-  def score(self, records: Sequence[Record]) -> np.ndarray:
+  def score(self, records: Sequence[Record], ids=None, columns=None) -> np.ndarray:
     """[N] float64: the weighted sum; a record no function scored is a JudgeError."""
-    total = self.combined(self.each(records))
+    total = self.combined(self.each(records, ids=ids, columns=columns))
     bad = np.flatnonzero(np.isnan(total))
     if bad.size:
       raise JudgeError(f"{self.flag}={self.name}: every function returned None for record "
@@ -172,8 +253,23 @@ class RewardFunctions:
 
 
 def specs(cfg) -> list[str]:
-  """The functions --reward_fn names, comma-separated ([] = none)."""
-  return [s.strip() for s in cfg.eval.reward_fn.split(",")] if cfg.eval.reward_fn else []
+  """The functions --reward_fn names, comma-separated ([] = none; a comma inside a name's
+  parameters is the name's)."""
+  return rewards.split(cfg.eval.reward_fn)
+
+
+def completion_length(cfg) -> int:
+  """What dpo/rewards.py's length parameters default to: the sampling stage's completion
+  length, or the evaluation sampler's."""
+  stages = cfg.run.stages
+  for stage, length in (("grpo", lambda: cfg.grpo.max_completion_length),
+                        ("rloo", lambda: cfg.rloo.rloo_max_completion_length),
+                        ("ppo", lambda: cfg.ppo.ppo_max_completion_length)):
+    if stage in stages:
+      return length()
+  if cfg.online_stages:
+    return cfg.online.online_max_new_tokens or cfg.data.max_target_length
+  return cfg.eval.eval_max_new_tokens or cfg.data.max_target_length
 
 
 @dataclasses.dataclass
@@ -331,10 +427,10 @@ def source(cfg) -> str:
 
 def _functions(cfg) -> FunctionJudge | RewardFunctions | None:
   """--reward_fn's judge, imported: one function, several as RewardFunctions, None without."""
-  names = specs(cfg)
+  names, length = specs(cfg), completion_length(cfg)
   if len(names) > 1:
-    return RewardFunctions(names, cfg.grpo.reward_weights)
-  return FunctionJudge(cfg.eval.reward_fn) if names else None
+    return RewardFunctions(names, cfg.grpo.reward_weights, completion_length=length)
+  return FunctionJudge(names[0], completion_length=length) if names else None
 
 
 def check(cfg) -> None:
@@ -373,11 +469,14 @@ def load(cfg, mesh, run_tok, run_template) -> Judge | None:
   if e.judge:
     check(cfg)
     return _checkpoint_judge(cfg, mesh, e.judge, run_tok, run_template)
+  judge = None
   if e.reward_fn:
-    return _functions(cfg)
-  if not cfg.data.train_data:
-    return FunctionJudge(task.embedded(cfg.data).reward_fn, "the embedded task's reward")
-  return None
+    judge = _functions(cfg)
+  elif not cfg.data.train_data:
+    judge = FunctionJudge(task.embedded(cfg.data).reward_fn, "the embedded task's reward")
+  if judge is not None:
+    judge.tok = run_tok  # completion_ids of texts the caller has no ids for
+  return judge
 
 
 def describe(judge: Judge | None) -> str:
@@ -429,8 +528,9 @@ def _source(judge: FunctionJudge) -> str:
   """A reward function by the source file that defines it: its sha256, or "library source" for
   one of this library's files (those are the fingerprint's `code`, whose change is logged)."""
   from dpo import identity
+  fn = inspect.unwrap(judge.fn)  # a named function's (dpo/rewards.py) own
   try:
-    f = inspect.getsourcefile(judge.fn) or inspect.getsourcefile(inspect.getmodule(judge.fn))
+    f = inspect.getsourcefile(fn) or inspect.getsourcefile(inspect.getmodule(fn))
   except TypeError:  # a builtin, or a callable object without a source file
     f = None
   if f is None:

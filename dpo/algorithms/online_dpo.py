@@ -113,6 +113,7 @@ class Sampled:
   base: object         # the frozen base the LoRA factors apply to (LoRA on); None: full weights
   scfg: sampler.SamplingConfig
   seq_len: int
+  columns: list | None = None  # each prompt row's extra data columns (reward functions read)
   whole_batch = True   # Program.stage: every process draws the whole batch of prompts
 
   def __call__(self, spec, update):
@@ -164,12 +165,18 @@ class Sampled:
   def scored(self, batch, comps, score=None) -> tuple[np.ndarray, np.ndarray]:
     """(the judge's rewards, ended) of `sample`'s completions for `batch`: each decoded without
     its stop token and scored with its prompt as the data gave it (by `score`, a function of
-    the records; None = the judge's score)."""
+    the records; None = the judge's score); reward functions also read the completions' ids
+    (with the stop token, as TRL's completion_ids) and the prompts' extra columns."""
     texts, ended = self.decoded(comps)
     n = len(comps) // len(batch["prompt_index"])
     chats = [self.chats[i] for i in batch["prompt_index"]] * n
     records = [judges.records_of(p, [t])[0] for p, t in zip(chats, texts)]
-    return (score or self.judge.score)(records), ended
+    context = {}
+    if isinstance(self.judge, (judges.FunctionJudge, judges.RewardFunctions)):
+      context["ids"] = comps
+      if self.columns is not None:
+        context["columns"] = [self.columns[i] for i in batch["prompt_index"]] * n
+    return (score or self.judge.score)(records, **context), ended
 
   def judged(self, batch, comps):
     """(first sample chosen [B], rewards after the EOS penalty [2B], ended [2B])."""
