@@ -50,7 +50,11 @@ def _distinct_names(stage: str) -> bool:
 
 @dataclass(frozen=True)
 class DataConfig:
-  train_data: str = option("", "Preference data for DPO: a JSONL or JSON-array file (gzip ok), "
+  train_data: str = option("", "Preference data for DPO, unpaired feedback for KTO, or prompts "
+                           "for the sampling stages (TRL's prompt-only {prompt, ...extra "
+                           "columns}, GSM8K {question, answer}, MATH {problem, solution}; the "
+                           "extra columns go to the reward functions): a JSONL or JSON-array "
+                           "file (gzip ok), "
                            "a Parquet or Arrow file, a glob of shards ('data/train-*.parquet', "
                            "sorted), a datasets save_to_disk folder, or a mixture "
                            "'a.parquet:0.7,b.jsonl:0.3' (each source read in its own format; "
@@ -61,13 +65,14 @@ class DataConfig:
                            "[hf:]ORG/NAME[@REVISION][/DATA_DIR][[:SUBSET]:SPLIT] (split train "
                            "when not given; read through datasets.load_dataset, the hub extra; "
                            "a local path of that name wins). Empty = the embedded default task.")
-  eval_data: str = option("", "Held-out preference data (same forms as train_data); empty = "
+  eval_data: str = option("", "Held-out preference data or prompts (same forms as train_data); "
+                          "empty = "
                           "--eval_split of train_data, or the embedded task's held-out pairs.")
   sft_data: str = option("", "SFT data ({prompt, completion}, {messages}, ShareGPT "
                          "{conversations}, in the same files, globs, folders and mixtures as "
                          "train_data; rendered with the --chat_template the preference data "
-                         "gets); empty = the chosen responses of train_data, or the embedded "
-                         "task's SFT data.")
+                         "gets); empty = the chosen responses of train_data (GSM8K's and "
+                         "MATH's worked solutions), or the embedded task's SFT data.")
   data_format: str = option("auto", "auto, standard, conversational, implicit, openai, sharegpt or "
                             "columns (see dpo/formats.py).")
   prompt_field: str = option("", "data_format=columns: the field holding the prompt (dotted paths "
@@ -245,8 +250,13 @@ class EvalConfig:
                       "hf:ORG/NAME[@REVISION]: a Hub model's), or rm "
                       "(this run's rm stage's model); empty = --reward_fn (dpo/judges.py).")
   reward_fn: str = option("", "A judge that is a Python function module:function of (prompt, "
-                          "response) returning a number (rule-based or verifiable rewards), or "
-                          "several comma-separated (a:f,b:g), one judge whose reward is their "
+                          "response) returning a number (rule-based or verifiable rewards; one "
+                          "with a `completions` parameter is called as TRL calls it, with "
+                          "completion_ids and the data's extra columns), a reward function's "
+                          "name (accuracy, reasoning_accuracy, think_format, "
+                          "soft_overlong_punishment(soft_punish_cache=N), repetition_penalty, "
+                          "cosine_scaled: TRL's, dpo/rewards.py), or several comma-separated "
+                          "(a:f,think_format), one judge whose reward is their "
                           "sum weighted by --reward_weights; empty = the embedded task's true "
                           "reward on that task (dpo.task:reward, dpo.reasoning:reward with "
                           "--task=arithmetic), no judge on other data.")

@@ -54,7 +54,8 @@ class EvalSet(NamedTuple):
   `stop_ids`. A judge reads `chats`, each prompt as the data gave it (text, or a conversation
   of Messages: `prompts` by default), and `held_records`, the held-out pairs as read (its
   accuracy). `reasoning`: the task's reasoning evaluation (dpo/reasoning.py: `metrics` of the
-  samples, each prompt a problem), None on a task without answers."""
+  samples, each prompt a problem), None on a task without answers. `columns`: each prompt's
+  extra data columns (prompt data), which reward functions read."""
   tok: Any
   prompts: Sequence[str]
   prompt_ids: Sequence[Sequence[int]] | None = None
@@ -65,6 +66,7 @@ class EvalSet(NamedTuple):
   chats: Sequence | None = None
   held_records: Sequence | None = None
   reasoning: Any = None
+  columns: Sequence[dict] | None = None
 
 
 def _policy_and_reference(score_fn, model, lora_cfg, policy: Weights, ref_params, batch):
@@ -242,7 +244,7 @@ class Evaluator:
     self.chats = list(data.chats) if data.chats is not None else list(self.prompt_texts)
     if len(self.chats) != len(self.prompt_texts):
       raise ValueError(f"{len(self.chats)} judge prompts for {len(self.prompt_texts)} prompts")
-    self.held_records = data.held_records
+    self.held_records, self.columns = data.held_records, data.columns
     self.reasoning, self.answers = data.reasoning, []
     self._judge_accuracy = None
     self.scfg = sampling_config(cfg, tok, data.stop_ids)
@@ -267,8 +269,11 @@ class Evaluator:
     texts = [self.tok.decode(self._strip_stop(c)) for c in comps]
     rewards = None
     if self.judge_ is not None:
+      context = {}  # reward functions: the ids as sampled (TRL's), the prompts' columns
+      if isinstance(self.judge_, (judges.FunctionJudge, judges.RewardFunctions)):
+        context = {"ids": comps, "columns": self.columns}
       rewards = self.judge_.score([judges.records_of(p, [t])[0]
-                                   for p, t in zip(self.chats, texts)])
+                                   for p, t in zip(self.chats, texts)], **context)
     formed = (None if self.well_formed_fn is None else
               np.array([self.well_formed_fn(p, t) for p, t in zip(self.prompt_texts, texts)]))
     return texts, rewards, formed

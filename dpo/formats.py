@@ -654,15 +654,22 @@ def iter_unpaired_records(path: str, stats: collections.Counter | None = None,
                                     _unpaired_undetectable, _UNPAIRED_PARSERS), stats, skips)
 
 
+def _first_kinds(value: DataValue, classify) -> dict[str, bool]:
+  """{source path: whether its first record is of the kind `classify` names} of a data flag."""
+  kinds = {}
+  for source in value.sources:
+    first = next(iter_objects(source.path), None)
+    if first is not None:
+      kinds[source.path] = classify(first[1]) is not None
+  return kinds
+
+
 def is_unpaired(value: str | DataValue) -> bool:
   """Whether a data flag's sources (its parsed value, or a plain one) hold unpaired records, by
   each source's first record (every record is checked when it is parsed); sources of both
   kinds are a DataError naming one of each."""
-  value, kinds = data_value(value), {}
-  for source in value.sources:
-    first = next(iter_objects(source.path), None)
-    if first is not None:
-      kinds[source.path] = unpaired_record_format(first[1]) is not None
+  value = data_value(value)
+  kinds = _first_kinds(value, unpaired_record_format)
   if len(set(kinds.values())) > 1:
     paired = next(p for p, k in kinds.items() if not k)
     unpaired = next(p for p, k in kinds.items() if k)
@@ -678,6 +685,124 @@ def unpair(records: Sequence[Record]) -> list[UnpairedRecord]:
   index, side = unpair_order(len(records))
   return [UnpairedRecord(records[i].prompt, records[i].rejected if s else records[i].chosen,
                          not s) for i, s in zip(index, side)]
+
+
+# --- prompts with answers (the sampling stages: GRPO, RLOO, PPO, online DPO) -------------------
+
+class PromptRecord(NamedTuple):
+  """A prompt to sample from (a string, or a tuple of Messages), its worked solution for an SFT
+  stage (None: the layout has none), and the record's other columns, which reward functions
+  read by name (TRL passes a data set's extra columns so), e.g. `solution`."""
+  prompt: str | tuple[Message, ...]
+  completion: str | tuple[Message, ...] | None
+  columns: dict
+
+  def example(self) -> SFTExample:
+    kind = SFTRecord if isinstance(self.prompt, str) else ChatSFTRecord
+    return kind(self.prompt, self.completion)
+
+
+GSM8K_MARK = "####"  # GSM8K's answer ends "#### N", N the final answer
+_PAIR_KEYS = ("chosen", "rejected", "completion", "label", "messages", "conversations")
+
+
+def gsm8k_answer(answer: str) -> str | None:
+  """The final answer of a GSM8K `answer` (after its last "####", thousands commas dropped), or
+  None where it has none."""
+  if GSM8K_MARK not in answer:
+    return None
+  final = answer.rsplit(GSM8K_MARK, 1)[1].strip().replace(",", "")
+  return final or None
+
+
+def boxed_answer(solution: str) -> str | None:
+  """The content of the last \\boxed{...} (or \\fbox{...}) of a MATH solution, braces
+  balanced, or None where it has none."""
+  start = max(solution.rfind("\\boxed{"), solution.rfind("\\fbox{"))
+  if start < 0:
+    return None
+  i = solution.index("{", start) + 1
+  depth, j = 1, i
+  while j < len(solution) and depth:
+    depth += {"{": 1, "}": -1}.get(solution[j], 0)
+    j += 1
+  return solution[i:j - 1].strip() or None if depth == 0 else None
+
+
+def _others(obj: dict, *used: str) -> dict:
+  return {k: v for k, v in obj.items() if k not in used}
+
+
+def _prompt_only_standard(obj, where) -> PromptRecord:
+  return PromptRecord(text_field(obj, "prompt", where), None, _others(obj, "prompt"))
+
+
+def _prompt_only_conversational(obj, where) -> PromptRecord:
+  return PromptRecord(_prompt(get_field(obj, "prompt", where), "prompt", where), None,
+                      _others(obj, "prompt"))
+
+
+def _gsm8k(obj, where) -> PromptRecord:
+  question, answer = text_field(obj, "question", where), text_field(obj, "answer", where)
+  final = gsm8k_answer(answer)
+  if final is None:
+    raise DataError(f"{where}: field 'answer' has no final answer after {GSM8K_MARK!r} "
+                    f"(GSM8K's layout: the worked solution, then '#### N')")
+  return PromptRecord((Message("user", question),), (Message("assistant", answer),),
+                      {**_others(obj, "question", "answer"), "solution": final})
+
+
+def _math(obj, where) -> PromptRecord:
+  problem, solution = text_field(obj, "problem", where), text_field(obj, "solution", where)
+  if boxed_answer(solution) is None:
+    raise DataError(f"{where}: field 'solution' has no \\boxed{{...}} answer (MATH's layout: "
+                    f"the worked solution, its answer boxed)")
+  return PromptRecord((Message("user", problem),), (Message("assistant", solution),),
+                      {**_others(obj, "problem"), "solution": solution})
+
+
+_PROMPT_PARSERS = {"standard": _prompt_only_standard, "conversational": _prompt_only_conversational,
+                   "gsm8k": _gsm8k, "math": _math}
+
+
+def prompt_record_format(obj: dict) -> str | None:
+  """The prompt layout one record's keys say it is in (None: none): GSM8K ({question, answer}),
+  MATH ({problem, solution}), or TRL's prompt-only ({prompt} with no response field; a string
+  prompt is standard, a message list conversational), whatever other columns it has."""
+  if "question" in obj and "answer" in obj:
+    return "gsm8k"
+  if "problem" in obj and "solution" in obj:
+    return "math"
+  if "prompt" in obj and not any(k in obj for k in _PAIR_KEYS):
+    return "standard" if isinstance(obj["prompt"], str) else "conversational"
+  return None
+
+
+def _prompts_undetectable(where: str, obj: dict) -> DataError:
+  return DataError(f"{where}: cannot read fields {sorted(obj)} as prompts; expected {{prompt}} "
+                   f"(a string or messages, with any other columns), GSM8K's {{question, "
+                   f"answer}} or MATH's {{problem, solution}}")
+
+
+def iter_prompt_records(path: str, stats: collections.Counter | None = None,
+                        skips: Skips | None = None) -> Iterator[tuple[str, PromptRecord]]:
+  """Lazily yields (location, prompt record) of `path`, as `iter_sft_records` yields SFT
+  records."""
+  return _iter_layout(path, Layouts("prompt data", prompt_record_format, _prompts_undetectable,
+                                    _PROMPT_PARSERS), stats, skips)
+
+
+def is_prompts(value: str | DataValue) -> bool:
+  """Whether a data flag's sources hold prompts without responses (`prompt_record_format`), by
+  each source's first record, as `is_unpaired` decides; sources of both kinds are a DataError."""
+  value = data_value(value)
+  kinds = _first_kinds(value, prompt_record_format)
+  if len(set(kinds.values())) > 1:
+    mine = next(p for p, k in kinds.items() if k)
+    other = next(p for p, k in kinds.items() if not k)
+    raise DataError(f"{value.value}: mixes prompts without responses ({mine}) with other "
+                    f"records ({other}); give one kind")
+  return any(kinds.values())
 
 
 # --- quality filters --------------------------------------------------------------------------

@@ -153,12 +153,14 @@ class FunctionJudge:
 
   def _batch(self, prompts, texts, what, ids, columns) -> list:
     """A batch function's rewards (TRL's calling convention), one per record."""
-    n, where = len(texts), f"the {len(texts)} {what}s (first prompt {_short(prompts[0])})"
+    n = len(texts)
+    where = (f"{what} 0 (prompt {_short(prompts[0])})" if n == 1 else
+             f"the {n} {what}s (first prompt {_short(prompts[0])})")
     params = _parameters(self.fn)
     if ids is None and "completion_ids" in params:
       if self.tok is None:
-        raise JudgeError(f"{self.flag}={self.name}: needs the completions' token ids, which "
-                         f"{where} lack")
+        raise JudgeError(f"{self.flag}={self.name}: needs the completions' token ids, not "
+                         f"given for {where}")
       ids = [self.tok.encode(t) for t in texts]
     given = {}
     for row in columns or ():
@@ -172,7 +174,7 @@ class FunctionJudge:
     if missing:
       have = ", ".join(sorted(given)) or "none"
       raise JudgeError(f"{self.flag}={self.name}: needs the data's {missing[0]!r} column, "
-                       f"which {where} lack (their extra columns: {have})")
+                       f"missing from {where} (extra columns: {have})")
     completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
                    for p, t in zip(prompts, texts)]
     try:
@@ -574,17 +576,19 @@ def fingerprint(cfg) -> str:
 _REHEARSAL = 4  # records of the data each reward function is tried on, every response of each
 
 
-def rehearse(cfg, records: Sequence | None, what: str = "training record") -> None:
+def rehearse(cfg, records: Sequence | None, what: str = "training record", tok=None) -> None:
   """Calls the reward functions of `cfg` (--reward_fn, or the embedded task's reward) on every
   response of the first `_REHEARSAL` `records` (preference pairs or unpaired examples, as the
   data gave them; `what` names them in a message), before any compile or sampling: a function that raises or returns what is
   not a finite number (None allowed where several functions share the judging, or where GRPO or
   RLOO is the only stage that samples: TRL scores it NaN) is the
-  JudgeError it would be mid-run, naming the function, the record and the value. A reward
-  model is not tried (it scores on the mesh, compiled)."""
+  JudgeError it would be mid-run, naming the function, the record and the value. A prompt
+  record is tried with its worked solution (or an empty response) and its columns; `tok`
+  tokenises the responses for a function that reads completion_ids. A reward model is not
+  tried (it scores on the mesh, compiled)."""
   if cfg.eval.judge or not records:
     return
-  judge = load(cfg, None, None, None)
+  judge = load(cfg, None, tok, None)
   if judge is None:
     return
   score = judge.each if isinstance(judge, RewardFunctions) else judge.score
@@ -592,9 +596,12 @@ def rehearse(cfg, records: Sequence | None, what: str = "training record") -> No
   if isinstance(judge, FunctionJudge) and len(online) == 1 and online[0].abstain:  # TRL's
     score = functools.partial(judge.score, allow_none=True)
   for i, rec in enumerate(list(records)[:_REHEARSAL]):
-    sides = (rec.chosen, rec.rejected) if hasattr(rec, "rejected") else (rec.completion,)
+    sides = (rec.chosen, rec.rejected) if hasattr(rec, "rejected") else (rec.completion or "",)
+    context = {}
+    if isinstance(rec, formats.PromptRecord):
+      context = {"columns": [rec.columns] * len(sides)}
     score(records_of(rec.prompt, [formats.response_text(s) for s in sides]),
-          what=f"{what} {i}, tried before training: response")
+          what=f"{what} {i}, tried before training: response", **context)
 
 
 def accuracy(judge: Judge, records: Sequence[Record]) -> float | None:

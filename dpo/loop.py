@@ -45,7 +45,9 @@ class Data:
   layout, rendered with the same template) or, failing that, the chosen rows of the training
   pairs. Unpaired --train_data ({prompt, completion, label}) is read as it is into `unpaired`
   (`pairs` is then None) for a recipe whose stages read it (Algorithm.unpaired: kto, and sft on
-  its desirable completions). A data set smaller than one global batch is a DataError naming
+  its desirable completions). Prompt --train_data (TRL's prompt-only layout, GSM8K, MATH) is read
+  into `prompts` for a recipe of sampling stages (sft on its worked solutions), each record's
+  extra columns kept for the reward functions. A data set smaller than one global batch is a DataError naming
   the file and the flag. `inspect` writes what the model is trained on.
   """
 
@@ -65,9 +67,13 @@ class Data:
     self.cuts = None  # how each training row's prompt was fitted to --max_prompt_length
     online = bool(cfg.online_stages)
     self.unpaired = self.unpaired_held = None  # unpaired --train_data: rows and `label`
+    self.prompts = self.prompts_held = None  # prompt --train_data: [N, T] prompt (+ solution) rows
     pair_flags = d.data_format != "auto" or d.chosen_field or d.rejected_field
     if not self.embedded and not pair_flags and formats.is_unpaired(self._value(cfg, "train_data")):
       self.pairs, self.held = None, self._file_unpaired(cfg)
+    elif not self.embedded and not pair_flags and formats.is_prompts(
+        self._value(cfg, "train_data")):
+      self.pairs, self.held = None, self._file_prompts(cfg)
     else:
       self.pairs, self.held = (self._task_pairs(cfg) if self.embedded else
                                self._file_pairs(cfg, online))
@@ -81,10 +87,11 @@ class Data:
     if check_sizes:
       self._check_sizes(cfg)
     self._sampling_prompts(cfg)
-    train = self.pairs if self.pairs is not None else self.unpaired
+    train = next(t for t in (self.pairs, self.unpaired, self.prompts) if t is not None)
     logging.info("data: %d SFT examples (T=%d), %d train %s (T=%d), %d held-out pairs",
                  len(self.sft["tokens"]), self.sft["tokens"].shape[-1], len(train["tokens"]),
-                 "pairs" if self.pairs is not None else "unpaired examples",
+                 "pairs" if self.pairs is not None else "unpaired examples"
+                 if self.unpaired is not None else "prompts",
                  train["tokens"].shape[-1], 0 if self.held is None else len(self.held["tokens"]))
 
   def _value(self, cfg, flag: str) -> data_lib.DataValue:
@@ -133,6 +140,16 @@ class Data:
     self.held_records = eval_prep.train_records
     return train_prep.train, eval_prep.train
 
+  def _one_side_preparation(self, cfg) -> prepare.Preparation:
+    """How unpaired or prompt data is read (no pair format flags), after the one check of the
+    held-out flags both make."""
+    d = cfg.data
+    if d.eval_data and d.eval_split:
+      raise ValueError("give either --eval_data or --eval_split, not both")
+    return prepare.Preparation(self.tok, template=self.template,
+                               max_prompt_length=d.max_prompt_length,
+                               max_target_length=d.max_target_length, skip_bad=d.skip_bad_records)
+
   def _file_unpaired(self, cfg) -> dict | None:
     """Unpaired --train_data ({prompt, completion, label}, dpo.prepare.prepare_unpaired) into
     self.unpaired, for the stages that read it (sft: its desirable completions; kto); returns
@@ -146,11 +163,7 @@ class Data:
           f"the {', '.join(pairless)} stage needs preference pairs (only "
           f"{', '.join(a.name for a in registry.ALGORITHMS.values() if a.unpaired)} read "
           f"unpaired ones)")
-    if d.eval_data and d.eval_split:
-      raise ValueError("give either --eval_data or --eval_split, not both")
-    how = prepare.Preparation(self.tok, template=self.template,
-                              max_prompt_length=d.max_prompt_length,
-                              max_target_length=d.max_target_length, skip_bad=d.skip_bad_records)
+    how = self._one_side_preparation(cfg)
     prep = prepare.prepare_unpaired(self._value(cfg, "train_data"), how, d.eval_split)
     self.reports.append(prep.report)
     self.unpaired, self.unpaired_held, self.cuts = prep.train, prep.held, prep.cuts
@@ -164,6 +177,40 @@ class Data:
     self.reports.append(eval_prep.report)
     self.held_records = eval_prep.train_records
     return eval_prep.train
+
+  def _file_prompts(self, cfg) -> None:
+    """Prompt --train_data (TRL's prompt-only layout, GSM8K, MATH; dpo.prepare.prepare_prompts)
+    into self.prompts, for a recipe of sampling stages (and sft, on the worked solutions or
+    --sft_data); its --eval_split prompts (self.prompts_held), or --eval_data's prompts, give the
+    evaluation's sampling prompts, their columns its reward functions'. No held-out pairs."""
+    d = cfg.data
+    pairless = [a.name for a in registry.recipe(cfg.run.stages)
+                if not a.samples and a.name != "sft"]
+    if pairless:
+      raise data_lib.DataError(
+          f"--train_data={d.train_data}: holds prompts without responses (TRL's prompt-only "
+          f"layout, GSM8K or MATH); the {', '.join(pairless)} stage needs preference pairs "
+          f"(only sft and the sampling stages "
+          f"{', '.join(a.name for a in registry.ALGORITHMS.values() if a.samples)} read "
+          f"prompts)")
+    how = self._one_side_preparation(cfg)
+    prep = prepare.prepare_prompts(self._value(cfg, "train_data"), how, d.eval_split)
+    self.reports.append(prep.report)
+    self.prompts, self.prompts_held, self.cuts = prep.train, prep.held, prep.cuts
+    self.prompts_solved = prep.solved
+    self.train_records, self.held_records = prep.train_records, prep.held_records
+    if d.eval_data:
+      eval_prep = prepare.prepare_prompts(self._value(cfg, "eval_data"), how)
+      self.reports.append(eval_prep.report)
+      self.prompts_held, self.held_records = eval_prep.train, eval_prep.train_records
+    return None
+
+  def prompt_rows(self) -> dict | None:
+    """The training prompts as one-side pair arrays [N, 1, T] (what `data.distinct_prompts`
+    and the sampling stages' prompt table read): prompt data's rows, or the pairs."""
+    if self.prompts is None:
+      return self.pairs
+    return {k: v[:, None] for k, v in self.prompts.items()}
 
   def _split_for_rm(self, cfg) -> dict | None:
     """--rm_split: the rm stage's pairs (that fraction of the training prompts, by a hash of
@@ -202,6 +249,14 @@ class Data:
       keep = self.unpaired["label"]
       logging.info("sft: the %d desirable completions of %s", int(keep.sum()), d.train_data)
       return {k: v[keep] for k, v in self.unpaired.items() if k != "label"}
+    if self.prompts is not None:
+      keep = self.prompts_solved
+      if not keep.any() and "sft" in cfg.run.stages:
+        raise data_lib.DataError(
+            f"--train_data={d.train_data}: its prompts carry no worked solutions (TRL's "
+            f"prompt-only layout); the sft stage needs --sft_data")
+      logging.info("sft: the %d worked solutions of %s", int(keep.sum()), d.train_data)
+      return {k: v[keep] for k, v in self.prompts.items()}
     return {k: v[:, 0] for k, v in self.pairs.items() if k != "margin"}  # margin: [N]
 
   def _check_sizes(self, cfg) -> None:
@@ -241,18 +296,21 @@ class Data:
     well-formedness check exist only for the embedded task; without them win rate, true
     rewards and the well-formed rate are reported as null."""
     n = cfg.data.task_eval_prompts
-    self.eval_prompt_ids, self.stop_ids = None, ()
+    self.eval_prompt_ids, self.stop_ids, self.eval_columns = None, (), None
     if self.embedded:
       self.eval_prompts = self.task.eval_prompts(n)
       self.eval_chats = list(self.eval_prompts)
     else:
       held = self.held
-      if held is None and self.unpaired_held is not None:  # unpaired: one side a row
-        held = {k: self.unpaired_held[k][:, None] for k in ("tokens", "loss_mask")}
+      one_side = self.unpaired_held if self.unpaired_held is not None else self.prompts_held
+      if held is None and one_side is not None:  # unpaired or prompts: one side a row
+        held = {k: one_side[k][:, None] for k in ("tokens", "loss_mask")}
       rows = data_lib.distinct_prompts(held, n)
       self.eval_prompt_ids = [ids for _, ids in rows]
       self.eval_prompts = [self.tok.decode(p) for p in self.eval_prompt_ids]
       self.eval_chats = [self.held_records[i].prompt for i, _ in rows]
+      self.eval_columns = ([self.held_records[i].columns for i, _ in rows]
+                           if self.prompts is not None else None)
       self.stop_ids = tuple(chat.end_of_turn_ids(self.template, self.tok))
     self.well_formed_fn = self.task.well_formed if self.embedded else None
 
@@ -262,7 +320,7 @@ class Data:
     return evaluate.EvalSet(self.tok, self.eval_prompts, self.eval_prompt_ids, self.held,
                             judge, self.well_formed_fn, self.stop_ids, self.eval_chats,
                             self.held_records if self.held is not None else None,
-                            self.task.reasoning if self.embedded else None)
+                            self.task.reasoning if self.embedded else None, self.eval_columns)
 
   def preview(self, n: int) -> list[dict]:
     """The first `n` training pairs (or unpaired examples, with their label) as the model sees
@@ -270,8 +328,9 @@ class Data:
     (loss_mask = 1) and, for a prompt over --max_prompt_length, how it was cut (`prompt_cut`:
     chat.fit_record's words)."""
     out, t, sides = [], self.pairs, ((0, "chosen"), (1, "rejected"))
-    if t is None:  # unpaired rows: one side a row, the completion, and its label
-      t, sides = {k: v[:, None] for k, v in self.unpaired.items()}, ((0, "completion"),)
+    if t is None:  # unpaired rows or prompts: one side a row, the completion (and its label)
+      one_side = self.unpaired if self.unpaired is not None else self.prompts
+      t, sides = {k: v[:, None] for k, v in one_side.items()}, ((0, "completion"),)
     for i in range(min(n, len(t["tokens"]))):
       rec = {"index": i}
       if self.cuts is not None and self.cuts[i]:
@@ -454,7 +513,7 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
     cfg, params = init(cfg)
   data = Data(cfg)
   judges.rehearse(cfg, *((data.train_records, "training record") if data.train_records else
-                         (data.held_records, "held-out record")))
+                         (data.held_records, "held-out record")), tok=data.tok)
   if not imported:
     cfg, params = init(cfg)
   if writer.enabled:

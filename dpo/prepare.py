@@ -391,6 +391,20 @@ def _fit(record, text, t, budget: data.PromptBudget, where: str, skips, cuts: ch
   return text
 
 
+def _read_one_side(path, how: Preparation, eval_split: float, iterate):
+  """(the data's name, its template, the format counts, the skips or None, the (location,
+  record)s `iterate` reads of every source, the mixture's sources) of unpaired or prompt
+  data."""
+  if not 0.0 <= eval_split < 1.0:
+    raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
+  value = data.data_value(path, how.flag)
+  stats = collections.Counter()
+  skips = formats.Skips(value.value) if how.skip_bad else None
+  located, sources = data.read_sources(value, lambda p: iterate(p, stats, skips))
+  return (value.value, chat.resolve_template(how.template, how.tok), stats, skips, located,
+          sources)
+
+
 class PreparedUnpaired(NamedTuple):
   train: dict[str, np.ndarray]          # [N, T] rows and `label` [N] (True: desirable)
   held: dict[str, np.ndarray] | None    # the same of the held-out examples, or None
@@ -406,15 +420,8 @@ def prepare_unpaired(path: str | data.DataValue, how: Preparation, eval_split: f
   `prepare_sft` renders one (so SFT, DPO and KTO see one text format), split by prompt hash as
   `prepare_pairs` splits pairs, and tokenised to [N, T] rows with `label` beside them (not
   cached: read once per run, as SFT data)."""
-  if not 0.0 <= eval_split < 1.0:
-    raise ValueError(f"eval_split must be in [0, 1), got {eval_split}")
-  value = data.data_value(path, how.flag)
-  path = value.value
-  t = chat.resolve_template(how.template, how.tok)
-  stats = collections.Counter()
-  skips = formats.Skips(path) if how.skip_bad else None
-  located, sources = data.read_sources(
-      value, lambda p: formats.iter_unpaired_records(p, stats, skips))
+  path, t, stats, skips, located, sources = _read_one_side(path, how, eval_split,
+                                                         formats.iter_unpaired_records)
   parts = ([], []), ([], []), ([], [])  # (texts, labels, records) of (train, held-out)
   chats, rendered = False, []
   for where, rec in located:
@@ -458,3 +465,70 @@ def prepare_unpaired(path: str | data.DataValue, how: Preparation, eval_split: f
   return PreparedUnpaired(rows(train, train_l, "unpaired examples"),
                           rows(held, held_l, "held-out unpaired examples") if held else None,
                           held_r or None, report, cuts[0].rows)
+
+
+class PreparedPrompts(NamedTuple):
+  train: dict[str, np.ndarray]       # [N, T] rows: each prompt and its worked solution (none:
+                                     # only the EOS after the prompt is scored)
+  held: dict[str, np.ndarray] | None  # the same of the held-out prompts, or None
+  train_records: list                # the N training records as read (formats.PromptRecord)
+  held_records: list | None          # the held-out ones
+  solved: np.ndarray                 # [N] bool: the record has a worked solution (SFT data)
+  report: dict
+  cuts: list | None = None           # how each training prompt was fitted
+
+
+def prepare_prompts(path: str | data.DataValue, how: Preparation, eval_split: float = 0.0
+                    ) -> PreparedPrompts:
+  """Prompts with answers (`formats.iter_prompt_records`: TRL's prompt-only layout, GSM8K,
+  MATH; a source or a mixture) for the sampling stages: each prompt (and its worked solution,
+  where the layout has one, for an SFT stage) rendered by the template as `prepare_sft` renders
+  an example, split by the prompt's hash as `prepare_pairs` splits pairs, fitted to
+  --max_prompt_length, and tokenised to [N, T] rows; the records kept as read, their extra
+  columns for the reward functions (not cached: read once per run, as SFT data)."""
+  path, t, stats, skips, located, sources = _read_one_side(path, how, eval_split,
+                                                         formats.iter_prompt_records)
+  parts = ([], []), ([], [])  # (texts, records) of (train, held-out)
+  chats, rendered = False, []
+  for where, rec in located:
+    chats = chats or not isinstance(rec.prompt, str)
+    # A prompt without a worked solution is rendered with an empty one (its prompt the same).
+    example = rec._replace(completion=rec.completion or (
+        "" if isinstance(rec.prompt, str) else (formats.Message("assistant", ""),))).example()
+    try:
+      rendered.append((where, rec, example, chat.render_sft(example, t, where)))
+    except DataError as e:
+      if skips is None:
+        raise
+      skips.add(e)
+  budget, cuts = _budget(how, t, chats), (chat.PromptCuts(), chat.PromptCuts())
+  for where, rec, example, text in rendered:
+    out = in_held_out(text.prompt, eval_split)
+    text = _fit(example, text, t, budget, where, skips, cuts[out])
+    if text is None:
+      continue
+    for part, value in zip(parts, (text, rec)):
+      part[out].append(value)
+  if skips is not None:
+    skips.log()
+  for part, c in zip(("prompts", "held-out prompts"), cuts):
+    c.log(f"{path} {part}", how.max_prompt_length)
+  (train, held), (train_r, held_r) = parts
+  if not train:
+    raise DataError(f"{path}: no training prompts" + (
+        " left after skipping bad records and the held-out split" if located else ""))
+  solved = np.array([r.completion is not None for r in train_r], bool)
+  report = {"path": path, "role": "prompts", **dict(stats),
+            "skipped_bad_records": skips.count if skips is not None else 0,
+            "train_prompts": len(train), "held_out_prompts": len(held),
+            "worked_solutions": int(solved.sum()), "template": t.name if chats else None,
+            "prompt_cuts": {"train": cuts[0].counts, "held_out": cuts[1].counts}}
+  if len(sources) > 1:
+    report["sources"] = sources
+  logging.info("%s: %d training prompts (%d with worked solutions), %d held-out "
+               "(eval_split=%g)%s", path, len(train), solved.sum(), len(held), eval_split,
+               f", chat template {t.name}" if chats else "")
+  rows = lambda texts, what: tokenize_sft(texts, how.tok, *how.lens, what=f"{path} {what}",
+                                          **_template_marks(t, chats))
+  return PreparedPrompts(rows(train, "prompts"), rows(held, "held-out prompts") if held else None,
+                         train_r, held_r or None, solved, report, cuts[0].rows)

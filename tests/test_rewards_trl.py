@@ -184,8 +184,8 @@ def test_bad_parameters_are_one_line_errors(spec, message):
 def test_a_missing_column_or_ids_is_a_one_line_error():
   records = [PreferenceRecord("q", r"\boxed{1}", "")]
   with pytest.raises(judges.JudgeError, match=r"^--reward_fn=accuracy: needs the data's "
-                     r"'solution' column, which the 1 records \(first prompt 'q'\) lack "
-                     r"\(their extra columns: level\)$"):
+                     r"'solution' column, missing from record 0 \(prompt 'q'\) "
+                     r"\(extra columns: level\)$"):
     judges.FunctionJudge("accuracy").score(records, columns=[{"level": 1}])
   with pytest.raises(judges.JudgeError, match=r"^--reward_fn=repetition_penalty: needs the "
                      r"completions' token ids"):

@@ -186,8 +186,9 @@ def _hooks(c, data, evaluate_state, estimate: str | None) -> list:
   """The DPO stage's hooks: the KL guard (when on, watching `estimate`), logging, checkpoints,
   evaluation and the TR-DPO reference update (when on)."""
   log = hooks.LogMetrics(c.run.log_every)
-  # the estimates' per-token unit: mean completion length (of the pairs, or unpaired rows)
-  mask = (data.pairs if data.pairs is not None else data.unpaired)["loss_mask"]
+  # the estimates' per-token unit: mean completion length (of the pairs, unpaired rows or
+  # prompts' worked solutions)
+  mask = next(t for t in (data.pairs, data.unpaired, data.prompts) if t is not None)["loss_mask"]
   guarded = c.guard.enabled and estimate is not None
   if c.guard.enabled and not guarded:
     logging.warning("KL guard off: this stage logs no KL to watch (GRPO logs it with "

@@ -191,8 +191,9 @@ def sampled(p, judge, base):
   if judge is None:
     raise ValueError(f"--stage={c.run.stage}: online DPO needs a judge to label its samples: "
                      f"give --judge or --reward_fn")
-  table, index = prompt_table(p.data.pairs, p.data.tok.pad_id)
+  table, index = prompt_table(p.data.prompt_rows(), p.data.tok.pad_id)
   records = p.data.train_records
+  columns = ([records[i].columns for i in index] if p.data.prompts is not None else None)
   chats = ([records[i].prompt for i in index] if records is not None else
            [p.data.tok.decode(row[seg != 0]) for row, seg in zip(table["tokens"],
                                                                  table["segment_ids"])])
@@ -204,7 +205,7 @@ def sampled(p, judge, base):
                              top_k=0, top_p=1.0)
   seq_len = packing.round_up(table["tokens"].shape[1] + new, 8)
   return table, Sampled(c, p.mesh, p.data.tok, judge, chats,
-                        base if c.lora.enabled else None, scfg, seq_len)
+                        base if c.lora.enabled else None, scfg, seq_len, columns)
 
 
 def run(p, model: registry.Model) -> registry.Model:
