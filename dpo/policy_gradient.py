@@ -162,6 +162,14 @@ class GRPOConfig:
   mask_truncated_completions: bool = option(False, "GRPO: leave completions that reach "
                                             "max_completion_length without EOS out of the loss "
                                             "(TRL's mask_truncated_completions; DAPO).")
+  dynamic_sampling: bool = option(False, "GRPO: DAPO's dynamic sampling (Yu et al. 2025): drop "
+                                 "the groups whose rewards all agree (no signal) and sample "
+                                 "groups of more prompts until the batch is full, at most "
+                                 "--dynamic_sampling_max_batches generation batches a step "
+                                 "(short: filled with dropped groups, counted and logged).")
+  dynamic_sampling_max_batches: int = option(4, "GRPO --dynamic_sampling: generation batches a "
+                                             "step draws at most, the first included (DAPO's "
+                                             "max_num_gen_batches).")
   top_entropy_quantile: float = option(1.0, "GRPO: the policy term only on the tokens whose "
                                        "entropy is in this top fraction of the batch's (TRL's "
                                        "top_entropy_quantile, Wang et al. 2025 use 0.2); 1 = "
@@ -176,6 +184,7 @@ class GRPOConfig:
           importance_sampling_level=one_of(("token", "sequence")),
           reward_weights=(lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
           num_generations=at_least(2), num_iterations=at_least(1), max_completion_length=POS,
+          dynamic_sampling_max_batches=at_least(1),
           top_entropy_quantile=(lambda v: 0 <= v <= 1, "in [0, 1]"),
           sapo_temperature_neg=FINITE_POS, sapo_temperature_pos=FINITE_POS,
           vespo_k_pos=FINITE_NONNEG, vespo_lambda_pos=FINITE_NONNEG, vespo_k_neg=FINITE_NONNEG,
@@ -197,6 +206,9 @@ class GRPOConfig:
       check(self.grpo_loss_type in types or value == f.default,
             f"--{f.name}={shown(value)}: must go with --grpo_loss_type={' or '.join(types)} "
             f"(read only there), not {self.grpo_loss_type}")
+    check(self.dynamic_sampling or self.dynamic_sampling_max_batches == 4,
+          f"--dynamic_sampling_max_batches={self.dynamic_sampling_max_batches}: must go with "
+          f"--dynamic_sampling (read only there)")
     check(self.multi_objective_aggregation == "sum_then_normalize"
           or self.scale_rewards == "group",
           f"--scale_rewards={self.scale_rewards!r}: must go with --multi_objective_aggregation="
@@ -258,6 +270,15 @@ def group_advantages(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:
   if scale_rewards != "none":
     advantages = advantages / (reward_std(rewards_BG, scale_rewards) + STD_EPS)
   return jnp.nan_to_num(advantages, nan=0.0)
+
+
+def has_signal(rewards_BGF, reward_weights: tuple[float, ...] = ()):
+  """[B] bool: the groups whose weighted rewards (`weighted_rewards`) do not all agree, their
+  std (unbiased, over the scorable ones) not 0 to torch.isclose's tolerance nor NaN: DAPO's
+  dynamic sampling keeps these (a group of ties has advantage 0 whatever its reward)."""
+  std_B = reward_std(weighted_rewards(jnp.asarray(rewards_BGF, jnp.float32), reward_weights),
+                     "group")[:, 0]
+  return ~jnp.isclose(std_B, 0.0) & ~jnp.isnan(std_B)
 
 
 def frac_reward_zero_std(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:

@@ -5,6 +5,7 @@ from the judge's rewards, a bitwise resume after a crash, and the settings it re
 import json
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -165,3 +166,88 @@ def test_settings_grpo_cannot_honour_are_one_line_errors(tmp_path):
     configs.DEFAULT.replace(online_temperature=0.5)
   with pytest.raises(ValueError, match=r"^--reward_weights=1.0,2.0: give one weight per "):
     _cfg(tmp_path, reward_weights=(1.0, 2.0))
+
+
+# --- DAPO's dynamic sampling ----------------------------------------------------------------------
+
+class _Fake:
+  """A GRPO generation batch's sampler and judge without a model: prompt p's sample j is the
+  token ids [p, j]; an even prompt's samples all score 1 (no signal), an odd one's score j."""
+
+  @staticmethod
+  def generated(max_batches=4, table_rows=8):
+    import types
+    from dpo import judges
+    cfg = configs.DEFAULT.replace(stage="sft,grpo", num_generations=3, global_batch_size=12,
+                                  dynamic_sampling=True,
+                                  dynamic_sampling_max_batches=max_batches)
+    tok = types.SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)))
+    judge = judges.FunctionJudge.wrap(
+        lambda prompt, text: 1.0 if int(text.split()[0]) % 2 == 0 else float(text.split()[1]))
+    table = {"tokens": np.arange(table_rows)[:, None], "segment_ids": np.ones((table_rows, 1)),
+             "prompt_index": np.arange(table_rows)}
+
+    class Fake(grpo.Generated):
+      def sample(self, state, batch, key, n=2):
+        return [[int(p), j] for j in range(n) for p in batch["prompt_index"]]
+
+    return Fake(cfg, None, tok, judge, [f"p{i}" for i in range(table_rows)], None,
+                types.SimpleNamespace(eos_id=99, stop_ids=()), 8, table=table)
+
+
+def test_dynamic_sampling_keeps_groups_with_signal_and_draws_more_prompts():
+  """A batch of prompts 0-3 has two groups with signal (1, 3); more prompts are drawn from the
+  table until four groups with signal fill it; the rows keep the layout [sample j of every
+  prompt], their rewards and ended flags follow them, and the draws are the same again."""
+  g = _Fake.generated()
+  batch = {k: v[:4] for k, v in g.table.items()}
+  comps = g.sample(None, batch, None, 3)
+  chosen, samples, (rewards, ended, _), figures, _ = g.dynamic(None, batch, comps,
+                                                              jax.random.key(0), 10)
+  kept = chosen["prompt_index"].tolist()
+  assert len(kept) == 4 and all(p % 2 == 1 for p in kept) and kept[:2] == [1, 3]
+  assert samples == [[p, j] for j in range(3) for p in kept]
+  assert rewards[:, 0].tolist() == [float(j) for j in range(3) for _ in kept]
+  assert figures["dynamic_sampling/unfilled"] == 0
+  assert figures["dynamic_sampling/generation_batches"] >= 2
+  again = g.dynamic(None, batch, comps, jax.random.key(0), 10)
+  assert again[0]["prompt_index"].tolist() == kept  # the same draws on a resume
+
+
+def test_dynamic_sampling_caps_its_draws_and_counts_what_it_could_not_fill(caplog):
+  """With one generation batch at most, the two groups without signal fill the batch, counted
+  and logged in one line."""
+  g = _Fake.generated(max_batches=1)
+  batch = {k: v[:4] for k, v in g.table.items()}
+  comps = g.sample(None, batch, None, 3)
+  chosen, _, (rewards, _, _), figures, _ = g.dynamic(None, batch, comps, jax.random.key(0), 3)
+  assert chosen["prompt_index"].tolist() == [1, 3, 0, 2]
+  assert figures == {"dynamic_sampling/generation_batches": 1,
+                     "dynamic_sampling/signal_fraction": 0.5, "dynamic_sampling/unfilled": 2}
+  assert "--dynamic_sampling: step 3 kept 2 of 4 groups with signal after 1 generation " \
+         "batches" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_run_with_dynamic_sampling_trains_on_groups_with_signal(tmp_path):
+  """sft,grpo with --dynamic_sampling: each generation batch logs its draws, and a batch it
+  filled with groups whose rewards differ has no group of ties (frac_reward_zero_std 0)."""
+  out = tmp_path / "run"
+  loop.run(_cfg(out, dynamic_sampling=True, dynamic_sampling_max_batches=3, num_iterations=1,
+                grpo_steps=4, task_eval_prompts=0))
+  steps = _records(out)
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  for r in steps:
+    assert 1 <= r["dynamic_sampling/generation_batches"] <= 3
+    assert 0 <= r["dynamic_sampling/unfilled"] <= 4
+    if r["dynamic_sampling/unfilled"] == 0:
+      assert r["frac_reward_zero_std"] == 0.0
+  assert any(r["grad_norm"] > 0 for r in steps)
+
+
+def test_dynamic_sampling_flags_are_refused_where_nothing_reads_them():
+  with pytest.raises(ValueError, match=r"^--dynamic_sampling_max_batches=2: must go with "
+                     r"--dynamic_sampling"):
+    configs.DEFAULT.replace(stage="sft,grpo", dynamic_sampling_max_batches=2)
+  with pytest.raises(ValueError, match=r"^--dynamic_sampling=True: must go with a grpo stage"):
+    configs.DEFAULT.replace(stage="sft,rloo", dynamic_sampling=True)

@@ -20,18 +20,23 @@ divided by the sampler's temperature (--online_temperature), as TRL scores its s
 too). LoRA dropout is off in the GRPO step, so the importance ratio of the first update of a
 batch is exactly 1. Several processes as online DPO: each samples, scores and judges the whole
 generation batch alike (the log-probs gathered to every process) and trains on its own block.
+With --dynamic_sampling (DAPO's) a generation batch keeps only groups whose rewards differ,
+drawing more prompts until it is full (`Generated.dynamic`); DAPO's overlong filtering is
+--mask_truncated_completions.
 
 Logged per step, TRL's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean
 and /std (several --reward_fn functions, summed with --reward_weights), completions/mean_length,
 completions/clipped_ratio, kl, entropy, clip_ratio/* (cispo_clip_ratio, vespo/phi_seq_mean
 with those loss types), policy_loss and entropy_coef (with --entropy_coef), and the time split
-(time/sample_s, time/judge_s, time/train_s).
+(time/sample_s, time/judge_s, time/train_s); with --dynamic_sampling also
+dynamic_sampling/generation_batches, /signal_fraction (of the groups drawn) and /unfilled.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 import warnings
 from typing import NamedTuple
@@ -105,6 +110,7 @@ class Generated(online_dpo.Sampled):
   """Program.stage's `online` for GRPO: a generation batch every num_iterations steps."""
   buffer: GRPOBatch | None = None
   info: dict | None = None
+  table: dict | None = None  # the prompt table (more prompts for --dynamic_sampling)
   salt = 6  # the sampling key's: fold_in(seed, salt), then the generation batch's first step
 
   @staticmethod
@@ -135,9 +141,17 @@ class Generated(online_dpo.Sampled):
         t0 = time.perf_counter()
         comps = self.sample(state, batch, jax.random.fold_in(key, step), G)
         t1 = time.perf_counter()
-        self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec)
-        times = {"time/sample_s": round(t1 - t0, 3),
-                 "time/judge_s": round(time.perf_counter() - t1, 3)}
+        more_s = 0.0  # --dynamic_sampling's further draws' sampling
+        if self.cfg.grpo.dynamic_sampling:
+          batch, comps, scored, more, more_s = self.dynamic(state, batch, comps,
+                                                            jax.random.fold_in(key, step), step)
+          self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec,
+                                                   scored)
+          self.info = {**self.info, **more}
+        else:
+          self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec)
+        times = {"time/sample_s": round(t1 - t0 + more_s, 3),
+                 "time/judge_s": round(time.perf_counter() - t1 - more_s, 3)}
       t2 = time.perf_counter()
       state, metrics = update(state, frozen, train.process_block(self.mesh, self.buffer))
       jax.block_until_ready(state)
@@ -145,12 +159,13 @@ class Generated(online_dpo.Sampled):
                      "time/train_s": round(time.perf_counter() - t2, 3)}
     return dispatch
 
-  def generation(self, state, frozen, batch, comps, score, spec):
-    """(the GRPOBatch of a generation batch, its logged figures): rewards, advantages, rows,
-    old and reference log-probs."""
+  def generation(self, state, frozen, batch, comps, score, spec, scored=None):
+    """(the GRPOBatch of a generation batch, its logged figures): rewards (`scored`, the
+    `rewarded` of these completions when already judged), advantages, rows, old and reference
+    log-probs."""
     G, c = self.generations, self.cfg
     B = len(batch["tokens"])
-    rewards_NF, ended, info = self.rewarded(batch, comps)
+    rewards_NF, ended, info = scored or self.rewarded(batch, comps)
     rewards = np.asarray(pg.weighted_rewards(rewards_NF.astype(np.float32), c.grpo.reward_weights),
                          np.float64)  # TRL logs the weighted sum, whatever the aggregation
     r_BGF = jnp.asarray(rewards_NF.reshape(G, B, -1).transpose(1, 0, 2), jnp.float32)
@@ -185,6 +200,57 @@ class Generated(online_dpo.Sampled):
       ref = sharding.to_host(score(ref_params, device_rows))
     return rows, old, ref
 
+  def dynamic(self, state, batch, comps, key, step: int):
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, §3.2): (the batch of B
+    prompts whose G completions' rewards do not all agree, their completions, their `rewarded`,
+    the logged figures, the seconds its further draws sampled). The groups of `batch` with signal are kept; while fewer than B, B more
+    prompts are drawn from the prompt table (the same rows on every process and on a resume: a
+    generator seeded by the run's seed, the step and the draw) and sampled with
+    fold_in(key, draw), at most --dynamic_sampling_max_batches generation batches in all. A
+    batch still short is filled with groups without signal (advantage 0), counted in
+    `dynamic_sampling/unfilled` and logged."""
+    G, c = self.generations, self.cfg.grpo
+    B = len(batch["tokens"])
+    groups = []  # (has signal, prompt row, its G completions, rewards [G, F], ended [G])
+
+    def add(prompts, samples, scored):
+      rewards_NF, ended, _ = scored
+      n = len(prompts["tokens"])
+      r_nGF = rewards_NF.reshape(G, n, -1).transpose(1, 0, 2)
+      signal = np.asarray(pg.has_signal(r_nGF, c.reward_weights))
+      for i in range(n):
+        groups.append((bool(signal[i]), {k: v[i] for k, v in prompts.items()},
+                       [samples[g * n + i] for g in range(G)], r_nGF[i],
+                       ended.reshape(G, n)[:, i]))
+
+    add(batch, comps, self.rewarded(batch, comps))
+    draws, sample_s = 1, 0.0
+    while sum(g[0] for g in groups) < B and draws < c.dynamic_sampling_max_batches:
+      rng = np.random.default_rng([self.cfg.run.seed, step, draws])
+      rows = rng.choice(len(self.table["tokens"]), B, replace=len(self.table["tokens"]) < B)
+      more = {k: np.asarray(v)[rows] for k, v in self.table.items() if k in batch}
+      t0 = time.perf_counter()
+      samples = self.sample(state, more, jax.random.fold_in(key, draws), G)
+      sample_s += time.perf_counter() - t0
+      add(more, samples, self.rewarded(more, samples))
+      draws += 1
+    kept = [g for g in groups if g[0]][:B]
+    unfilled = B - len(kept)
+    kept += [g for g in groups if not g[0]][:unfilled]
+    if unfilled:
+      logging.warning("--dynamic_sampling: step %d kept %d of %d groups with signal after %d "
+                      "generation batches (--dynamic_sampling_max_batches); %d filled with "
+                      "groups whose rewards all agree", step, B - unfilled, B, draws, unfilled)
+    chosen = {k: np.stack([g[1][k] for g in kept]) for k in batch}
+    samples = [g[2][j] for j in range(G) for g in kept]  # [sample j of every prompt, ...]
+    rewards_NF = np.concatenate([np.stack([g[3][j] for g in kept]) for j in range(G)])
+    ended = np.concatenate([np.array([g[4][j] for g in kept]) for j in range(G)])
+    figures_ = {"dynamic_sampling/generation_batches": draws,
+                "dynamic_sampling/signal_fraction": sum(g[0] for g in groups) / len(groups),
+                "dynamic_sampling/unfilled": unfilled}
+    return (chosen, samples, (rewards_NF, ended, self.function_figures(rewards_NF)), figures_,
+            sample_s)
+
   def rewarded(self, batch, comps) -> tuple[np.ndarray, np.ndarray, dict]:
     """(each reward function's rewards of the completions [N, F] (F = 1 for one function or a
     reward model), ended, logged figures): NaN where a function returned None (TRL's: one
@@ -198,11 +264,17 @@ class Generated(online_dpo.Sampled):
       rewards, ended = self.scored(batch, comps)
       return rewards[:, None], ended, {}
     rewards_NF, ended = self.scored(batch, comps, self.judge.each)
+    return rewards_NF, ended, self.function_figures(rewards_NF)
+
+  def function_figures(self, rewards_NF: np.ndarray) -> dict:
+    """Several reward functions: each one's rewards/<name>/mean and /std (TRL's); else none."""
+    if not isinstance(self.judge, judges.RewardFunctions):
+      return {}
     info = {}
     for name, r_N in zip(self.judge.names, rewards_NF.T):
       info[f"rewards/{name}/mean"] = _nanmean(r_N)
       info[f"rewards/{name}/std"] = _nanstd(r_N)
-    return rewards_NF, ended, info
+    return info
 
 
 def figures(rewards: np.ndarray, comps, ended: np.ndarray) -> dict:
@@ -235,7 +307,7 @@ def generated(p, judge, base, kind: type[Generated] | None = None):
   scfg = dataclasses.replace(online.scfg, max_new_tokens=new)
   seq_len = online_dpo.packing.round_up(table["tokens"].shape[1] + new, 8)
   fields = {f.name: getattr(online, f.name) for f in dataclasses.fields(online_dpo.Sampled)}
-  return table, kind(**{**fields, "scfg": scfg, "seq_len": seq_len})
+  return table, kind(**{**fields, "scfg": scfg, "seq_len": seq_len, "table": table})
 
 
 def run(p, model: registry.Model) -> registry.Model:
