@@ -129,10 +129,16 @@ class Prompts(NamedTuple):
   segment_ids_BP: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "scfg"))
+@functools.partial(jax.jit, static_argnames=("cfg", "scfg", "samples_per_prompt"))
 def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, key: jax.Array,
-             adapter: transformer.Adapter | None = None) -> Samples:
+             adapter: transformer.Adapter | None = None,
+             samples_per_prompt: int = 1) -> Samples:
   """Samples up to `max_new_tokens` after each left-padded prompt; stops a row at EOS.
+
+  `samples_per_prompt` n > 1 says the B rows are B / n prompts tiled n times (row j * B / n + b
+  is prompt b, the layout of GRPO's groups and online DPO's pairs): the B / n prompts are
+  prefilled once and their cache and last logits copied to the n rows of each, so the samples
+  are those of the tiled prompts (the same rows and keys) for 1 / n of the prefill.
 
   `adapter` is the policy's LoRA delta (None: the base alone). The loop ends early once every
   row has finished. `key` is a typed or raw PRNG key. The layers run as a Python loop over
@@ -150,13 +156,23 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, k
                               adapter, transformer.Decode(cache, index))
 
   params, adapter = _unstacked(cfg, params, adapter)
-  prompt_len_B = segment_ids_BP.sum(-1).astype(jnp.int32)
-  positions_BP = jnp.maximum(jnp.cumsum(segment_ids_BP, axis=-1) - 1, 0).astype(jnp.int32)
-  cache = transformer.init_cache(cfg, B, P + N)
+  n = samples_per_prompt
+  if B % n:
+    raise ValueError(f"{B} prompt rows are not {n} copies of the same prompts")
+  U = B // n  # the distinct prompts, prefilled once
+  tokens_UP, segment_ids_UP = tokens_BP[:U], segment_ids_BP[:U]
+  positions_UP = jnp.maximum(jnp.cumsum(segment_ids_UP, axis=-1) - 1, 0).astype(jnp.int32)
+  cache = transformer.init_cache(cfg, U, P + N)
   constrain = lambda arrays: tuple(sharding.constrain(a, _CACHE_AXES) for a in arrays)
   cache = cache._replace(k=constrain(cache.k), v=constrain(cache.v))
-  h_BPD, cache = run(tokens_BP, positions_BP, segment_ids_BP, cache, 0)
-  logits_BV = transformer.unembed(cfg, params, h_BPD[:, -1:])[:, 0]
+  h_UPD, cache = run(tokens_UP, positions_UP, segment_ids_UP, cache, 0)
+  logits_BV = transformer.unembed(cfg, params, h_UPD[:, -1:])[:, 0]
+  if n > 1:  # each prompt's cache and logits to its n rows
+    tile = lambda x: jnp.tile(x, (n,) + (1,) * (x.ndim - 1))
+    cache = transformer.KVCache(constrain(tuple(map(tile, cache.k))),
+                                constrain(tuple(map(tile, cache.v))), tile(cache.segment_ids))
+    logits_BV = tile(logits_BV)
+  prompt_len_B = segment_ids_BP.sum(-1).astype(jnp.int32)
 
   def cond(carry):
     i, _, _, done_B, _ = carry

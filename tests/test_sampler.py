@@ -208,3 +208,28 @@ def test_sample_frequencies_match_filtered_distribution():
 def test_left_pad_rejects_empty_prompt():
   with pytest.raises(ValueError, match="at least one token"):
     sampler.left_pad([[BOS], []], PAD)
+
+
+@pytest.mark.parametrize("n,temperature", [(4, 1.0), (2, 0.0), (3, 0.7)])
+def test_shared_prefill_samples_what_the_tiled_prompts_sample(params, mesh, n, temperature):
+  """samples_per_prompt=n (GRPO's groups, online DPO's pairs): the prompts prefilled once, their
+  cache copied to each prompt's n rows, give the same samples, lengths and ends as the n copies
+  prefilled each, under the same key; on the sharded mesh too. Misused (rows that are not n
+  copies of the same prompts) it is refused when it cannot divide them."""
+  U = 8 if n == 3 else 4  # the distinct prompts; n * U rows divide over the 8 devices
+  prompts = PROMPTS[:U] * n  # row j * U + b is prompt b
+  tokens, segments = sampler.left_pad(prompts, PAD)
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.RULES["batch"]))
+  batch = sampler.Prompts(jax.device_put(tokens, spec), jax.device_put(segments, spec))
+  scfg = _scfg(temperature=temperature, max_new_tokens=16)
+  run = lambda k: jax.device_get(sampler.generate(CFG, scfg, params, batch, jax.random.key(5),
+                                                  samples_per_prompt=k))
+  shared, unshared = run(n), run(1)
+  np.testing.assert_array_equal(shared.tokens, unshared.tokens)
+  np.testing.assert_array_equal(shared.lengths, unshared.lengths)
+  np.testing.assert_array_equal(shared.finished, unshared.finished)
+  if temperature:  # the n samples of a prompt differ (the keys are per row)
+    assert len({tuple(shared.tokens[j * U]) for j in range(n)}) > 1
+  with pytest.raises(ValueError, match=rf"{n * U} prompt rows are not 5 copies"):
+    sampler.generate(CFG, scfg, params, sampler.Prompts(jnp.asarray(tokens), jnp.asarray(segments)),
+                     jax.random.key(5), samples_per_prompt=5)

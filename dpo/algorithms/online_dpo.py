@@ -143,7 +143,8 @@ class Sampled:
 
   def sample(self, state, batch, key, n: int = 2) -> list[list[int]]:
     """n completions per prompt of `batch` from the policy `state`, laid out [sample 0 of every
-    prompt, sample 1, ...], each ending with its stop token when it ended."""
+    prompt, sample 1, ...], each ending with its stop token when it ended; each prompt is
+    prefilled once for its n samples (sampler.generate's samples_per_prompt)."""
     tokens = np.concatenate([batch["tokens"]] * n)
     segments = np.concatenate([batch["segment_ids"]] * n)
     # Every process holds the whole batch and reads every sample back.
@@ -152,7 +153,8 @@ class Sampled:
       params, adapter = state.params, None
     else:
       params, adapter = self.base, transformer.Adapter(state.params, self.cfg.lora.scale)
-    samples = sampler.generate(self.cfg.model, self.scfg, params, prompts, key, adapter)
+    samples = sampler.generate(self.cfg.model, self.scfg, params, prompts, key, adapter,
+                               samples_per_prompt=n)  # each prompt prefilled once
     return sampler.completions(samples._replace(tokens=sharding.to_host(samples.tokens),
                                                 lengths=sharding.to_host(samples.lengths)))
 

@@ -43,6 +43,7 @@ no prompt length compiles its own.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -93,14 +94,16 @@ def greedy_config(new_tokens: int, vocab_size: int, pad_id: int) -> sampler.Samp
                                 temperature=0.0)
 
 
-def ours_fn(cfg, params, prompts: list[list[int]], scfg: sampler.SamplingConfig):
-  """A call of our sampler on `prompts` (padded to a multiple of 8): () -> [B, N] numpy ids."""
+def ours_fn(cfg, params, prompts: list[list[int]], scfg: sampler.SamplingConfig,
+            samples_per_prompt: int = 1):
+  """A call of our sampler on `prompts` (padded to a multiple of 8; `samples_per_prompt` n:
+  the rows are prompts tiled n times, each prefilled once): () -> [B, N] numpy ids."""
   tokens, segments = sampler.left_pad(prompts, scfg.pad_id, multiple=8)
   batch = sampler.Prompts(jnp.asarray(tokens), jnp.asarray(segments))
   key = jax.random.key(0)
 
   def call():
-    out = sampler.generate(cfg, scfg, params, batch, key)
+    out = sampler.generate(cfg, scfg, params, batch, key, samples_per_prompt=samples_per_prompt)
     return np.asarray(jax.block_until_ready(out.tokens))
   return call
 
@@ -235,6 +238,33 @@ def preset_main() -> None:
         f"of KV cache ({padded + N} slots): {rate / 1e9:.0f} GB/s"
         + ("" if peak is None else f", {rate / peak:.0%} of the chip's nominal "
            f"{peak / 1e9:.0f} GB/s"))
+  if FLAGS.samples_per_prompt > 1:
+    shared_prefill(cfg, params, rng, N)
+
+
+def shared_prefill(cfg, params, rng: np.random.Generator, N: int) -> None:
+  """--samples_per_prompt=n: a GRPO generation batch, --batch / n prompts of n samples each,
+  sampled at temperature 1 with each prompt prefilled once against the same rows prefilled each
+  (n copies), the calls alternating: their medians, the ratio, the prefills (one new token) and
+  whether the samples are the same."""
+  n = FLAGS.samples_per_prompt
+  if FLAGS.batch % n:
+    raise app.UsageError(f"--samples_per_prompt={n} must divide --batch={FLAGS.batch}")
+  distinct = random_prompts(rng, FLAGS.batch // n, (FLAGS.min_prompt_len, FLAGS.max_prompt_len),
+                            cfg.vocab_size, FLAGS.pad_id)
+  rows = distinct * n  # row j * B / n + b is prompt b, GRPO's layout
+  config = lambda new: dataclasses.replace(greedy_config(new, cfg.vocab_size, FLAGS.pad_id),
+                                           temperature=1.0)
+  calls = {(k, new): ours_fn(cfg, params, rows, config(new), k) for k in (n, 1) for new in (N, 1)}
+  for call in calls.values():
+    call()  # compiles
+  med = {k: statistics.median(v) for k, v in timed(calls, FLAGS.repeats).items()}
+  same = np.array_equal(calls[(n, N)](), calls[(1, N)]())
+  print(f"{FLAGS.batch // n} prompts x {n} samples, {N} new tokens, temperature 1: shared "
+        f"prefill {med[(n, N)]:.3f} s a call (prefill + first token {med[(n, 1)] * 1e3:.1f} ms), "
+        f"unshared {med[(1, N)]:.3f} s ({med[(1, 1)] * 1e3:.1f} ms): "
+        f"{med[(1, N)] / med[(n, N)]:.2f}x the call, {med[(1, 1)] / med[(n, 1)]:.2f}x the "
+        f"prefill; samples {'the same' if same else 'DIFFER'}")
 
 
 def main(argv):
@@ -349,6 +379,9 @@ if __name__ == "__main__":
                        lower_bound=1)
   flags.DEFINE_integer("pad_id", 0, "Padding id of both sides (masked out; prompts avoid it).",
                        lower_bound=0)
+  flags.DEFINE_integer("samples_per_prompt", 1, "--preset: also time a GRPO generation batch "
+                       "of --batch / N prompts x N samples, each prompt prefilled once against "
+                       "prefilled N times.", lower_bound=1)
   flags.DEFINE_integer("repeats", 3, "Timed calls of each side; the median is reported.",
                        lower_bound=1)
   flags.DEFINE_list("threads", ["0", "1"], "torch.set_num_threads of each transformers run; "
