@@ -481,8 +481,8 @@ DEFAULT = Config().replace(
 # held-out pass@1 against the SFT model on 128 problems, 4 samples each (pass@4, maj@4).
 REASONING = DEFAULT.replace(
     task="arithmetic", stage="sft,grpo", max_prompt_length=24, max_target_length=64,
-    max_completion_length=64, eval_max_new_tokens=64, grpo_steps=300, num_generations=4,
-    grpo_beta=0.04, learning_rate=2e-3, output_dir="runs/reasoning")
+    max_completion_length=64, eval_max_new_tokens=64, global_batch_size=64, grpo_steps=150,
+    num_generations=8, grpo_beta=0.04, learning_rate=2e-3, output_dir="runs/reasoning")
 
 # bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are;
 # --autotune on, these settings its first candidate (the best differs by CPU and load).
