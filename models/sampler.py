@@ -162,16 +162,22 @@ def generate(cfg: ModelConfig, scfg: SamplingConfig, params, prompts: Prompts, k
   U = B // n  # the distinct prompts, prefilled once
   tokens_UP, segment_ids_UP = tokens_BP[:U], segment_ids_BP[:U]
   positions_UP = jnp.maximum(jnp.cumsum(segment_ids_UP, axis=-1) - 1, 0).astype(jnp.int32)
-  cache = transformer.init_cache(cfg, U, P + N)
   constrain = lambda arrays: tuple(sharding.constrain(a, _CACHE_AXES) for a in arrays)
+  cache = transformer.init_cache(cfg, B, P + N)  # the decode loop's, as the unshared path's
   cache = cache._replace(k=constrain(cache.k), v=constrain(cache.v))
-  h_UPD, cache = run(tokens_UP, positions_UP, segment_ids_UP, cache, 0)
-  logits_BV = transformer.unembed(cfg, params, h_UPD[:, -1:])[:, 0]
-  if n > 1:  # each prompt's cache and logits to its n rows
+  if n == 1:
+    h_UPD, cache = run(tokens_UP, positions_UP, segment_ids_UP, cache, 0)
+    logits_BV = transformer.unembed(cfg, params, h_UPD[:, -1:])[:, 0]
+  else:  # the prompts' P slots, prefilled once, written into each of their n rows
+    prefilled = transformer.init_cache(cfg, U, P)
+    prefilled = prefilled._replace(k=constrain(prefilled.k), v=constrain(prefilled.v))
+    h_UPD, prefilled = run(tokens_UP, positions_UP, segment_ids_UP, prefilled, 0)
     tile = lambda x: jnp.tile(x, (n,) + (1,) * (x.ndim - 1))
-    cache = transformer.KVCache(constrain(tuple(map(tile, cache.k))),
-                                constrain(tuple(map(tile, cache.v))), tile(cache.segment_ids))
-    logits_BV = tile(logits_BV)
+    put = lambda into, x: jax.lax.dynamic_update_slice(into, tile(x), (0,) * into.ndim)
+    cache = transformer.KVCache(constrain(tuple(map(put, cache.k, prefilled.k))),
+                                constrain(tuple(map(put, cache.v, prefilled.v))),
+                                put(cache.segment_ids, prefilled.segment_ids))
+    logits_BV = tile(transformer.unembed(cfg, params, h_UPD[:, -1:])[:, 0])
   prompt_len_B = segment_ids_BP.sum(-1).astype(jnp.int32)
 
   def cond(carry):
