@@ -233,3 +233,17 @@ def test_shared_prefill_samples_what_the_tiled_prompts_sample(params, mesh, n, t
   with pytest.raises(ValueError, match=rf"{n * U} prompt rows are not 5 copies"):
     sampler.generate(CFG, scfg, params, sampler.Prompts(jnp.asarray(tokens), jnp.asarray(segments)),
                      jax.random.key(5), samples_per_prompt=5)
+
+
+def test_a_group_samples_completions_past_a_thousand_tokens(params):
+  """Reasoning completions run long: 1,040 new tokens a row (nothing stops a row: no EOS id is
+  in the sampled range), each prompt prefilled once for its 2 samples, the samples those of the
+  prompts prefilled each."""
+  prompts = PROMPTS[:2] * 2
+  tokens, segments = sampler.left_pad(prompts, PAD)
+  batch = sampler.Prompts(jnp.asarray(tokens), jnp.asarray(segments))
+  scfg = _scfg(temperature=1.0, max_new_tokens=1040)
+  shared, unshared = (jax.device_get(sampler.generate(CFG, scfg, params, batch, jax.random.key(2),
+                                                      samples_per_prompt=k)) for k in (2, 1))
+  assert shared.tokens.shape == (4, 1040) and (shared.lengths == 1040).all()
+  np.testing.assert_array_equal(shared.tokens, unshared.tokens)
