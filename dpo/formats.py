@@ -749,7 +749,7 @@ def _gsm8k(obj, where) -> PromptRecord:
     raise DataError(f"{where}: field 'answer' has no final answer after {GSM8K_MARK!r} "
                     f"(GSM8K's layout: the worked solution, then '#### N')")
   return PromptRecord((Message("user", question),), (Message("assistant", answer),),
-                      {**_others(obj, "question", "answer"), "solution": final})
+                      {**_others(obj, "question"), "solution": final})
 
 
 def _math(obj, where) -> PromptRecord:

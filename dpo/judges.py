@@ -120,7 +120,8 @@ class FunctionJudge:
     """[N] float64: the function of each record's prompt and chosen response; with
     `allow_none`, a None is NaN (TRL's "this function does not apply to this completion").
     A batch function also reads `ids`, the responses' token ids (None: the responses tokenised
-    by the judge's tokenizer), and `columns`, each record's extra data columns.
+    by the judge's tokenizer, the EOS appended as a sample that ended has it), and `columns`,
+    each record's extra data columns.
     An exception or a value that is not a finite number is a JudgeError naming the function,
     `what` and the record's index, its prompt's first characters and the value."""
     prompts = [rec.prompt if isinstance(rec.prompt, str) else
@@ -161,7 +162,9 @@ class FunctionJudge:
       if self.tok is None:
         raise JudgeError(f"{self.flag}={self.name}: needs the completions' token ids, not "
                          f"given for {where}")
-      ids = [self.tok.encode(t) for t in texts]
+      # as sampled ids end: with the EOS (these responses are whole)
+      eos = [] if getattr(self.tok, "eos_id", None) is None else [self.tok.eos_id]
+      ids = [self.tok.encode(t) + eos for t in texts]
     given = {}
     for row in columns or ():
       for key in row:

@@ -272,13 +272,19 @@ def group_advantages(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:
   return jnp.nan_to_num(advantages, nan=0.0)
 
 
-def has_signal(rewards_BGF, reward_weights: tuple[float, ...] = ()):
-  """[B] bool: the groups whose weighted rewards (`weighted_rewards`) do not all agree, their
-  std (unbiased, over the scorable ones) not 0 to torch.isclose's tolerance nor NaN: DAPO's
-  dynamic sampling keeps these (a group of ties has advantage 0 whatever its reward)."""
-  std_B = reward_std(weighted_rewards(jnp.asarray(rewards_BGF, jnp.float32), reward_weights),
-                     "group")[:, 0]
-  return ~jnp.isclose(std_B, 0.0) & ~jnp.isnan(std_B)
+def has_signal(rewards_BGF, reward_weights: tuple[float, ...] = (),
+               aggregation: str = "sum_then_normalize"):
+  """[B] bool: the groups whose rewards give some completion a non-zero advantage, which DAPO's
+  dynamic sampling keeps: the weighted rewards (`weighted_rewards`) do not all agree, their std
+  (unbiased, over the scorable ones) not 0 to torch.isclose's tolerance nor NaN; under
+  normalize_then_sum (each function normalised in its group first) any one function's rewards
+  do not all agree."""
+  r = jnp.asarray(rewards_BGF, jnp.float32)
+  live = lambda std: ~jnp.isclose(std, 0.0) & ~jnp.isnan(std)
+  if aggregation == "normalize_then_sum":
+    return jnp.any(live(jnp.stack([reward_std(r[..., f], "group")[:, 0]
+                                   for f in range(r.shape[-1])], -1)), -1)
+  return live(reward_std(weighted_rewards(r, reward_weights), "group")[:, 0])
 
 
 def frac_reward_zero_std(rewards_BG: jax.Array, scale_rewards: str) -> jax.Array:

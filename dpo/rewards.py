@@ -134,9 +134,9 @@ def _check(spec: str, name: str, p: dict) -> None:
   if name == "soft_overlong_punishment":
     need(ints("max_completion_len", "soft_punish_cache"), "max_completion_len and "
          "soft_punish_cache are token counts (integers)")
-    need(0 < p["soft_punish_cache"] <= p["max_completion_len"],
-         f"soft_punish_cache={p['soft_punish_cache']} must be in [1, max_completion_len="
-         f"{p['max_completion_len']}]")
+    need(0 <= p["soft_punish_cache"] <= p["max_completion_len"],
+         f"soft_punish_cache={p['soft_punish_cache']} must be in [0, max_completion_len="
+         f"{p['max_completion_len']}] (0: -1 past max_completion_len only, as TRL's)")
   elif name == "repetition_penalty":
     need(ints("ngram_size") and p["ngram_size"] >= 1, "ngram_size must be an integer >= 1")
     need(nums("max_penalty") and p["max_penalty"] <= 0,
@@ -232,7 +232,7 @@ def soft_overlong_punishment(completion_ids, max_completion_len, soft_punish_cac
   start = max_completion_len - soft_punish_cache  # no punishment up to here
   out = []
   for ids in completion_ids:
-    n = len(ids)
+    n = len(ids)  # (with a cache of 0 the middle case is empty)
     out.append(0.0 if n <= start else (start - n) / soft_punish_cache
                if n <= max_completion_len else -1.0)
   return out

@@ -245,6 +245,28 @@ def test_a_run_with_dynamic_sampling_trains_on_groups_with_signal(tmp_path):
   assert any(r["grad_norm"] > 0 for r in steps)
 
 
+def test_signal_of_several_functions_follows_the_aggregation():
+  """Weights (1, 2), rewards f1 = [2, 0], f2 = [0, 1]: the weighted sums tie (no signal when the
+  sum is normalised), each function's rewards differ (signal when each is normalised first)."""
+  r = np.array([[[2.0, 0.0], [0.0, 1.0]], [[1.0, 1.0], [1.0, 1.0]]])  # [B=2, G=2, F=2]
+  assert pg.has_signal(r, (1.0, 2.0)).tolist() == [False, False]
+  assert pg.has_signal(r, (1.0, 2.0), "normalize_then_sum").tolist() == [True, False]
+  nan = np.array([[[1.0], [np.nan]]])  # one scorable reward: no std, no signal
+  assert pg.has_signal(nan).tolist() == [False]
+
+
+def test_only_grpo_samples_dynamically_in_a_recipe_with_rloo_or_ppo():
+  """--dynamic_sampling is GRPO's: in sft,grpo,rloo the RLOO stage's generation batches are its
+  own (its Generated reads none of the grpo section but the weights)."""
+  from dpo.algorithms import ppo, rloo
+  cfg = configs.DEFAULT.replace(stage="sft,grpo,rloo", dynamic_sampling=True)
+  g = _Fake.generated()
+  assert g.dynamic_sampling
+  for kind in (rloo.Generated, ppo.Generated):
+    other = kind(cfg, None, None, None, [], None, None, 8)
+    assert other.dynamic_sampling is False
+
+
 def test_dynamic_sampling_flags_are_refused_where_nothing_reads_them():
   with pytest.raises(ValueError, match=r"^--dynamic_sampling_max_batches=2: must go with "
                      r"--dynamic_sampling"):

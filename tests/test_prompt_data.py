@@ -62,7 +62,8 @@ def test_gsm8k_as_the_hub_ships_it(tmp_path, kind):
   for rec, row in zip(records, theirs):
     assert rec.prompt == (formats.Message("user", row["question"]),)
     assert rec.completion == (formats.Message("assistant", row["answer"]),)
-    assert rec.columns == {"solution": row["answer"].rsplit("####", 1)[1].strip()
+    assert rec.columns == {"answer": row["answer"],
+                           "solution": row["answer"].rsplit("####", 1)[1].strip()
                            .replace(",", "")}
   assert [r.columns["solution"] for r in records] == ["72", "2400", "-2"]
 
@@ -182,7 +183,7 @@ def test_sft_on_gsm8k_solutions_then_grpo_reads_the_solution_column(tmp_path):
   grpo_calls = [c for c in seen if len(c["solution"]) == 8]
   assert len(grpo_calls) >= 2
   for call in grpo_calls:  # 2 prompts x 4 completions, the prompts repeated per sample
-    assert set(call["solution"]) <= answers and call["extra"] == []
+    assert set(call["solution"]) <= answers and call["extra"] == ["answer"]
     assert call["solution"][:2] * 4 == call["solution"]
     assert all(0 < n <= 6 for n in call["ids"])
   with open(out / "metrics.jsonl") as f:

@@ -87,10 +87,10 @@ def test_think_format_is_trls():
   same(ours("think_format"), theirs)
 
 
-@pytest.mark.parametrize("max_len,cache", [(30, 10), (40, 40), (16, 1)])
+@pytest.mark.parametrize("max_len,cache", [(30, 10), (40, 40), (16, 1), (20, 0)])
 def test_soft_overlong_punishment_is_trls(max_len, cache):
   theirs = trl_rewards.get_soft_overlong_punishment(max_len, cache)(completion_ids=IDS)
-  assert {0.0, -1.0} <= set(theirs) and (cache == 1 or any(-1 < r < 0 for r in theirs))
+  assert {0.0, -1.0} <= set(theirs) and (cache <= 1 or any(-1 < r < 0 for r in theirs))
   same(ours(f"soft_overlong_punishment(max_completion_len={max_len},soft_punish_cache={cache})"),
        theirs)
 
@@ -166,7 +166,7 @@ def test_a_users_function_in_trls_convention_gets_the_columns_and_ids():
 @pytest.mark.parametrize("spec,message", [
     ("soft_overlong_punishment", "--reward_fn=soft_overlong_punishment: give "
      "soft_overlong_punishment's soft_punish_cache"),
-    ("soft_overlong_punishment(soft_punish_cache=0)", "soft_punish_cache=0 must be in [1, "
+    ("soft_overlong_punishment(soft_punish_cache=-1)", "soft_punish_cache=-1 must be in [0, "
      "max_completion_len=64]"),
     ("repetition_penalty(ngram=2)", "repetition_penalty takes no 'ngram'; its parameters are "
      "ngram_size, max_penalty"),
@@ -190,6 +190,14 @@ def test_a_missing_column_or_ids_is_a_one_line_error():
   with pytest.raises(judges.JudgeError, match=r"^--reward_fn=repetition_penalty: needs the "
                      r"completions' token ids"):
     judges.FunctionJudge("repetition_penalty").score(records)
+  # With the run's tokenizer, texts without ids are tokenised and end with the EOS, as a sample
+  # that ended does (the held-out pairs' responses are whole).
+  import types
+  judge = judges.FunctionJudge("soft_overlong_punishment(max_completion_len=4,soft_punish_cache=2)")
+  judge.tok = types.SimpleNamespace(encode=lambda t: [ord(c) for c in t], eos_id=0)
+  theirs = trl_rewards.get_soft_overlong_punishment(4, 2)(completion_ids=[[97, 98, 0]])
+  same(judge.score([PreferenceRecord("q", "ab", "")]), theirs)
+  assert theirs == [-0.5]
 
 
 def test_split_keeps_commas_inside_parentheses():

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from dpo import batches, identity, judges, logprobs, registry, train
 from dpo import policy_gradient as pg
@@ -126,6 +127,12 @@ class Generated(online_dpo.Sampled):
     return self.cfg.grpo.num_iterations
 
   @property
+  def dynamic_sampling(self) -> bool:
+    """--dynamic_sampling: GRPO's alone (RLOO's and PPO's stages read only the section's
+    reward weights)."""
+    return self.cfg.grpo.dynamic_sampling
+
+  @property
   def prompts_per_step(self) -> int:
     return self.cfg.optim.global_batch_size // self.generations
 
@@ -142,7 +149,7 @@ class Generated(online_dpo.Sampled):
         comps = self.sample(state, batch, jax.random.fold_in(key, step), G)
         t1 = time.perf_counter()
         more_s = 0.0  # --dynamic_sampling's further draws' sampling
-        if self.cfg.grpo.dynamic_sampling:
+        if self.dynamic_sampling:
           batch, comps, scored, more, more_s = self.dynamic(state, batch, comps,
                                                             jax.random.fold_in(key, step), step)
           self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec,
@@ -208,7 +215,9 @@ class Generated(online_dpo.Sampled):
     generator seeded by the run's seed, the step and the draw) and sampled with
     fold_in(key, draw), at most --dynamic_sampling_max_batches generation batches in all. A
     batch still short is filled with groups without signal (advantage 0), counted in
-    `dynamic_sampling/unfilled` and logged."""
+    `dynamic_sampling/unfilled` and logged. With several processes the first one's decision of
+    which groups have signal is every process's (a reward function that timed out on one alone
+    must not make them draw different numbers of batches)."""
     G, c = self.generations, self.cfg.grpo
     B = len(batch["tokens"])
     groups = []  # (has signal, prompt row, its G completions, rewards [G, F], ended [G])
@@ -217,7 +226,9 @@ class Generated(online_dpo.Sampled):
       rewards_NF, ended, _ = scored
       n = len(prompts["tokens"])
       r_nGF = rewards_NF.reshape(G, n, -1).transpose(1, 0, 2)
-      signal = np.asarray(pg.has_signal(r_nGF, c.reward_weights))
+      signal = np.asarray(pg.has_signal(r_nGF, c.reward_weights, c.multi_objective_aggregation))
+      if jax.process_count() > 1:  # one decision for all: each draw is a collective sampling
+        signal = np.asarray(multihost_utils.broadcast_one_to_all(signal))
       for i in range(n):
         groups.append((bool(signal[i]), {k: v[i] for k, v in prompts.items()},
                        [samples[g * n + i] for g in range(G)], r_nGF[i],

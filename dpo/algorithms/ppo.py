@@ -147,6 +147,7 @@ class Generated(grpo.Generated):
   """Program.stage's `online` for PPO: a generation batch of one completion a prompt every
   ppo_num_iterations steps, its token rewards, values and GAE advantages."""
   salt = 9
+  dynamic_sampling = False  # GRPO's alone
 
   @staticmethod
   def completion_length(cfg) -> int:

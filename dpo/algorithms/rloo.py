@@ -71,6 +71,7 @@ def rloo_step(spec: train.StepConfig, state: train.TrainState, frozen,
 class Generated(grpo.Generated):
   """Program.stage's `online` for RLOO: GRPO's generation batches, RLOO's advantages."""
   salt = 8
+  dynamic_sampling = False  # GRPO's alone
 
   @staticmethod
   def completion_length(cfg) -> int:
