@@ -148,15 +148,12 @@ class Generated(online_dpo.Sampled):
         t0 = time.perf_counter()
         comps = self.sample(state, batch, jax.random.fold_in(key, step), G)
         t1 = time.perf_counter()
-        more_s = 0.0  # --dynamic_sampling's further draws' sampling
+        scored, more, more_s = None, {}, 0.0  # more_s: --dynamic_sampling's further draws
         if self.dynamic_sampling:
           batch, comps, scored, more, more_s = self.dynamic(state, batch, comps,
                                                             jax.random.fold_in(key, step), step)
-          self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec,
-                                                   scored)
-          self.info = {**self.info, **more}
-        else:
-          self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec)
+        self.buffer, self.info = self.generation(state, frozen, batch, comps, score, spec, scored)
+        self.info = {**self.info, **more}
         times = {"time/sample_s": round(t1 - t0 + more_s, 3),
                  "time/judge_s": round(time.perf_counter() - t1 - more_s, 3)}
       t2 = time.perf_counter()
@@ -210,8 +207,8 @@ class Generated(online_dpo.Sampled):
   def dynamic(self, state, batch, comps, key, step: int):
     """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, §3.2): (the batch of B
     prompts whose G completions' rewards do not all agree, their completions, their `rewarded`,
-    the logged figures, the seconds its further draws sampled). The groups of `batch` with signal are kept; while fewer than B, B more
-    prompts are drawn from the prompt table (the same rows on every process and on a resume: a
+    the logged figures, the seconds its further draws sampled). The groups of `batch` with
+    signal are kept; while fewer than B, B more prompts are drawn from the prompt table (the same rows on every process and on a resume: a
     generator seeded by the run's seed, the step and the draw) and sampled with
     fold_in(key, draw), at most --dynamic_sampling_max_batches generation batches in all. A
     batch still short is filled with groups without signal (advantage 0), counted in

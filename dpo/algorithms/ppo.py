@@ -172,10 +172,10 @@ class Generated(grpo.Generated):
       return rewards[:, None], ended, {}
     return super().rewarded(batch, comps)
 
-  def generation(self, state, frozen, batch, comps, score, spec):
+  def generation(self, state, frozen, batch, comps, score, spec, scored=None):
     """(the PPOBatch of a generation batch, its logged figures)."""
     c = self.cfg.ppo
-    rewards_NF, ended, info = self.rewarded(batch, comps)
+    rewards_NF, ended, info = scored or self.rewarded(batch, comps)
     scores = np.asarray(pg.weighted_rewards(rewards_NF.astype(np.float32),
                                             self.cfg.grpo.reward_weights), np.float32)
     if np.isnan(scores).any():  # several functions, each of which returned None for a sample

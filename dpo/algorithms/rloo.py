@@ -85,12 +85,12 @@ class Generated(grpo.Generated):
   def repeat(self) -> int:
     return self.cfg.rloo.rloo_num_iterations
 
-  def generation(self, state, frozen, batch, comps, score, spec):
+  def generation(self, state, frozen, batch, comps, score, spec, scored=None):
     """(the RLOOBatch of a generation batch, its logged figures): rewards, rows, old and
     reference log-probs, the KL-penalised rewards' leave-one-out advantages."""
     G, c = self.generations, self.cfg
     B = len(batch["tokens"])
-    rewards_NF, ended, info = self.rewarded(batch, comps)
+    rewards_NF, ended, info = scored or self.rewarded(batch, comps)
     rewards = np.asarray(pg.weighted_rewards(rewards_NF.astype(np.float32), c.grpo.reward_weights),
                          np.float64)
     rows, old, ref = self.scored_rows(state, frozen, (batch, comps, ended), score, spec,
