@@ -47,8 +47,8 @@ class Data:
   (`pairs` is then None) for a recipe whose stages read it (Algorithm.unpaired: kto, and sft on
   its desirable completions). Prompt --train_data (TRL's prompt-only layout, GSM8K, MATH) is read
   into `prompts` for a recipe of sampling stages (sft on its worked solutions), each record's
-  extra columns kept for the reward functions. A data set smaller than one global batch is a DataError naming
-  the file and the flag. `inspect` writes what the model is trained on.
+  extra columns kept for the reward functions. A data set smaller than one global batch is a
+  DataError naming the file and the flag. `inspect` writes what the model is trained on.
   """
 
   def __init__(self, cfg, tok=None, check_sizes: bool = True):
