@@ -264,16 +264,11 @@ def specs(cfg) -> list[str]:
 
 
 def completion_length(cfg) -> int:
-  """What dpo/rewards.py's length parameters default to: the sampling stage's completion
-  length, or the evaluation sampler's."""
-  stages = cfg.run.stages
-  for stage, length in (("grpo", lambda: cfg.grpo.max_completion_length),
-                        ("rloo", lambda: cfg.rloo.rloo_max_completion_length),
-                        ("ppo", lambda: cfg.ppo.ppo_max_completion_length)):
-    if stage in stages:
-      return length()
-  if cfg.online_stages:
-    return cfg.online.online_max_new_tokens or cfg.data.max_target_length
+  """What dpo/rewards.py's length parameters default to: the first sampling stage's completion
+  length (registry.Algorithm.completion_length), or the evaluation sampler's."""
+  for algorithm in registry.recipe(cfg.run.stages):  # the first stage that samples
+    if algorithm.completion_length is not None:
+      return algorithm.completion_length(cfg)
   return cfg.eval.eval_max_new_tokens or cfg.data.max_target_length
 
 

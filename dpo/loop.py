@@ -185,12 +185,12 @@ class Data:
     evaluation's sampling prompts, their columns its reward functions'. No held-out pairs."""
     d = cfg.data
     pairless = [a.name for a in registry.recipe(cfg.run.stages)
-                if not a.samples and a.name != "sft"]
+                if not a.samples and a.rows != "demonstrations"]  # sft: the solutions
     if pairless:
       raise data_lib.DataError(
           f"--train_data={d.train_data}: holds prompts without responses (TRL's prompt-only "
           f"layout, GSM8K or MATH); the {', '.join(pairless)} stage needs preference pairs "
-          f"(only sft and the sampling stages "
+          f"(only the SFT stage and the sampling stages "
           f"{', '.join(a.name for a in registry.ALGORITHMS.values() if a.samples)} read "
           f"prompts)")
     how = self._one_side_preparation(cfg)
@@ -251,10 +251,11 @@ class Data:
       return {k: v[keep] for k, v in self.unpaired.items() if k != "label"}
     if self.prompts is not None:
       keep = self.prompts_solved
-      if not keep.any() and "sft" in cfg.run.stages:
+      sft = [a.name for a in registry.recipe(cfg.run.stages) if a.rows == "demonstrations"]
+      if not keep.any() and sft:
         raise data_lib.DataError(
             f"--train_data={d.train_data}: its prompts carry no worked solutions (TRL's "
-            f"prompt-only layout); the sft stage needs --sft_data")
+            f"prompt-only layout); the {sft[0]} stage needs --sft_data")
       logging.info("sft: the %d worked solutions of %s", int(keep.sum()), d.train_data)
       return {k: v[keep] for k, v in self.prompts.items()}
     return {k: v[:, 0] for k, v in self.pairs.items() if k != "margin"}  # margin: [N]

@@ -66,6 +66,9 @@ class Algorithm:
                                  # starts only it)
   abstain: bool = False          # a reward function may return None for its samples, scored NaN
                                  # (TRL's GRPO and RLOO), when it is the recipe's one online stage
+  completion_length: Callable | None = None
+                                 # a sampling stage's completion budget, cfg -> tokens (what the
+                                 # length parameters of dpo/rewards.py default to)
   columns: tuple[tuple[str, str, str], ...] = COLUMNS
                                  # its log line: (label, metric key, %-format); a key the step did
                                  # not return is left out, never printed as nan

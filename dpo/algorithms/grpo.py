@@ -256,8 +256,8 @@ class Generated(online_dpo.Sampled):
     figures_ = {"dynamic_sampling/generation_batches": draws,
                 "dynamic_sampling/signal_fraction": sum(g[0] for g in groups) / len(groups),
                 "dynamic_sampling/unfilled": unfilled}
-    return (chosen, samples, (rewards_NF, ended, self.function_figures(rewards_NF)), figures_,
-            sample_s)
+    return (chosen, samples, (rewards_NF, ended, function_figures(self.judge, rewards_NF)),
+            figures_, sample_s)
 
   def rewarded(self, batch, comps) -> tuple[np.ndarray, np.ndarray, dict]:
     """(each reward function's rewards of the completions [N, F] (F = 1 for one function or a
@@ -272,17 +272,19 @@ class Generated(online_dpo.Sampled):
       rewards, ended = self.scored(batch, comps)
       return rewards[:, None], ended, {}
     rewards_NF, ended = self.scored(batch, comps, self.judge.each)
-    return rewards_NF, ended, self.function_figures(rewards_NF)
+    return rewards_NF, ended, function_figures(self.judge, rewards_NF)
 
-  def function_figures(self, rewards_NF: np.ndarray) -> dict:
-    """Several reward functions: each one's rewards/<name>/mean and /std (TRL's); else none."""
-    if not isinstance(self.judge, judges.RewardFunctions):
-      return {}
-    info = {}
-    for name, r_N in zip(self.judge.names, rewards_NF.T):
-      info[f"rewards/{name}/mean"] = _nanmean(r_N)
-      info[f"rewards/{name}/std"] = _nanstd(r_N)
-    return info
+
+def function_figures(judge, rewards_NF: np.ndarray) -> dict:
+  """Several reward functions (`judge` RewardFunctions): each one's rewards/<name>/mean and
+  /std of [N, F] rewards (TRL's); else none."""
+  if not isinstance(judge, judges.RewardFunctions):
+    return {}
+  info = {}
+  for name, r_N in zip(judge.names, rewards_NF.T):
+    info[f"rewards/{name}/mean"] = _nanmean(r_N)
+    info[f"rewards/{name}/std"] = _nanstd(r_N)
+  return info
 
 
 def figures(rewards: np.ndarray, comps, ended: np.ndarray) -> dict:
@@ -376,4 +378,4 @@ GRPO = registry.register(registry.Algorithm(
                                  "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=5, steps_flag="--grpo_steps",
     sections=(("grpo", pg.GRPOConfig),), reads=("online",), check=check_config, samples=True,
-    judged=True, abstain=True))
+    completion_length=Generated.completion_length, judged=True, abstain=True))

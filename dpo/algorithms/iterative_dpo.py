@@ -321,4 +321,4 @@ ITERATIVE_DPO = registry.register(registry.Algorithm(
                                  "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=7, steps_flag="--iterative_rounds",
     sections=(("iterative", IterativeConfig),), reads=("online",), check=check_config,
-    samples=True, judged=True))
+    samples=True, completion_length=online_dpo.completion_length, judged=True))

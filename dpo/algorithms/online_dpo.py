@@ -200,7 +200,7 @@ def sampled(p, judge, base):
            [p.data.tok.decode(row[seg != 0]) for row, seg in zip(table["tokens"],
                                                                  table["segment_ids"])])
   table["prompt_index"] = np.arange(len(index), dtype=np.int32)  # rows of `chats`
-  new = c.online.online_max_new_tokens or c.data.max_target_length
+  new = completion_length(c)
   from dpo import evaluate
   scfg = dataclasses.replace(evaluate.sampling_config(c, p.data.tok, p.data.stop_ids),
                              max_new_tokens=new, temperature=c.online.online_temperature,
@@ -232,6 +232,12 @@ def check_config(cfg) -> None:
           f"(--stage={cfg.run.stage} has none)")
 
 
+def completion_length(cfg) -> int:
+  """The tokens each online sample may take: --online_max_new_tokens, else
+  --max_target_length."""
+  return cfg.online.online_max_new_tokens or cfg.data.max_target_length
+
+
 def step_config(cfg) -> train.StepConfig:
   # A sampled row scores at most its completion budget, not --max_target_length.
   return dataclasses.replace(train.StepConfig.dpo(cfg), total_steps=cfg.online.online_steps,
@@ -246,4 +252,5 @@ ONLINE_DPO = registry.register(registry.Algorithm(
                                                           "guard", "online")),
                                  "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=4, steps_flag="--online_steps",
-    sections=(("online", OnlineConfig),), check=check_config, samples=True, judged=True))
+    sections=(("online", OnlineConfig),), check=check_config, samples=True,
+    completion_length=completion_length, judged=True))

@@ -246,6 +246,7 @@ PPO = registry.register(registry.Algorithm(
                                  "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=9, steps_flag="--ppo_steps",
     sections=(("ppo", pg.PPOConfig),), reads=("online", "grpo"), check=check_config,
-    samples=True, judged=True, beside=value_model, optimizer=optimizer,
+    samples=True, completion_length=Generated.completion_length, judged=True,
+    beside=value_model, optimizer=optimizer,
     columns=registry.COLUMNS + (("reward", "reward", ".3f"), ("kl", "kl", ".4f"),
                                 ("vf", "vf_loss", ".4f"))))

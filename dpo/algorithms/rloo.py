@@ -135,4 +135,4 @@ RLOO = registry.register(registry.Algorithm(
                                  "judge": judges.fingerprint(cfg)},
     data_files=("train_data", "tokenizer"), data_seed=8, steps_flag="--rloo_steps",
     sections=(("rloo", pg.RLOOConfig),), reads=("online", "grpo"), check=check_config,
-    samples=True, judged=True, abstain=True))
+    samples=True, completion_length=Generated.completion_length, judged=True, abstain=True))
