@@ -155,6 +155,8 @@ class FunctionJudge:
   def _batch(self, prompts, texts, what, ids, columns) -> list:
     """A batch function's rewards (TRL's calling convention), one per record."""
     n = len(texts)
+    if not n:
+      return []
     where = (f"{what} 0 (prompt {_short(prompts[0])})" if n == 1 else
              f"the {n} {what}s (first prompt {_short(prompts[0])})")
     params = _parameters(self.fn)
