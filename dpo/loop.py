@@ -37,6 +37,18 @@ from dpo.runner import Hook, MetricsWriter, TrainingStopped  # noqa: F401 (re-ex
 from models import sharding, transformer
 
 
+def _refuse_pairless(cfg, reads, holds: str, readers, named=None) -> None:
+  """--train_data that is not preference pairs (`holds` says what it is): a stage of the recipe
+  that `reads` does not accept is refused in one line, naming it and, by `readers` of their
+  names, the stages that read such data (`named`: which of them to name; default `reads`)."""
+  pairless = [a.name for a in registry.recipe(cfg.run.stages) if not reads(a)]
+  if pairless:
+    names = ", ".join(a.name for a in registry.ALGORITHMS.values() if (named or reads)(a))
+    raise data_lib.DataError(
+        f"--train_data={cfg.data.train_data}: holds {holds}; the {', '.join(pairless)} stage "
+        f"needs preference pairs (only {readers(names)})")
+
+
 class Data:
   """Tokenized SFT, training and held-out arrays for one run.
 
@@ -156,13 +168,8 @@ class Data:
     the held-out pairs of --eval_data, or None. Its --eval_split examples (self.unpaired_held)
     give the evaluation's sampling prompts."""
     d = cfg.data
-    pairless = [a.name for a in registry.recipe(cfg.run.stages) if not a.unpaired]
-    if pairless:
-      raise data_lib.DataError(
-          f"--train_data={d.train_data}: holds unpaired records {{prompt, completion, label}}; "
-          f"the {', '.join(pairless)} stage needs preference pairs (only "
-          f"{', '.join(a.name for a in registry.ALGORITHMS.values() if a.unpaired)} read "
-          f"unpaired ones)")
+    _refuse_pairless(cfg, lambda a: a.unpaired, "unpaired records {prompt, completion, label}",
+                     lambda names: f"{names} read unpaired ones")
     how = self._one_side_preparation(cfg)
     prep = prepare.prepare_unpaired(self._value(cfg, "train_data"), how, d.eval_split)
     self.reports.append(prep.report)
@@ -184,15 +191,10 @@ class Data:
     --sft_data); its --eval_split prompts (self.prompts_held), or --eval_data's prompts, give the
     evaluation's sampling prompts, their columns its reward functions'. No held-out pairs."""
     d = cfg.data
-    pairless = [a.name for a in registry.recipe(cfg.run.stages)
-                if not a.samples and a.rows != "demonstrations"]  # sft: the solutions
-    if pairless:
-      raise data_lib.DataError(
-          f"--train_data={d.train_data}: holds prompts without responses (TRL's prompt-only "
-          f"layout, GSM8K or MATH); the {', '.join(pairless)} stage needs preference pairs "
-          f"(only the SFT stage and the sampling stages "
-          f"{', '.join(a.name for a in registry.ALGORITHMS.values() if a.samples)} read "
-          f"prompts)")
+    _refuse_pairless(cfg, lambda a: a.samples or a.rows == "demonstrations",  # sft: solutions
+                     "prompts without responses (TRL's prompt-only layout, GSM8K or MATH)",
+                     lambda names: f"the SFT stage and the sampling stages {names} read prompts",
+                     lambda a: a.samples)
     how = self._one_side_preparation(cfg)
     prep = prepare.prepare_prompts(self._value(cfg, "train_data"), how, d.eval_split)
     self.reports.append(prep.report)

@@ -226,10 +226,10 @@ class Generated(online_dpo.Sampled):
       signal = np.asarray(pg.has_signal(r_nGF, c.reward_weights, c.multi_objective_aggregation))
       if jax.process_count() > 1:  # one decision for all: each draw is a collective sampling
         signal = np.asarray(multihost_utils.broadcast_one_to_all(signal))
+      ended_nG = ended.reshape(G, n).T
       for i in range(n):
         groups.append((bool(signal[i]), {k: v[i] for k, v in prompts.items()},
-                       [samples[g * n + i] for g in range(G)], r_nGF[i],
-                       ended.reshape(G, n)[:, i]))
+                       [samples[g * n + i] for g in range(G)], r_nGF[i], ended_nG[i]))
 
     add(batch, comps, self.rewarded(batch, comps))
     draws, sample_s = 1, 0.0
