@@ -242,6 +242,9 @@ class EvalConfig:
   eval_top_p: float = option(1.0, "Evaluation nucleus (top-p) filter (1.0 = off).")
   eval_max_new_tokens: int = option(0, "Tokens sampled per eval response (0 = max_target_length).")
   eval_batch_size: int = option(128, "Prompts per sampling batch during evaluation.")
+  eval_samples_per_prompt: int = option(1, "Samples of each held-out prompt at each evaluation "
+                                        "(the k of pass@k and majority@k on reasoning data and "
+                                        "tasks; --task_eval_prompts prompts, each k times).")
   eval_show: int = option(4, "Sampled responses printed side by side at the end of a run.")
   judge: str = option("", "The judge that scores policy and reference samples (win rate, length-"
                       "controlled win rate, reward gain) and the held-out pairs (its accuracy): a "
@@ -263,6 +266,7 @@ class EvalConfig:
 
   def __post_init__(self):
     rules(self, eval_every=NONNEG, eval_batch_size=POS, eval_max_new_tokens=NONNEG,
+          eval_samples_per_prompt=POS,
           eval_temperature=FINITE_NONNEG, eval_top_k=NONNEG, eval_show=NONNEG,
           eval_top_p=FRACTION)
 
@@ -482,7 +486,8 @@ DEFAULT = Config().replace(
 REASONING = DEFAULT.replace(
     task="arithmetic", stage="sft,grpo", max_prompt_length=24, max_target_length=64,
     max_completion_length=64, eval_max_new_tokens=64, global_batch_size=64, grpo_steps=150,
-    num_generations=8, grpo_beta=0.04, learning_rate=2e-3, output_dir="runs/reasoning")
+    num_generations=8, grpo_beta=0.04, learning_rate=2e-3, task_eval_prompts=128,
+    eval_samples_per_prompt=4, output_dir="runs/reasoning")
 
 # bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are;
 # --autotune on, these settings its first candidate (the best differs by CPU and load).

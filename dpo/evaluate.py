@@ -286,7 +286,9 @@ class Evaluator:
     self.answers = [{**r, **{f"reference_{k}": s[k] for k in ("answers", "correct", "majority",
                                                               "pass@1")}}
                     for r, s in zip(rows, ref_rows)]
-    return {**mine, **theirs, "pass@1_gain": mine["pass@1"] - theirs["reference_pass@1"]}
+    gain = (None if mine["pass@1"] is None or theirs["reference_pass@1"] is None else
+            mine["pass@1"] - theirs["reference_pass@1"])
+    return {**mine, **theirs, "pass@1_gain": gain}
 
   def judge_accuracy(self) -> float | None:
     """The judge's accuracy on the held-out pairs (computed once; None without them)."""
@@ -426,6 +428,9 @@ def report(metrics: dict, samples: Sequence[dict], show: int,
                  ("pass@1 gain (policy - reference)", "pass@1_gain"),
                  ("answer extraction failures: policy / reference",
                   ("extraction_failure_rate", "reference_extraction_failure_rate"))]
+    if "unscorable_problems" in metrics:  # real data's solutions (reasoning.Solutions)
+      rows[1:1] = [("think format: policy / reference", ("format_rate", "reference_format_rate")),
+                   ("problems whose solution does not parse", "unscorable_problems")]
   width = max(len(r[0]) for r in rows)
   lines = ["", "=== evaluation " + "=" * (width - 3)]
   for label, key in rows:

@@ -28,7 +28,7 @@ import numpy as np
 
 from dpo import algorithms  # noqa: F401 (importing it registers every stage)
 from dpo import autotune, chat, checkpoint, cli, curves, evaluate, formats, registry
-from dpo import hub, identity, judges, packing, prepare, progress, task
+from dpo import hub, identity, judges, packing, prepare, progress, reasoning, rewards, task
 from dpo import tracking, train
 from dpo import data as data_lib
 from dpo import tokenizer as tokenizer_lib
@@ -316,6 +316,12 @@ class Data:
                            if self.prompts is not None else None)
       self.stop_ids = tuple(chat.end_of_turn_ids(self.template, self.tok))
     self.well_formed_fn = self.task.well_formed if self.embedded else None
+    k = cfg.eval.eval_samples_per_prompt  # each prompt k times (pass@k, majority@k)
+    self.eval_prompts, self.eval_chats = self.eval_prompts * k, self.eval_chats * k
+    if self.eval_prompt_ids is not None:
+      self.eval_prompt_ids = self.eval_prompt_ids * k
+    if self.eval_columns is not None:
+      self.eval_columns = self.eval_columns * k
 
   def eval_set(self, judge=None) -> evaluate.EvalSet:
     """What the DPO stage is evaluated on (dpo/evaluate.py), scored by `judge`
@@ -323,7 +329,21 @@ class Data:
     return evaluate.EvalSet(self.tok, self.eval_prompts, self.eval_prompt_ids, self.held,
                             judge, self.well_formed_fn, self.stop_ids, self.eval_chats,
                             self.held_records if self.held is not None else None,
-                            self.task.reasoning if self.embedded else None, self.eval_columns)
+                            self._reasoning(), self.eval_columns)
+
+  def _reasoning(self):
+    """How reasoning is evaluated: the embedded task's own check, the `solution` column of
+    prompt data (reasoning.Solutions; skipped, and logged, without math-verify), else None."""
+    if self.embedded:
+      return self.task.reasoning
+    if not self.eval_columns or not all("solution" in c for c in self.eval_columns):
+      return None
+    try:
+      return reasoning.Solutions(self.eval_columns)
+    except rewards.RewardSpecError:
+      logging.warning("the reasoning evaluation (pass@k, majority@k of the `solution` column) "
+                      "is skipped: it needs math-verify: pip install 'dpo-jax[math]'")
+      return None
 
   def preview(self, n: int) -> list[dict]:
     """The first `n` training pairs (or unpaired examples, with their label) as the model sees

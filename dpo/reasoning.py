@@ -256,3 +256,84 @@ def metrics(prompts: Sequence[str], texts: Sequence[str], prefix: str) -> tuple[
        **{f"{prefix}pass@1/difficulty_{d}": float(np.mean(v))
           for d, v in sorted(by_difficulty.items())}}
   return m, rows
+
+
+class Solutions:
+  """The reasoning evaluation of prompt data that carries reference answers: each prompt's
+  `solution` column (GSM8K's final number, MATH's worked solution with its \\boxed{} answer, TRL's
+  prompt-only layout with a solution) against completions, by math-verify (the `math` extra).
+
+  A completion's answer is read from its text after the last "####" (GSM8K's answer mark) when it
+  has one, else after its last `</think>`, else the whole text, by math-verify's own default
+  extraction (LaTeX, \\boxed{} first, or a plain expression); none found is an extraction
+  failure. Majority voting counts answers math-verify finds equal as one. A problem whose
+  solution does not parse is left out of every figure and counted (`unscorable_problems`); the
+  format rate is TRL's think format; pass@1 per difficulty comes from a `level` column (MATH's).
+  `metrics` has the embedded task's signature (`metrics` above), `columns` one dict a prompt."""
+
+  MARKS = ("####", "</think>")
+
+  def __init__(self, columns: Sequence[dict]):
+    from dpo import rewards
+    self.columns, self.rewards = list(columns), rewards
+    rewards.parse_solution("1")  # math-verify present, or the one-line error naming the extra
+
+  def answer(self, text: str) -> list:
+    """The parsed answer of a completion ([] when none is found)."""
+    mark = next((m for m in self.MARKS if m in text), None)
+    return self.rewards.parse_any(text if mark is None else text.rsplit(mark, 1)[1])
+
+  @staticmethod
+  def show(parsed: list) -> str | None:
+    """What a reader sees of a parsed answer: the text math-verify matched (None: none)."""
+    return None if not parsed else str(parsed[-1])
+
+  def _majority(self, parsed: Sequence[list]) -> list:
+    """The answer most completions agree on, equal ones (by math-verify) voting together; ties
+    go to the answer seen first; [] when none was extracted."""
+    clusters: list[list] = []  # [representative, votes]
+    for a in parsed:
+      if a:
+        home = next((c for c in clusters if self.rewards.verify(c[0], a)), None)
+        if home is None:
+          clusters.append([a, 1])
+        else:
+          home[1] += 1
+    return max(clusters, key=lambda c: c[1])[0] if clusters else []
+
+  def metrics(self, prompts: Sequence[str], texts: Sequence[str],
+              prefix: str) -> tuple[dict, list[dict]]:
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    for i, p in enumerate(prompts):
+      groups[p].append(i)
+    k = min(len(g) for g in groups.values())
+    rows, by_level, unscorable, parsed_all = [], collections.defaultdict(list), 0, []
+    for prompt, index in groups.items():
+      columns = self.columns[index[0]]
+      gold = self.rewards.parse_solution(str(columns.get("solution", "")))
+      parsed = [self.answer(texts[i]) for i in index]
+      if not gold:
+        unscorable += 1
+        continue
+      parsed_all += parsed
+      correct = [bool(a) and self.rewards.verify(gold, a) for a in parsed]
+      voted = self._majority(parsed[:k])
+      rows.append({"problem": prompt, "difficulty": columns.get("level"),
+                   "answer": self.show(gold), "answers": [self.show(a) for a in parsed],
+                   "correct": correct, "majority": self.show(voted),
+                   "pass@1": float(np.mean(correct)),
+                   f"pass@{k}": pass_at_k(len(correct), sum(correct), k),
+                   f"maj@{k}": float(bool(voted) and self.rewards.verify(gold, voted))})
+      if columns.get("level") is not None:
+        by_level[columns["level"]].append(rows[-1]["pass@1"])
+    mean = lambda key: float(np.mean([r[key] for r in rows])) if rows else None
+    think = self.rewards.think_format(list(texts))
+    m = {f"{prefix}pass@1": mean("pass@1"), f"{prefix}pass@{k}": mean(f"pass@{k}"),
+         f"{prefix}maj@{k}": mean(f"maj@{k}"),
+         f"{prefix}extraction_failure_rate":
+             float(np.mean([not a for a in parsed_all])) if parsed_all else None,
+         f"{prefix}format_rate": float(np.mean(think)),
+         f"{prefix}unscorable_problems": unscorable,
+         **{f"{prefix}pass@1/difficulty_{str(d).replace(' ', '_')}": float(np.mean(v))
+            for d, v in sorted(by_level.items(), key=lambda kv: str(kv[0]))}}
+    return m, rows

@@ -180,23 +180,47 @@ def _timeouts() -> tuple[int | None, int | None]:
   return None, None
 
 
+def _answer_config(math_verify, NormalizationConfig) -> list:
+  """How accuracy reads a completion's answer: LaTeX, \\boxed{} first, units normalised."""
+  return [math_verify.LatexExtractionConfig(
+      normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+      try_extract_without_anchor=False)]
+
+
+def parse_solution(gold: str) -> list:
+  """A reference solution as math-verify reads it ([] when it does not parse)."""
+  math_verify, _ = _math_verify("accuracy")
+  return math_verify.parse(gold, parsing_timeout=_timeouts()[0])
+
+
+def parse_answer(text: str) -> list:
+  """A completion's answer as `accuracy` reads it (its first LaTeX answer, \\boxed{} first;
+  [] when none is found)."""
+  math_verify, NormalizationConfig = _math_verify("accuracy")
+  return math_verify.parse(text, extraction_config=_answer_config(math_verify, NormalizationConfig),
+                           extraction_mode="first_match", parsing_timeout=_timeouts()[0])
+
+
+def parse_any(text: str) -> list:
+  """An answer as math-verify reads it by its own defaults (LaTeX, \\boxed{} first, or a plain
+  expression such as GSM8K's final number; [] when none is found)."""
+  math_verify, _ = _math_verify("accuracy")
+  return math_verify.parse(text, parsing_timeout=_timeouts()[0])
+
+
+def verify(gold: list, answer: list) -> bool:
+  """Whether parsed `answer` equals parsed `gold` by math-verify."""
+  math_verify, _ = _math_verify("accuracy")
+  return bool(math_verify.verify(gold, answer, timeout_seconds=_timeouts()[1]))
+
+
 def _correct(texts: Sequence[str], solution: Sequence[str]) -> list[float | None]:
   """Whether each text's first LaTeX answer (\\boxed{} first; units normalised) verifies
   against its solution by math-verify; None where the solution does not parse."""
-  math_verify, NormalizationConfig = _math_verify("accuracy")
-  parse_timeout, verify_timeout = _timeouts()
-  answer_config = [math_verify.LatexExtractionConfig(
-      normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
-      try_extract_without_anchor=False)]
   out = []
   for text, gold in zip(texts, solution, strict=True):
-    reference = math_verify.parse(gold, parsing_timeout=parse_timeout)
-    if not reference:
-      out.append(None)
-      continue
-    answer = math_verify.parse(text, extraction_config=answer_config,
-                               extraction_mode="first_match", parsing_timeout=parse_timeout)
-    out.append(float(math_verify.verify(reference, answer, timeout_seconds=verify_timeout)))
+    reference = parse_solution(gold)
+    out.append(float(verify(reference, parse_answer(text))) if reference else None)
   return out
 
 

@@ -3,7 +3,8 @@ dpo/prepare.py's prepare_prompts): GSM8K as the Hub ships it (question, answer e
 JSONL and Parquet), MATH (problem, solution with its answer boxed) and TRL's prompt-only layout
 (a text or conversational prompt with extra columns), read as `datasets` reads the same files;
 an answer that cannot be parsed is a one-line error naming the record and field, or a counted
-skip; the columns reach the reward functions of a tiny sft,grpo run."""
+skip; the columns reach the reward functions of a tiny sft,grpo run, and the evaluation reads
+them: pass@k and majority@k of the `solution` column by math-verify (reasoning.Solutions)."""
 
 import json
 import math
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import configs
-from dpo import data, formats, loop, prepare, tokenizer
+from dpo import data, formats, loop, prepare, reasoning, tokenizer
 
 datasets = pytest.importorskip("datasets")
 
@@ -152,6 +153,44 @@ def test_a_pair_stage_on_prompt_data_is_refused_in_one_line(tmp_path):
 SEEN = []
 
 
+def test_solutions_evaluate_pass_at_k_and_majority_by_math_verify():
+  """Held-out problems sampled k times each (the evaluation's order: the prompts tiled): an
+  answer after GSM8K's "####", after </think>, or boxed; answers math-verify finds equal
+  (4/6, 2/3) vote together and a tie goes to the first seen; a solution that does not parse
+  leaves its problem out, counted; per-level pass@1 from MATH's `level` column."""
+  pytest.importorskip("math_verify")
+  columns = [{"solution": "72"}, {"solution": MATH[0]["solution"], "level": "Level 1"},
+             {"solution": "no answer here"}]
+  by_problem = [
+      ["<think>48/2=24, 48+24=72</think> 72", "Natalia sold 72.\n#### 72",
+       "So the answer is $\\boxed{72}$.", "I do not know"],
+      ["$\\boxed{1}$", "$\\boxed{\\frac{4}{6}}$", "$\\boxed{1}$", "$\\boxed{\\frac{2}{3}}$"],
+      ["1", "2", "3", "4"]]
+  prompts = ["p1", "p2", "p3"] * 4
+  texts = [by_problem[i % 3][i // 3] for i in range(12)]
+  m, rows = reasoning.Solutions(columns * 4).metrics(prompts, texts, "reference_")
+  assert m == {"reference_pass@1": (0.75 + 0.5) / 2, "reference_pass@4": 1.0,
+               "reference_maj@4": 0.5, "reference_extraction_failure_rate": 1 / 8,
+               "reference_format_rate": 1 / 12, "reference_unscorable_problems": 1,
+               "reference_pass@1/difficulty_Level_1": 0.5}
+  assert [(r["problem"], r["answer"], r["answers"], r["correct"], r["majority"]) for r in rows] == [
+      ("p1", "72", ["72", "72", "72", None], [True, True, True, False], "72"),
+      ("p2", "\\frac{2}{3}", ["1", "\\frac{4}{6}", "1", "\\frac{2}{3}"],
+       [False, True, False, True], "1")]
+  assert reasoning.pass_at_k(4, 2, 2) == 1 - 1 / 6 and rows[1]["maj@4"] == 0.0
+
+
+def test_eval_samples_per_prompt_is_checked_and_keeps_the_reasoning_preset_samples():
+  """k samples a prompt tile the prompts, so the reasoning preset's 128 problems x 4 are the 512
+  prompts it sampled before the flag (the same rows, so the same keys and samples)."""
+  with pytest.raises(ValueError, match="eval_samples_per_prompt"):
+    configs.DEFAULT.replace(eval_samples_per_prompt=0)
+  cfg = configs.REASONING
+  k = cfg.eval.eval_samples_per_prompt
+  assert (reasoning.eval_prompts(cfg.data.task_eval_prompts, cfg.data.task_difficulty) * k
+          == reasoning.eval_prompts(512, cfg.data.task_difficulty))
+
+
 def solution_reward(prompts, completions, completion_ids, solution, **kwargs):
   """A reward in TRL's convention that records what the GRPO stage hands it."""
   SEEN.append({"solution": list(solution), "ids": [len(c) for c in completion_ids],
@@ -175,8 +214,8 @@ def test_sft_on_gsm8k_solutions_then_grpo_reads_the_solution_column(tmp_path):
       train_data=path, eval_split=0.1, chat_template="chatml", max_prompt_length=80,
       max_target_length=24, global_batch_size=8, num_generations=4, sft_steps=4, grpo_steps=2,
       max_completion_length=6, log_every=1, eval_every=0, checkpoint_every=2,
-      eval_max_new_tokens=6, task_eval_prompts=4, stage="sft,grpo", output_dir=str(out),
-      reward_fn="tests.test_prompt_data:solution_reward"))
+      eval_max_new_tokens=6, task_eval_prompts=3, eval_samples_per_prompt=2, stage="sft,grpo",
+      output_dir=str(out), reward_fn="tests.test_prompt_data:solution_reward"))
   answers = {str(a + b) for a in range(8) for b in range(8)}
   import importlib  # the run imported this file by its --reward_fn name, maybe as another module
   seen = importlib.import_module("tests.test_prompt_data").SEEN
@@ -192,3 +231,10 @@ def test_sft_on_gsm8k_solutions_then_grpo_reads_the_solution_column(tmp_path):
   summary = json.loads((out / "summary.json").read_text())
   assert summary["judge"].startswith("reward function tests.test_prompt_data:solution_reward")
   assert np.isfinite(summary["policy_reward"])
+  # the held-out problems' pass@k and majority@k by their solutions, one answers line a problem
+  assert summary["eval_prompts"] == 6 and 0 <= summary["pass@2"] <= 1
+  assert {"pass@1", "maj@2", "reference_pass@1", "pass@1_gain"} <= set(summary)
+  with open(out / "answers.jsonl") as f:
+    lines = [json.loads(l) for l in f]
+  assert len(lines) == 3 and {l["answer"] for l in lines} <= answers
+  assert all(len(l["answers"]) == len(l["reference_answers"]) == 2 for l in lines)

@@ -144,7 +144,8 @@ def test_a_tiny_reasoning_run_writes_answers_and_its_verdict(tmp_path):
   out = tmp_path / "run"
   cfg = configs.get_config("reasoning").replace(
       d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
-      task_sft_examples=64, task_train_pairs=64, task_eval_pairs=16, task_eval_prompts=256,
+      task_sft_examples=64, task_train_pairs=64, task_eval_pairs=16, task_eval_prompts=128,
+      eval_samples_per_prompt=2,
       sft_steps=8, grpo_steps=2, num_generations=4, global_batch_size=8, eval_batch_size=64,
       checkpoint_every=2, log_every=1, output_dir=str(out))
   summary = loop.run(cfg)
