@@ -395,6 +395,11 @@ class _ConfigMethods:
       check(any(s in stages for s in readers) or not changed,
             f"{(changed or [''])[0]}: must go with {_article(what)} {what} stage (--stage="
             f"{self.run.stage} has none)")
+    without = [s for s in stages if not registry.ALGORITHMS[s].router_losses]
+    check(not (self.model.router_losses and without),
+          f"--router_aux_loss_coef={self.model.router_aux_loss_coef}, --router_z_loss_coef="
+          f"{self.model.router_z_loss_coef}: the {','.join(without)} stage adds no router loss "
+          f"to its loss; give 0 for a recipe with it")
     for algorithm in registry.ALGORITHMS.values():
       if algorithm.check is not None:
         algorithm.check(self)
@@ -406,6 +411,11 @@ class _ConfigMethods:
     check(self.model.base_quant == "none" or self.lora.enabled,
           f"--base_quant={self.model.base_quant!r}: must go with LoRA, not --lora_rank=0 (a "
           f"quantized base is frozen)")
+    dense_mlp = [t for t in self.lora.lora_targets if t in ("gate", "up", "down")]
+    check(not (self.model.n_experts and self.lora.enabled and dense_mlp),
+          f"--lora_targets={','.join(self.lora.lora_targets)}: {','.join(dense_mlp)} name the "
+          f"dense MLP, which a model of --n_experts={self.model.n_experts} has not (its experts "
+          f"take no adapters); adapt the attention projections (q, k, v, o)")
     check(not (self.reference.precompute_ref and self.loss.reference_free),
           f"--precompute_ref=True: must go with a loss that reads the reference, not the "
           f"reference-free --loss_type={chosen}")
@@ -488,6 +498,12 @@ REASONING = DEFAULT.replace(
     max_completion_length=64, eval_max_new_tokens=64, global_batch_size=64, grpo_steps=150,
     num_generations=8, grpo_beta=0.04, learning_rate=2e-3, task_eval_prompts=128,
     eval_samples_per_prompt=4, output_dir="runs/reasoning")
+
+# moe: the default job with a mixture of experts in place of each layer's MLP (models/moe.py):
+# 4 experts of half the default's width, 2 a token (the dense MLP's active width), LoRA on the
+# attention projections (the experts take none).
+MOE = DEFAULT.replace(n_experts=4, experts_per_token=2, mlp_dim=192,
+                      lora_targets=("q", "k", "v", "o"), output_dir="runs/moe")
 
 # bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are;
 # --autotune on, these settings its first candidate (the best differs by CPU and load).
@@ -587,6 +603,7 @@ PRESETS: dict[str, Config] = {
     "smollm2-hh-tpu": SMOLLM2_HH_TPU,
     "default": DEFAULT,
     "reasoning": REASONING,
+    "moe": MOE,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),  # bench-small, every weight trained
     **{name: _real(name, m) for name, m in {

@@ -9,6 +9,11 @@ A batch that carries shared-prefix rows (`PairBatch.shared`, dpo/packing.py) tak
 `shared_pair_stats` instead: one forward per pair over prompt | chosen | rejected (or per row of
 several such pairs, packed), the LM head only at the scored slots (`head_logps`, optionally over
 vocabulary chunks), the same `PairStats`.
+
+A mixture of experts with router losses (--router_aux_loss_coef, --router_z_loss_coef) also
+returns each forward's router statistics (`router`, models/moe.py's `RouterStats` over its
+non-padding tokens; a pair's two sides summed), which the training steps turn into the loss
+they add (`moe.router_loss`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dpo.batches import PairBatch, Rows
-from models import quant, transformer
+from models import moe, quant, transformer
 from models.transformer import Adapter
 
 if TYPE_CHECKING:
@@ -74,6 +79,16 @@ class TokenStats(NamedTuple):
   mask: jax.Array             # [B, T] float32 loss mask
   wpo_logw: jax.Array | None  # [B, T] WPO log-weights, masked (wpo=True)
   logits: jax.Array | None    # [B, T, V] (with_logits=True)
+  router: moe.RouterStats | None = None  # with router losses (cfg.router_losses)
+
+
+def hidden(cfg: ModelConfig, params, rows: Rows, adapter: Adapter | None = None):
+  """(final hidden states [B, T, D] of `rows`, their router statistics or None): the forward
+  every scoring path runs; the statistics only where the model has router losses to train."""
+  if not cfg.router_losses:
+    return transformer.hidden(cfg, params, rows.inputs(), adapter), None
+  h_BTD, router_LBTE = transformer.hidden_and_router(cfg, params, rows.inputs(), adapter)
+  return h_BTD, moe.router_stats(router_LBTE, rows.segment_ids != 0, cfg.experts_per_token)
 
 
 def score(cfg: ModelConfig, params, rows: Rows, adapter: Adapter | None = None,
@@ -82,13 +97,14 @@ def score(cfg: ModelConfig, params, rows: Rows, adapter: Adapter | None = None,
   `rows` (the base, plus `adapter`'s LoRA delta) and score each masked token; with `temperature`
   (GRPO's and RLOO's, the sampler's, as TRL scores) of the logits divided by it (the kept logits
   too)."""
-  logits = transformer.forward(cfg, params, rows.inputs(), adapter)
+  h_BTD, router = hidden(cfg, params, rows, adapter)
+  logits = transformer.unembed(cfg, params, h_BTD)
   if temperature != 1.0:
     logits = logits.astype(jnp.float32) / temperature
   mask = rows.loss_mask.astype(jnp.float32)
   return TokenStats(token_logps(logits, rows.tokens) * mask, mask,
                     wpo_token_logw(logits, rows.tokens) * mask if wpo else None,
-                    logits if with_logits else None)
+                    logits if with_logits else None, router)
 
 
 def sequence_logps(cfg: ModelConfig, params, rows: Rows,
@@ -105,6 +121,7 @@ class PairStats(NamedTuple):
   shared_logps: jax.Array  # [B, 2] log-probs of each completion's first min(|y_w|, |y_l|) tokens
   wpo_logw: jax.Array | None  # [B, 2] mean over tokens of log p(y_t) - log sum_v p(v)^2, or None
   logits: jax.Array | None    # [B, 2, T, V] with_logits (the in-step KL measure), else None
+  router: moe.RouterStats | None = None  # both sides' (cfg.router_losses)
 
 
 def scored_slots(cfg: ModelConfig, params, rows: Rows, slots: int, adapter: Adapter | None = None,
@@ -115,7 +132,7 @@ def scored_slots(cfg: ModelConfig, params, rows: Rows, slots: int, adapter: Adap
   Callers pass a bound the rows are built to (the DPO step: --max_target_length, which every
   completion is cut to); a row that scores more gets NaN log-probs (its update is skipped and
   counted, `train.apply_update`), never a sum short of its last tokens."""
-  h_BTD = transformer.hidden(cfg, params, rows.inputs(), adapter)
+  h_BTD, router = hidden(cfg, params, rows, adapter)
   mask_BT = rows.loss_mask.astype(jnp.float32)
   # Scored slots first, in slot order (a stable sort of "not scored"), then the first `slots`.
   slot_BK = jnp.argsort(mask_BT <= 0, axis=-1, stable=True)[:, :slots]
@@ -128,7 +145,7 @@ def scored_slots(cfg: ModelConfig, params, rows: Rows, slots: int, adapter: Adap
   logw_BK = None if logw_BK is None else jnp.where(first, 0.0, logw_BK)
   lp_BK = jnp.where((mask_BT > 0).sum(-1, keepdims=True) > slots, jnp.nan, lp_BK)
   return TokenStats(lp_BK * weight_BK, weight_BK,
-                    None if logw_BK is None else logw_BK * weight_BK, None)
+                    None if logw_BK is None else logw_BK * weight_BK, None, router)
 
 
 def head_slots(T: int, score_slots: int, with_logits: bool) -> int:
@@ -160,13 +177,20 @@ def pair_stats(cfg: ModelConfig, params, batch: PairBatch, adapter: Adapter | No
       return scored_slots(cfg, params, rows, score_slots, side, wpo)
     return score(cfg, params, rows, side, wpo=wpo, with_logits=with_logits)
 
-  s = jax.vmap(one, in_axes=(1, None if keys is None else 0), out_axes=1)(batch.pairs, keys)
+  if cfg.n_experts:  # ragged_dot has no batching rule (models/moe.py): one forward a side
+    sides = [one(jax.tree.map(lambda x: x[:, i], batch.pairs), None if keys is None else keys[i])
+             for i in range(2)]
+    router = None if sides[0].router is None else moe.combine(*(x.router for x in sides))
+    sides = [x._replace(router=None) for x in sides]
+    s = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *sides)._replace(router=router)
+  else:
+    s = jax.vmap(one, in_axes=(1, None if keys is None else 0), out_axes=1)(batch.pairs, keys)
   tokens_B2 = s.mask.sum(-1)
   rank_B2T = jnp.cumsum(s.mask, axis=-1)
   shared_B1 = tokens_B2.min(axis=1, keepdims=True)
   shared_B2 = (s.logps * (rank_B2T <= shared_B1[..., None])).sum(-1)
   logw = None if s.wpo_logw is None else s.wpo_logw.sum(-1) / jnp.maximum(tokens_B2, 1.0)
-  return PairStats(s.logps.sum(-1), tokens_B2, shared_B2, logw, s.logits)
+  return PairStats(s.logps.sum(-1), tokens_B2, shared_B2, logw, s.logits, s.router)
 
 
 def _head_chunks(cfg: ModelConfig, params, chunk: int, dtype) -> jax.Array:
@@ -245,7 +269,7 @@ def shared_pair_stats(cfg: ModelConfig, params, batch: PairBatch,
     # each packed slot takes its dropout mask from its pair's unpacked row
     adapter = dataclasses.replace(adapter, dropout_source=transformer.DropoutSource(
         packed.dropout_source, packed.pair_index.shape[0]))
-  h_RSD = transformer.hidden(cfg, params, rows.inputs(), adapter)
+  h_RSD, router = hidden(cfg, params, rows, adapter)
   h_RKD = jnp.take_along_axis(h_RSD, rows.score_from[..., None], axis=1)
   lp_RK, logw_RK, logits = head_logps(cfg, params, h_RKD, rows.score_target, wpo, with_logits)
   P = 1 if packed is None else packed.pair_valid.shape[1]
@@ -262,4 +286,4 @@ def shared_pair_stats(cfg: ModelConfig, params, batch: PairBatch,
     to_pairs = lambda x_RP2: x_RP2.reshape(-1, 2)[packed.pair_index]  # [B, 2]
   else:
     to_pairs = lambda x_RP2: x_RP2[:, 0]
-  return PairStats(*(None if x is None else to_pairs(x) for x in stats), logits)
+  return PairStats(*(None if x is None else to_pairs(x) for x in stats), logits, router)

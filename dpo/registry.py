@@ -69,6 +69,9 @@ class Algorithm:
   completion_length: Callable | None = None
                                  # a sampling stage's completion budget, cfg -> tokens (what the
                                  # length parameters of dpo/rewards.py default to)
+  router_losses: bool = True     # its step adds a mixture's router losses (models/moe.py) to
+                                 # its loss; a run with --router_aux_loss_coef or
+                                 # --router_z_loss_coef and a stage that does not is refused
   columns: tuple[tuple[str, str, str], ...] = COLUMNS
                                  # its log line: (label, metric key, %-format); a key the step did
                                  # not return is left out, never printed as nan

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dpo import logprobs, losses
 from dpo.batches import PairBatch, Rows
 from models import lora as lora_lib
-from models import sharding, transformer
+from models import moe, sharding, transformer
 
 
 class TrainState(NamedTuple):
@@ -305,12 +305,22 @@ def microbatch_loss(spec: StepConfig, frozen: Frozen, trainable, batch: PairBatc
   lp = losses.Logps(pol_lp[:, 0], pol_lp[:, 1], ref_lp[:, 0], ref_lp[:, 1],
                     pol.tokens[:, 0], pol.tokens[:, 1], policy_chosen_full=pol.logps[:, 0])
   loss, extra = losses.combined(lp, lc, pol.wpo_logw)
-  metrics = {**losses.pair_statistics(lp, lc.beta), **extra}
+  loss, metrics = with_router_loss(spec.model, loss, {**losses.pair_statistics(lp, lc.beta),
+                                                      **extra}, pol.router)
   if pol.logits is not None:
     # The KL-spike guard's measure: exact token KL(pi || pi_ref), mean per completion token.
     kl = logprobs.pair_kl(jax.lax.stop_gradient(pol.logits), ref.logits, batch)
     metrics["kl"] = (kl.sum(), pol.tokens.sum())
   return loss, metrics
+
+
+def with_router_loss(model_cfg, loss, metrics: dict, stats) -> tuple[jax.Array, dict]:
+  """A training loss and its metrics with a mixture's router losses added (models/moe.py's
+  `router_loss` of the policy forward's statistics; unchanged without them)."""
+  if stats is None:
+    return loss, metrics
+  extra, figures = moe.router_loss(model_cfg, stats)
+  return loss + extra, {**metrics, **figures}
 
 
 def sft_step(spec: StepConfig, state: TrainState, frozen, batch: Rows) -> tuple[TrainState, dict]:
@@ -322,22 +332,27 @@ def sft_step(spec: StepConfig, state: TrainState, frozen, batch: Rows) -> tuple[
   del frozen
   chex.assert_rank(list(batch), 2)  # [B, T]
 
+  k = spec.optim.gradient_accumulation_steps
+  # A mixture's router losses are a mean per microbatch, not scaled by the token count below:
+  # the NLL is scaled inside instead (by the whole batch's tokens, counted up front).
+  router = spec.model.router_losses
+  inside = k / jnp.maximum(batch.loss_mask.sum(), 1.0) if router else 1.0
+
   def grad_fn(params, micro, i):
     del i
     def summed(p):
-      lp, n = logprobs.sequence_logps(spec.model, p, micro)
-      aux = {"tokens": n.sum()}
+      s = logprobs.score(spec.model, p, micro)
+      aux = {"tokens": s.mask.sum(-1).sum()}
       if spec.optim.sft_packing:
         aux["fill_rate"] = ((micro.segment_ids != 0).sum().astype(jnp.float32),
                             jnp.float32(micro.segment_ids.size))
-      return -lp.sum(), aux
+      return with_router_loss(spec.model, -s.logps.sum(-1).sum() * inside, aux, s.router)
     return jax.value_and_grad(summed, has_aux=True)(params)
 
-  k = spec.optim.gradient_accumulation_steps
-  (nll, metrics), grads = accumulate(grad_fn, state.params, batch, k)  # means over microbatches
+  (loss, metrics), grads = accumulate(grad_fn, state.params, batch, k)  # means over microbatches
   tokens = metrics["tokens"] * k
-  scale = k / jnp.maximum(tokens, 1.0)  # summed NLL -> mean per token of the whole batch
-  return apply_update(state, *spec.optimizer(), nll * scale,
+  scale = 1.0 if router else k / jnp.maximum(tokens, 1.0)  # summed NLL -> mean per token
+  return apply_update(state, *spec.optimizer(), loss * scale,
                       jax.tree.map(lambda g: g * scale, grads), {**metrics, "tokens": tokens})
 
 

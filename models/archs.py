@@ -21,6 +21,14 @@ class Switches(NamedTuple):
   norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
   post_norms: bool = False     # RMSNorm on the attention and MLP outputs (Gemma 2/3)
   embed_scale: bool = False    # embeddings times sqrt(d_model) (Gemma)
+  qk_norm_full: bool = False   # the q / k norms over all heads at once (OLMoE)
+
+
+class Experts(NamedTuple):
+  """How config.json describes a mixture of experts (models/moe.py)."""
+  count_keys: tuple[str, ...]  # the number of experts, the first key found (written on export)
+  width_key: str         # each expert's hidden width
+  norm_topk: bool | None  # top-k weights renormalised: always (True), or as norm_topk_prob says
 
 
 class Arch(NamedTuple):
@@ -44,6 +52,7 @@ class Arch(NamedTuple):
   act_key: str = "hidden_act"  # the config.json key the export writes the activation under
   gemma_scalars: bool = False  # config.json has query_pre_attn_scalar and logit soft-caps
   local_rope: bool = False     # sliding layers may have their own RoPE base
+  experts: Experts | None = None  # a mixture of experts in place of the dense MLP
 
 
 LAYER = "model.layers.{i}."  # the name prefix of layer i's tensors, in every family
@@ -67,6 +76,27 @@ _GEMMA_NAMES = {
 _GEMMA = dict(tied_default=True, act_key="hidden_activation", gemma_scalars=True)
 _GEMMA_SWITCHES = dict(norm_plus_one=True, post_norms=True, embed_scale=True)
 
+# A mixture's router and experts ({e} = the expert's index): Qwen3-MoE's and OLMoE's under
+# mlp, Mixtral's under block_sparse_moe with w1 / w3 / w2 for gate / up / down.
+_MOE_NAMES = {
+    **_LLAMA_NAMES,
+    ("layers", "router"): LAYER + "mlp.gate.weight",
+    ("layers", "expert_gate"): LAYER + "mlp.experts.{e}.gate_proj.weight",
+    ("layers", "expert_up"): LAYER + "mlp.experts.{e}.up_proj.weight",
+    ("layers", "expert_down"): LAYER + "mlp.experts.{e}.down_proj.weight",
+}
+_MIXTRAL_NAMES = {
+    **_LLAMA_NAMES,
+    ("layers", "router"): LAYER + "block_sparse_moe.gate.weight",
+    ("layers", "expert_gate"): LAYER + "block_sparse_moe.experts.{e}.w1.weight",
+    ("layers", "expert_up"): LAYER + "block_sparse_moe.experts.{e}.w3.weight",
+    ("layers", "expert_down"): LAYER + "block_sparse_moe.experts.{e}.w2.weight",
+}
+
+# transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the Hub's files and OLMoE
+# say num_experts.
+_COUNT = ("num_experts", "num_local_experts")
+
 ARCHITECTURES: dict[str, Arch] = {a.model_type: a for a in (
     Arch("llama", "LlamaForCausalLM", Switches(), _LLAMA_NAMES, "listed"),
     Arch("mistral", "MistralForCausalLM", Switches(), _LLAMA_NAMES, "all"),
@@ -76,5 +106,11 @@ ARCHITECTURES: dict[str, Arch] = {a.model_type: a for a in (
          **_GEMMA),
     Arch("gemma3_text", "Gemma3ForCausalLM", Switches(qk_norm=True, **_GEMMA_SWITCHES),
          _GEMMA_NAMES, "periodic", **_GEMMA, local_rope=True),
+    Arch("qwen3_moe", "Qwen3MoeForCausalLM", Switches(qk_norm=True), _MOE_NAMES, "none",
+         experts=Experts(_COUNT, "moe_intermediate_size", None)),
+    Arch("mixtral", "MixtralForCausalLM", Switches(), _MIXTRAL_NAMES, "all",
+         experts=Experts(("num_local_experts", "num_experts"), "intermediate_size", True)),
+    Arch("olmoe", "OlmoeForCausalLM", Switches(qk_norm=True, qk_norm_full=True), _MOE_NAMES,
+         "none", experts=Experts(_COUNT, "intermediate_size", None)),
 )}
 ARCHS = tuple(ARCHITECTURES)

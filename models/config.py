@@ -159,6 +159,21 @@ class ModelConfig:
   rope_low_freq_factor: float = option(1.0, "llama3 RoPE scaling: low-frequency factor.")
   rope_high_freq_factor: float = option(4.0, "llama3 RoPE scaling: high-frequency factor.")
   rope_original_max_len: int = option(8192, "llama3 RoPE scaling: original context length.")
+  n_experts: int = option(0, "Mixture of experts: experts of every layer's MLP, each a gated "
+                          "MLP of --mlp_dim (0 = one dense MLP; models/moe.py).")
+  experts_per_token: int = option(2, "Mixture of experts: experts each token is routed to (the "
+                                  "router's top-k).")
+  router_norm_topk: bool = option(False, "Mixture of experts: renormalise the top-k routing "
+                                  "probabilities to sum to 1 (Mixtral always; Qwen3-MoE and "
+                                  "OLMoE as norm_topk_prob says).")
+  router_aux_loss_coef: float = option(0.0, "Mixture of experts: weight of the router's "
+                                       "load-balancing loss added to every training loss "
+                                       "(transformers' router_aux_loss_coef, as TRL adds it; "
+                                       "0 = off).")
+  router_z_loss_coef: float = option(0.0, "Mixture of experts: weight of the router z-loss "
+                                     "(ST-MoE) added to every training loss (0 = off).")
+  qk_norm_full: bool = option(False, "With --qk_norm: one RMSNorm over all heads' queries (and "
+                              "one over all keys) instead of one per head (OLMoE).")
   base_quant: str = option("none", "Store the frozen base's layer matrices in less than "
                            "float32: none, bf16 (bfloat16; exact for a bfloat16 checkpoint), int8 "
                            "(per-channel absmax) or nf4 (64-element blocks, QLoRA code book). "
@@ -184,6 +199,18 @@ class ModelConfig:
     check(self.attention != "pallas" or not self.attention_block,
           f"--attention_block={self.attention_block}: applies to --attention=xla; the pallas "
           "kernel skips the tiles above the causal diagonal itself (give --attention_block=0)")
+    check(not self.n_experts or 1 <= self.experts_per_token <= self.n_experts,
+          f"--experts_per_token={self.experts_per_token}: must be in [1, --n_experts="
+          f"{self.n_experts}]")
+    check(self.n_experts >= 0, f"--n_experts={self.n_experts}: must be >= 0 (0: a dense MLP)")
+    check(not self.n_experts or self.base_quant == "none",
+          f"--base_quant={self.base_quant}: the experts of --n_experts={self.n_experts} are not "
+          "quantized; give --base_quant=none")
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+      value = getattr(self, name)
+      check(value >= 0 and (self.n_experts or value == 0),
+            f"--{name}={value}: must be >= 0, and 0 without experts (--n_experts=0)")
+    check(self.qk_norm or not self.qk_norm_full, "--qk_norm_full=True: must go with --qk_norm")
     check(self.n_heads % self.n_kv_heads == 0,
           f"--n_kv_heads={self.n_kv_heads}: must divide --n_heads={self.n_heads}")
     check(self.prefix_sharing or not self.packing,
@@ -204,6 +231,11 @@ class ModelConfig:
     check(not self.logits_chunk or self.vocab_size % self.logits_chunk == 0,
           f"--logits_chunk={self.logits_chunk}: must be 0 or a divisor of "
           f"--vocab_size={self.vocab_size}")
+
+  @property
+  def router_losses(self) -> bool:
+    """Whether training forwards keep the router's statistics (models/moe.py) for its losses."""
+    return bool(self.router_aux_loss_coef or self.router_z_loss_coef)
 
   @property
   def explicit_backward(self) -> bool:

@@ -25,6 +25,7 @@ models/archs.py ARCHITECTURES; the projections' names are the LoRA targets' modu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -197,6 +198,29 @@ def _layer_types(hf: dict, a: archs.Arch, n_layers: int, where: str) -> list[boo
   return [False] * n_layers
 
 
+def _experts(hf: dict, a: archs.Arch, where: str) -> dict:
+  """ModelConfig's mixture-of-experts fields (models/moe.py) of a family with experts; what
+  the layer cannot compute is refused by the key that asks for it."""
+  e = a.experts
+  if e is None:
+    return {"n_experts": 0}
+  if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+    raise HFError(f"{where}: dense MLP layers among the experts' (mlp_only_layers="
+                  f"{hf.get('mlp_only_layers')}, decoder_sparse_step="
+                  f"{hf.get('decoder_sparse_step')}) are not supported: every layer is sparse")
+  for key in ("router_jitter_noise", "clip_qkv"):
+    if hf.get(key):
+      raise HFError(f"{where}: {key}={hf[key]} is not supported")
+  count = next((k for k in e.count_keys if hf.get(k) is not None), e.count_keys[0])
+  try:
+    return dict(n_experts=int(hf[count]), experts_per_token=int(hf["num_experts_per_tok"]),
+                mlp_dim=int(hf[e.width_key]),
+                router_norm_topk=e.norm_topk or bool(hf.get("norm_topk_prob", False)))
+  except KeyError as err:
+    raise HFError(f"{where}: missing field {err.args[0]!r} (a {a.model_type} mixture of "
+                  f"experts)") from None
+
+
 def config_from_hf(hf: dict, where: str = "config.json", base: ModelConfig | None = None) -> ModelConfig:
   """A ModelConfig for a transformers config dict; raises HFError for what it cannot express."""
   arch = hf.get("model_type")
@@ -226,6 +250,7 @@ def config_from_hf(hf: dict, where: str = "config.json", base: ModelConfig | Non
         **_rope(hf, where))
   except KeyError as e:
     raise HFError(f"{where}: missing field {e.args[0]!r}") from None
+  fields.update(_experts(hf, a, where))
   local = _layer_types(hf, a, L, where)
   if any(local):
     window = hf.get("sliding_window")
@@ -242,6 +267,27 @@ def config_from_hf(hf: dict, where: str = "config.json", base: ModelConfig | Non
   return dataclasses.replace(base, **fields)
 
 
+def _experts_config(cfg: ModelConfig, a: archs.Arch, source: dict) -> dict:
+  """config.json's mixture-of-experts keys for `cfg` (none for a dense family); a model whose
+  experts the family cannot hold, or a family that needs them, is refused."""
+  if (a.experts is None) != (not cfg.n_experts):
+    raise HFError(f"n_experts={cfg.n_experts} does not match model_type {a.model_type} ("
+                  f"{'a mixture of experts' if a.experts else 'a dense MLP'})")
+  if a.experts is None:
+    return {}
+  if a.experts.norm_topk and not cfg.router_norm_topk:
+    raise HFError(f"router_norm_topk=False cannot be expressed in a {a.model_type} config.json "
+                  "(its top-k weights are always renormalised)")
+  out = {a.experts.count_keys[0]: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+         a.experts.width_key: cfg.mlp_dim}
+  if a.experts.norm_topk is None:
+    out["norm_topk_prob"] = cfg.router_norm_topk
+  if a.experts.width_key != "intermediate_size":  # the dense layers' width: none are dense
+    out.update(intermediate_size=source.get("intermediate_size", cfg.mlp_dim),
+               decoder_sparse_step=1, mlp_only_layers=[])
+  return out
+
+
 def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
   """The transformers config.json dict for `cfg` (over `source`'s non-architecture keys)."""
   arch = cfg.arch
@@ -250,7 +296,7 @@ def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
     if getattr(cfg, name) != want:
       raise HFError(f"{name}={getattr(cfg, name)} does not match model_type {arch} "
                     f"({name}={want})")
-  drop = {"rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "layer_types",
+  drop = {"num_experts", "num_local_experts", "rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "layer_types",
           "sliding_window_pattern", "_sliding_window_pattern", "use_sliding_window",
           "sliding_window", "architectures", "dtype", "torch_dtype", "hidden_act",
           "hidden_activation"}
@@ -266,6 +312,7 @@ def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
       a.act_key: act,
   })
   out.setdefault("max_position_embeddings", 8192)
+  out.update(_experts_config(cfg, a, source or {}))
   if cfg.rope_scaling == "linear":
     out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
   elif cfg.rope_scaling == "llama3":
@@ -322,8 +369,25 @@ def _flat_specs(specs) -> dict[tuple[str, ...], transformer.ParamSpec]:
   return out
 
 
-def _hf_shape(spec: transformer.ParamSpec, stacked: bool) -> tuple[int, ...]:
-  shape = spec.shape[1:] if stacked else spec.shape
+def _stacked(spec: transformer.ParamSpec, path: tuple[str, ...]) -> int:
+  """How many leading axes of a parameter are one HF tensor each: 0 (embedding, final norm, LM
+  head), 1 (a layer's: {i}) or 2 (an expert's of a layer: {i} and {e})."""
+  if path[0] != "layers":
+    return 0
+  return 2 if spec.axes[:2] == ("layers", "experts") else 1
+
+
+def _names(template: str, spec: transformer.ParamSpec, n_stack: int) -> list[str]:
+  """The HF tensor names of a parameter, in row-major order of its `n_stack` leading axes."""
+  if n_stack == 0:
+    return [template]
+  if n_stack == 1:
+    return [template.format(i=i) for i in range(spec.shape[0])]
+  return [template.format(i=i, e=e) for i in range(spec.shape[0]) for e in range(spec.shape[1])]
+
+
+def _hf_shape(spec: transformer.ParamSpec, n_stack: int) -> tuple[int, ...]:
+  shape = spec.shape[n_stack:]
   if spec.fan_in:
     return (math.prod(shape[spec.fan_in:]), math.prod(shape[:spec.fan_in]))
   return tuple(shape) if spec.axes == ("vocab", "embed") else (math.prod(shape),)
@@ -372,10 +436,9 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bo
   names = _tensor_names(cfg.arch)
   plan = {}
   for path, spec in _flat_specs(specs).items():
-    template = names[path]
-    stacked = path[0] == "layers"
-    want = _hf_shape(spec, stacked)
-    layer_names = [template.format(i=i) for i in range(cfg.n_layers)] if stacked else [template]
+    n_stack = _stacked(spec, path)
+    want = _hf_shape(spec, n_stack)
+    layer_names = _names(names[path], spec, n_stack)
     for name in layer_names:
       got = files.shape(name)
       if got is None:
@@ -383,17 +446,19 @@ def load(directory: str, mesh: Mesh, base: ModelConfig | None = None, reward: bo
       if got != want:
         raise HFError(f"{directory}: tensor {name!r} has shape {list(got)}, expected "
                       f"{list(want)} from config.json")
-    plan[path] = (spec, stacked, layer_names)
+    plan[path] = (spec, n_stack, layer_names)
 
-  def build(spec, stacked, layer_names):
+  def build(spec, n_stack, layer_names):
     def callback(index):
       index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
-      if not stacked:
+      if not n_stack:
         return _read_block(files.get(layer_names[0]), spec.shape, spec.fan_in,
                            index).astype(np.float32)
-      layers = range(*index[0].indices(spec.shape[0]))
-      return np.stack([_read_block(files.get(layer_names[l]), spec.shape[1:], spec.fan_in,
-                                   index[1:]) for l in layers]).astype(np.float32)
+      lead = [range(*s.indices(n)) for s, n in zip(index[:n_stack], spec.shape[:n_stack])]
+      tensors = [_read_block(files.get(layer_names[np.ravel_multi_index(at, spec.shape[:n_stack])]),
+                             spec.shape[n_stack:], spec.fan_in, index[n_stack:])
+                 for at in itertools.product(*lead)]
+      return np.stack(tensors).reshape(*map(len, lead), *tensors[0].shape).astype(np.float32)
     sh = transformer.shardings(spec, mesh)
     return jax.make_array_from_callback(spec.shape, sh, callback)
 
@@ -452,12 +517,12 @@ def source_config(init_from: str) -> dict | None:
 
 # --- export --------------------------------------------------------------------------------------
 
-def _to_hf(value: np.ndarray, spec, stacked: bool) -> list[np.ndarray]:
-  """Our array -> HF tensor(s), one per layer when stacked."""
-  per_layer = list(value) if stacked else [value]
-  shape = _hf_shape(spec, stacked)
+def _to_hf(value: np.ndarray, spec, n_stack: int) -> list[np.ndarray]:
+  """Our array -> HF tensor(s), one per layer (and expert) of its `n_stack` leading axes."""
+  per_layer = list(value.reshape(-1, *spec.shape[n_stack:])) if n_stack else [value]
+  shape = _hf_shape(spec, n_stack)
   if spec.fan_in:
-    n_in = math.prod((spec.shape[1:] if stacked else spec.shape)[:spec.fan_in])
+    n_in = math.prod(spec.shape[n_stack:][:spec.fan_in])
     return [np.ascontiguousarray(v.reshape(n_in, -1).T) for v in per_layer]
   return [v.reshape(shape) for v in per_layer]
 
@@ -499,11 +564,11 @@ def save(directory: str, cfg: ModelConfig, params, lora: Lora | None = None,
     specs.pop("lm_head", None)  # a reward model imported from a classifier has no LM head
   tensors = {}
   for path, spec in _flat_specs(specs).items():
-    template = names[path]
     value = sharding.to_host(params[path[0]] if len(path) == 1 else params["layers"][path[1]])
-    stacked = path[0] == "layers"
-    for i, t in enumerate(_to_hf(value, spec, stacked)):
-      tensors[template.format(i=i)] = t.astype(np_dtype)
+    n_stack = _stacked(spec, path)
+    for name, t in zip(_names(names[path], spec, n_stack), _to_hf(value, spec, n_stack),
+                       strict=True):
+      tensors[name] = t.astype(np_dtype)
   tensors.update({k: v.astype(np_dtype) for k, v in (options.extra or {}).items()})
   if jax.process_index() != 0:
     return

@@ -54,6 +54,9 @@ def lora_specs(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> dict:
   out: dict = {"layers": {}}
   for name in lora_cfg.lora_targets:
     group, leaf = TARGETS[name].path
+    if leaf not in base[group]:
+      raise ValueError(f"--lora_targets={name}: the model has no {leaf} projection (the MLP of a "
+                       f"mixture of experts, models/moe.py, takes no adapters)")
     s = base[group][leaf]
     n_in = s.fan_in
     in_shape, out_shape = s.shape[1:1 + n_in], s.shape[1 + n_in:]

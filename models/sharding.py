@@ -37,6 +37,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
+    "experts": (),  # a mixture's experts (models/moe.py): whole on every device
     "lora_rank": (),
     "norm": (),
     "qblocks": ("fsdp",),  # NF4 blocks of a quantized matrix (models/quant.py)

@@ -26,7 +26,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
-from models import flash, quant, sharding
+from models import flash, moe, quant, sharding
 
 if TYPE_CHECKING:
   from models.config import LoraConfig, ModelConfig
@@ -61,11 +61,18 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
       "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal", 1),
       "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal", 1),
   }
+  if cfg.n_experts:  # a mixture of experts in place of the dense MLP (models/moe.py)
+    for name in ("gate", "up", "down"):
+      del layer[name]
+    layer.update(moe.param_specs(cfg, ParamSpec))
   if cfg.qkv_bias:
     layer["q_bias"] = ParamSpec((L, H, Hd), ("layers", "heads", "head_dim"), "zeros")
     layer["k_bias"] = ParamSpec((L, K, Hd), ("layers", "kv_heads", "head_dim"), "zeros")
     layer["v_bias"] = ParamSpec((L, K, Hd), ("layers", "kv_heads", "head_dim"), "zeros")
-  if cfg.qk_norm:
+  if cfg.qk_norm and cfg.qk_norm_full:  # one scale over all heads (OLMoE)
+    layer["q_norm"] = ParamSpec((L, H, Hd), ("layers", "heads", "head_dim"), norm_init)
+    layer["k_norm"] = ParamSpec((L, K, Hd), ("layers", "kv_heads", "head_dim"), norm_init)
+  elif cfg.qk_norm:
     layer["q_norm"] = ParamSpec((L, Hd), ("layers", "norm"), norm_init)
     layer["k_norm"] = ParamSpec((L, Hd), ("layers", "norm"), norm_init)
   if cfg.post_norms:
@@ -404,7 +411,9 @@ class _LayerInputs(NamedTuple):
 
 
 def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerInputs):
-  """One pre-norm block; `adapter` holds this layer's LoRA factors (target name -> {"a", "b"})."""
+  """One pre-norm block: (the residual stream after it, the cache hook's (keys, values) or None,
+  a mixture's router logits [B, T, E] or None); `adapter` holds this layer's LoRA factors
+  (target name -> {"a", "b"})."""
   def proj(name, inp, n_in):
     lp = adapter.lora.get(name) if adapter is not None and adapter.lora else None
     if lp is None:
@@ -428,7 +437,11 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
   c = sharding.constrain
   h = norm("attn_norm", x_BTD)
   q_BTHk, k_BTKk, v_BTKk = proj("q", h, 1), proj("k", h, 1), proj("v", h, 1)
-  if cfg.qk_norm:
+  if cfg.qk_norm_full:  # over all heads' values at once
+    q_BTHk, k_BTKk = (rms_norm(x.reshape(B, T, -1), p[name].reshape(-1), cfg.norm_eps,
+                               cfg.norm_plus_one).reshape(x.shape)
+                      for x, name in ((q_BTHk, "q_norm"), (k_BTKk, "k_norm")))
+  elif cfg.qk_norm:
     q_BTHk, k_BTKk = norm("q_norm", q_BTHk), norm("k_norm", k_BTKk)
   q_BTHk = c(rope(q_BTHk, inputs.positions_BT, inputs.freq_k), _ACT_Q)
   k_BTKk = c(rope(k_BTKk, inputs.positions_BT, inputs.freq_k), _ACT_KV)
@@ -448,12 +461,16 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
   x_BTD = checkpoint_name(x_BTD, ATTN_RESIDUAL)
 
   h = norm("mlp_norm", x_BTD)
-  gate_BTF, up_BTF = (checkpoint_name(proj(name, h, 1), name_)
-                      for name, name_ in (("gate", MLP_GATE), ("up", MLP_UP)))
-  gated_BTF = c(_ACTIVATIONS[cfg.mlp_act](gate_BTF) * up_BTF, _ACT_MLP)
-  out_BTD = proj("down", gated_BTF, 1)
+  router_BTE = None
+  if cfg.n_experts:
+    out_BTD, router_BTE = moe.mlp(cfg, h, p, _ACTIVATIONS[cfg.mlp_act])
+  else:
+    gate_BTF, up_BTF = (checkpoint_name(proj(name, h, 1), name_)
+                        for name, name_ in (("gate", MLP_GATE), ("up", MLP_UP)))
+    gated_BTF = c(_ACTIVATIONS[cfg.mlp_act](gate_BTF) * up_BTF, _ACT_MLP)
+    out_BTD = proj("down", gated_BTF, 1)
   x_BTD = x_BTD + (norm("post_mlp_norm", out_BTD) if cfg.post_norms else out_BTD)
-  return x_BTD, cache
+  return x_BTD, cache, router_BTE
 
 
 def _attend_cache(cfg: ModelConfig, q_BTKGk, k_BKSk, v_BKSk, mask_BTS) -> jax.Array:
@@ -597,6 +614,14 @@ def forward(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = 
   return unembed(cfg, params, out[0]), out[1]
 
 
+def hidden_and_router(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = None):
+  """(`hidden` of `inputs`, every layer's router logits [L, B, T, E] float32) of a mixture of
+  experts (models/moe.py): what the router's auxiliary loss and load figures read."""
+  if not cfg.n_experts:
+    raise ValueError("router logits: the model has no experts (--n_experts=0)")
+  return _hidden(cfg, params, inputs, adapter, router=True)
+
+
 def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = None,
            decode: Decode | None = None):
   """Final hidden states [B, T, D] (after the final norm) of `inputs`: `forward` without the LM
@@ -607,9 +632,16 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
   updated cache). Positions (for RoPE) are independent of slots. Branch ids are not supported
   with a cache.
   """
-  x_BTD = _embed(cfg, params, inputs.tokens_BT)
   if decode is not None:
-    return _decode_layers(cfg, params, x_BTD, inputs, adapter, decode)
+    return _decode_layers(cfg, params, _embed(cfg, params, inputs.tokens_BT), inputs, adapter,
+                          decode)
+  return _hidden(cfg, params, inputs, adapter, router=False)[0]
+
+
+def _hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None, router: bool):
+  """`hidden`'s layer scan: (final hidden states, the router logits [L, B, T, E] with `router`,
+  else None)."""
+  x_BTD = _embed(cfg, params, inputs.tokens_BT)
   q, kv = _slots(inputs, None)
   # Per-layer variation (sliding window, local RoPE base) rides along the scan as a flag.
   local_L = np.asarray(cfg.layer_is_local())
@@ -631,8 +663,9 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
     window = jnp.where(local, cfg.sliding_window, 0) if use_flash else None
     layer_inputs = _LayerInputs(inputs.positions_BT, mask, freq,
                                 flash=(q, window) if use_flash else None)
-    x, _ = _layer(cfg, x, p, None if adapter is None else adapter.at_layer(lp, key), layer_inputs)
-    return sharding.constrain(x, _ACT_RESID), None
+    x, _, router_BTE = _layer(cfg, x, p, None if adapter is None else adapter.at_layer(lp, key),
+                              layer_inputs)
+    return sharding.constrain(x, _ACT_RESID), router_BTE if router else None
 
   if cfg.remat:
     if cfg.remat_policy in ("attention", "projections") and not use_flash:
@@ -643,8 +676,8 @@ def hidden(cfg: ModelConfig, params, inputs: Inputs, adapter: Adapter | None = N
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat_policy])
   lora_layers = {} if adapter is None or adapter.lora is None else adapter.lora["layers"]
   xs = (params["layers"], lora_layers, jnp.arange(cfg.n_layers), jnp.asarray(local_L))
-  x_BTD, _ = jax.lax.scan(body, x_BTD, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))
-  return rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
+  x_BTD, router_LBTE = jax.lax.scan(body, x_BTD, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))
+  return rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one), router_LBTE
 
 
 def _embed(cfg: ModelConfig, params, tokens_BT: jax.Array) -> jax.Array:
@@ -685,8 +718,8 @@ def _decode_layers(cfg: ModelConfig, params, x_BTD, inputs: Inputs, adapter: Ada
       key = None if adapter.dropout_key is None else jax.random.fold_in(adapter.dropout_key, i)
       layer_adapter = adapter.at_layer({} if lora is None else lora[i], key)
     hook = _cache_writer(decode.cache.k[i], decode.cache.v[i], decode.index)
-    x_BTD, (k, v) = _layer(cfg, x_BTD, layers[i], layer_adapter,
-                           _LayerInputs(inputs.positions_BT, mask[local], freq[local], hook))
+    x_BTD, (k, v), _ = _layer(cfg, x_BTD, layers[i], layer_adapter,
+                              _LayerInputs(inputs.positions_BT, mask[local], freq[local], hook))
     x_BTD = sharding.constrain(x_BTD, _ACT_RESID)
     ks.append(k)
     vs.append(v)

@@ -53,6 +53,14 @@ ARCH_CONFIGS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 10000.0,
                                             "factor": 4.0}}),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        norm_topk_prob=True, tie_word_embeddings=False),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4,
+                                                  num_experts_per_tok=2, tie_word_embeddings=False),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **{k: v for k, v in COMMON.items() if k != "head_dim"}, num_experts=5,
+        num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=False),
 }
 
 
@@ -127,7 +135,8 @@ def test_import_parity_and_export_roundtrip(arch, mesh, tmp_path):
   np.testing.assert_array_equal(np.asarray(n), loss_mask.sum(-1))
 
   # Export with a non-zero LoRA (random B) on every target; transformers must see the merge.
-  lcfg = configs.LoraConfig(lora_rank=2, lora_alpha=4.0, lora_targets=tuple(lora_lib.TARGETS))
+  targets = tuple(t for t in lora_lib.TARGETS if not (cfg.n_experts and t in ("gate", "up", "down")))
+  lcfg = configs.LoraConfig(lora_rank=2, lora_alpha=4.0, lora_targets=targets)
   lora = lora_lib.init(cfg, lcfg, jax.random.key(1), mesh)
   lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape), lora)
   policy = np.asarray(transformer.forward(cfg, params, transformer.Inputs(tokens, positions, seg),

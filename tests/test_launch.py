@@ -151,7 +151,8 @@ def test_flag_lines_parse_back_to_the_same_config_for_every_preset():
   import launch
   try:
     for name, preset in configs.PRESETS.items():
-      cfg = preset.replace(learning_rate=1.2345678901234e-5, lora_targets=("q", "k", "down"),
+      targets = ("q", "k") if preset.model.n_experts else ("q", "k", "down")  # experts: none
+      cfg = preset.replace(learning_rate=1.2345678901234e-5, lora_targets=targets,
                            log_kl=not preset.guard.log_kl, output_dir="/tmp/a b/c", seed=7,
                            loss_type=("sigmoid", "ipo"), loss_weights=(0.25, 0.75),
                            gradient_accumulation_steps=2, eval_split=0.1 / 3)

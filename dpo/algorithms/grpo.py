@@ -85,8 +85,9 @@ def grpo_step(spec: train.StepConfig, state: train.TrainState, frozen,
     entropies = pg.token_entropy(s.logits)  # TRL's: logged, and read by the entropy options
     if not spec.own.entropy_coef:
       entropies = jax.lax.stop_gradient(entropies)
-    return pg.grpo_loss(s.logps, micro.old_logps, micro.ref_logps, micro.advantages, s.mask,
-                        spec.own, num_items=num_items, entropies_NT=entropies)
+    loss, metrics = pg.grpo_loss(s.logps, micro.old_logps, micro.ref_logps, micro.advantages,
+                                 s.mask, spec.own, num_items=num_items, entropies_NT=entropies)
+    return train.with_router_loss(spec.model, loss, metrics, s.router)
 
   def grad_fn(trainable, micro, i):
     del i

@@ -120,14 +120,16 @@ def microbatch_loss(spec: train.StepConfig, frozen: train.Frozen, trainable, bat
     plain = transformer.Adapter(trainable, spec.lora.scale)  # no dropout: the z0 estimate
   seq = lambda params, rows, a: logprobs.sequence_logps(spec.model, params, rows, a)[0]
   stopped = lambda params, rows, a: jax.lax.stop_gradient(seq(params, rows, a))
-  policy_B = seq(policy_params, batch.rows, adapter)
+  policy = logprobs.score(spec.model, policy_params, batch.rows, adapter)
+  policy_B = policy.logps.sum(-1)
   reference_B = stopped(ref_params, batch.rows, ref_adapter)
   z0 = 0.0
   if batch.mismatched is not None:
     z0 = unpaired.reference_point(stopped(policy_params, batch.mismatched, plain),
                                   stopped(ref_params, batch.mismatched, ref_adapter))
   lp = unpaired.UnpairedLogps(policy_B, reference_B, batch.desirable)
-  return unpaired.kto_loss(lp, z0, spec.own.beta, spec.own.config)
+  loss, metrics = unpaired.kto_loss(lp, z0, spec.own.beta, spec.own.config)
+  return train.with_router_loss(spec.model, loss, metrics, policy.router)
 
 
 def kto_step(spec: train.StepConfig, state: train.TrainState, frozen: train.Frozen,

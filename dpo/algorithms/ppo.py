@@ -247,6 +247,6 @@ PPO = registry.register(registry.Algorithm(
     data_files=("train_data", "tokenizer"), data_seed=9, steps_flag="--ppo_steps",
     sections=(("ppo", pg.PPOConfig),), reads=("online", "grpo"), check=check_config,
     samples=True, completion_length=Generated.completion_length, judged=True,
-    beside=value_model, optimizer=optimizer,
+    beside=value_model, optimizer=optimizer, router_losses=False,
     columns=registry.COLUMNS + (("reward", "reward", ".3f"), ("kl", "kl", ".4f"),
                                 ("vf", "vf_loss", ".4f"))))

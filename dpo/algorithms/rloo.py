@@ -55,8 +55,9 @@ def rloo_step(spec: train.StepConfig, state: train.TrainState, frozen,
     s = logprobs.score(spec.model, params, micro.rows, adapter, with_logits=True,
                        temperature=spec.temperature)
     entropies = jax.lax.stop_gradient(pg.token_entropy(s.logits))
-    return pg.rloo_loss(s.logps, micro.old_logps, micro.advantages, s.mask, spec.own,
-                        entropies_NT=entropies)
+    loss, metrics = pg.rloo_loss(s.logps, micro.old_logps, micro.advantages, s.mask, spec.own,
+                                 entropies_NT=entropies)
+    return train.with_router_loss(spec.model, loss, metrics, s.router)
 
   def grad_fn(trainable, micro, i):
     del i

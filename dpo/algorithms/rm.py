@@ -263,6 +263,7 @@ RM = registry.register(registry.Algorithm(
         cfg, ("lora", "optim", "reward")).items() if k != "learning_rate"},  # DPO's, not read
     data_files=("train_data", "tokenizer"), data_seed=3, steps_flag="--rm_steps",
     sections=(("reward", RewardConfig),), check=check_config, rows="rm_pairs", scores=True,
+    router_losses=False,
     columns=(("loss", "loss", ".4f"), ("acc", "accuracy", ".3f"), ("margin", "margin", "+.4f"),
              ("reward", "mean_reward", "+.3f"), ("|g|", "grad_norm", ".3f"),
              ("lr", "learning_rate", ".2e")),
