@@ -3,9 +3,10 @@
 Every loss takes a `Logps` (summed log-probs of chosen and rejected completions under the policy and
 the reference, plus token counts) and exactly the hyperparameters it declares, and returns (per-pair
 losses [B], extra metrics). `register` puts a loss in `LOSSES` together with everything about it:
-its hyperparameters (name, default, help, valid range), its `call` (the function applied to a
-LossConfig's fields, written out: `sigmoid(lp, c.beta, ...)`, so grep leads from a field to the loss
-that reads it; a test checks that each call reads exactly the declared hyperparameters), whether it
+its hyperparameters (name, default, help, valid range), its `call` (the function applied to the
+LossConfig fields its signature names, read by name in `register`; a loss's parameters must be
+its declared hyperparameters in order, so grep for a field leads to its `Hyperparameter` and to
+the parameter of that name in each loss that declares it), whether it
 reads the reference, which modifiers (RPO, WPO, LD-DPO) combine with it, and its name in TRL 1.16
 (the test oracle, tests/test_losses_trl.py). The `loss` config section (`LossConfig`, at the end of
 this module) has one field per hyperparameter, written out (a test keeps it equal to the registry);

@@ -269,3 +269,37 @@ def test_a_tiny_moe_run_logs_its_router_figures(tmp_path):
   assert summary["verdicts"]
   with pytest.raises(ValueError, match="router_aux_loss_coef=0.01.*the rm stage adds no router"):
     configs.get_config("moe").replace(stage="sft,rm,dpo", router_aux_loss_coef=0.01)
+
+
+def test_moe_dpo_steps_do_not_depend_on_the_mesh():
+  """Two DPO steps with experts and the router's losses on 1 device and on
+  data:2,fsdp:2,tensor:2 (the experts' matrices split over fsdp and tensor, the batch over data
+  and fsdp): the same losses, router losses and gradient norms to float tolerance."""
+  import configs
+  from dpo import data, task, train
+  from dpo.batches import PairBatch
+  from dpo.tokenizer import ByteTokenizer
+  from models import lora as lora_lib
+  cfg = configs.get_config("moe").replace(
+      d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=32,
+      global_batch_size=8, learning_rate=1e-2, router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
+  pairs = data.tokenize_pairs(task.preference_records(8, 0), ByteTokenizer(), 24, 24)
+  runs = {}
+  for spec, n in (("data:1", 1), ("data:2,fsdp:2,tensor:2", 8)):
+    mesh = sharding.make_mesh(spec, jax.devices()[:n])
+    base = transformer.init(cfg.model, jax.random.key(0), mesh)
+    step_cfg = train.StepConfig.dpo(cfg)
+    state = train.init_state(lora_lib.init(cfg.model, cfg.lora, jax.random.key(1), mesh),
+                             step_cfg.optimizer()[0], 0, mesh)
+    frozen = train.initial_frozen(base)
+    step = train.jit_step(train.dpo_step, step_cfg, mesh, state, frozen)
+    batch = train.device_batch(mesh, PairBatch.of(pairs))
+    runs[spec] = []
+    for _ in range(2):
+      state, m = step(state, frozen, batch)
+      runs[spec].append({k: float(m[k]) for k in ("loss", "router_aux_loss", "router_z_loss",
+                                                  "grad_norm")})
+  for a, b in zip(runs["data:1"], runs["data:2,fsdp:2,tensor:2"]):
+    for key in ("loss", "router_aux_loss", "router_z_loss"):
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=2e-6, err_msg=key)
+    np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)
