@@ -355,9 +355,23 @@ _CORE = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "optim": 
          "eval": EvalConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig, "run": RunConfig}
 _SECTIONS = {**_CORE, **registry.sections()}
 SECTIONS = tuple(_SECTIONS)
-_FIELD_SECTION = {f.name: s for s, t in _SECTIONS.items() for f in dataclasses.fields(t)}
-assert len(_FIELD_SECTION) == sum(len(dataclasses.fields(t)) for t in _SECTIONS.values()), (
-    "config field names must be unique across sections")
+
+
+def _field_sections(sections: dict[str, type]) -> dict[str, str]:
+  """{field name: its section}; a name two sections both use is a TypeError naming it and them
+  (a field is its flag, so the name must say which section it sets)."""
+  out: dict[str, str] = {}
+  for section, kind in sections.items():
+    for f in dataclasses.fields(kind):
+      if f.name in out:
+        raise TypeError(f"config field {f.name!r} is in two sections, {out[f.name]} "
+                        f"({sections[out[f.name]].__qualname__}) and {section} "
+                        f"({kind.__qualname__}): a flag sets one field; rename one of them")
+      out[f.name] = section
+  return out
+
+
+_FIELD_SECTION = _field_sections(_SECTIONS)
 
 
 class _ConfigMethods:
@@ -500,10 +514,13 @@ REASONING = DEFAULT.replace(
     eval_samples_per_prompt=4, output_dir="runs/reasoning")
 
 # moe: the default job with a mixture of experts in place of each layer's MLP (models/moe.py):
-# 4 experts of half the default's width, 2 a token (the dense MLP's active width), LoRA on the
-# attention projections (the experts take none).
-MOE = DEFAULT.replace(n_experts=4, experts_per_token=2, mlp_dim=192,
-                      lora_targets=("q", "k", "v", "o"), output_dir="runs/moe")
+# 4 experts of half the default's width, 2 a token (the dense MLP's active width), the router's
+# load-balancing loss at Qwen3-MoE's and Mixtral's 0.001; DPO trains every weight (the experts
+# and the router with them) at lr 1e-4 (docs/moe.md: LoRA on the attention alone, which is what
+# LoRA can adapt here, cost the samples' grammar before it won).
+MOE = DEFAULT.replace(n_experts=4, experts_per_token=2, mlp_dim=192, router_aux_loss_coef=1e-3,
+                      lora_rank=0, learning_rate=1e-4, lora_targets=("q", "k", "v", "o"),
+                      output_dir="runs/moe")
 
 # bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are;
 # --autotune on, these settings its first candidate (the best differs by CPU and load).

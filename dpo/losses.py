@@ -168,6 +168,9 @@ def register(name: str, *hyperparameters: Hyperparameter, reference: bool = True
     params = list(inspect.signature(fn).parameters)[1:]
     if params != [h.name for h in hyperparameters]:
       raise TypeError(f"loss {name}: signature {params} != declared hyperparameters")
+    if not (fn.__doc__ or "").strip():
+      raise TypeError(f"loss {name}: {fn.__qualname__} has no docstring (the loss table in "
+                      f"WORKSPACE.md and --help describe each loss by it: its math and source)")
     names = tuple(params)
     call = lambda lp, c: fn(lp, **{n: getattr(c, n) for n in names})
     LOSSES[name] = Loss(name, fn, call, hyperparameters, reference, modifiers, trl)

@@ -68,3 +68,17 @@ def test_remat_needs_the_layer_scan():
     configs.get_config("bench-small").replace(remat=True)
   assert configs.get_config("bench-small").replace(remat=True, scan_unroll=1).model.remat
   assert configs.get_config("bench-small").replace(remat=True, n_layers=1).model.remat  # no unroll
+
+
+def test_a_field_name_two_sections_use_is_named_with_both():
+  """A fork's section whose field clashes with a built-in one: the error names the field and both
+  sections, not a bare assertion."""
+  import dataclasses
+
+  @dataclasses.dataclass(frozen=True)
+  class Mine:
+    beta: float = 0.2
+
+  with pytest.raises(TypeError, match=r"'beta' is in two sections, loss \(LossConfig\) and "
+                                      r"mine \(.*Mine\)"):
+    configs._field_sections({"loss": configs.LossConfig, "mine": Mine})

@@ -371,3 +371,13 @@ def test_workspace_carries_the_registry_table():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with open(os.path.join(root, "WORKSPACE.md")) as f:
     assert losses.table() in f.read()
+
+
+def test_a_loss_without_a_docstring_is_refused_by_name():
+  """The loss table describes each loss by its docstring: a loss without one is refused when it
+  is registered, naming it, not an AttributeError when the table is drawn."""
+  with pytest.raises(TypeError, match="loss undocumented: .* has no docstring"):
+    @losses.register("undocumented")
+    def undocumented(lp):
+      return lp.policy_chosen, {}
+  assert "undocumented" not in losses.LOSSES
