@@ -3,7 +3,8 @@
 Panels over steps: each registered algorithm's lines (registry.Algorithm.curves: SFT and DPO
 loss, reward accuracy and margin, chosen / rejected rewards, token KL, gradient norm, learning
 rate, ...) with the evaluation's beside them (held-out accuracy and margin, on-policy KL per
-token, win rate, chosen perplexity). KL-spike rollbacks are dashed red lines on every panel of
+token, win rate, chosen perplexity), and a mixture of experts' router figures (`ROUTER`) when the
+run logs them. KL-spike rollbacks are dashed red lines on every panel of
 a judged stage or the evaluation. `python -m dpo.tools.curves --run_dir=DIR`
 draws any run; the default job writes <output_dir>/curves.png itself.
 """
@@ -25,6 +26,11 @@ EVAL = (("reward accuracy", "eval/reward_accuracy", "held-out"),
         ("evaluation win rate (judge)", "eval/win_rate", "policy vs reference"),
         ("evaluation win rate (judge)", "eval/lc_win_rate", "length-controlled"),
         ("held-out chosen perplexity", "eval/perplexity", "policy"))
+
+# A mixture of experts' router figures (models/moe.py), one line per stage that logs them; drawn
+# only for a run that has them.
+ROUTER = (("router load-balancing loss", "router_aux_loss"),
+          ("busiest expert's load x E (1: balanced)", "expert_load_max"))
 
 
 def panels() -> list[tuple[str, list[tuple[str, str, str]]]]:
@@ -67,6 +73,10 @@ def render(records: list[dict], out: str, title: str = "") -> str:
   present = {r.get("stage") for r in records}  # a stage the run did not have gets no panel
   every = panels()
   shown = [p for p in every if any(stage in present for stage, *_ in p[1])] or every
+  for name, key in ROUTER:
+    stages = sorted({r["stage"] for r in records if key in r and "stage" in r})
+    if stages:
+      shown.append((name, [(stage, key, stage) for stage in stages]))
   rows = math.ceil(len(shown) / 5)
   fig = Figure(figsize=(22, 4.25 * rows), layout="constrained")
   axes = fig.subplots(rows, 5).ravel()
