@@ -65,11 +65,9 @@ def series(records: list[dict], stage: str, key: str) -> tuple[list[int], list[f
   return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def render(records: list[dict], out: str, title: str = "") -> str:
-  """Draws `panels()` from `records` into the PNG `out`; returns `out`."""
-  from matplotlib.figure import Figure  # the object API: no pyplot, no global backend
-  rollbacks = [r["step"] for r in records if r.get("event") == "rollback"]
-  guarded = {"eval", *(a.name for a in registry.ALGORITHMS.values() if a.judged)}
+def layout(records: list[dict]) -> list[tuple[str, list[tuple[str, str, str]]]]:
+  """The panels drawn for `records`: those of `panels()` with a stage the run had (all of them
+  for a run with none), then the router's (`ROUTER`) where stages logged them."""
   present = {r.get("stage") for r in records}  # a stage the run did not have gets no panel
   every = panels()
   shown = [p for p in every if any(stage in present for stage, *_ in p[1])] or every
@@ -77,6 +75,15 @@ def render(records: list[dict], out: str, title: str = "") -> str:
     stages = sorted({r["stage"] for r in records if key in r and "stage" in r})
     if stages:
       shown.append((name, [(stage, key, stage) for stage in stages]))
+  return shown
+
+
+def render(records: list[dict], out: str, title: str = "") -> str:
+  """Draws `layout(records)` from `records` into the PNG `out`; returns `out`."""
+  from matplotlib.figure import Figure  # the object API: no pyplot, no global backend
+  rollbacks = [r["step"] for r in records if r.get("event") == "rollback"]
+  guarded = {"eval", *(a.name for a in registry.ALGORITHMS.values() if a.judged)}
+  shown = layout(records)
   rows = math.ceil(len(shown) / 5)
   fig = Figure(figsize=(22, 4.25 * rows), layout="constrained")
   axes = fig.subplots(rows, 5).ravel()

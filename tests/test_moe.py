@@ -267,9 +267,12 @@ def test_a_tiny_moe_run_logs_its_router_figures(tmp_path):
     assert mine and all(r["router_aux_loss"] >= 1.0 - 1e-6 and r["router_z_loss"] > 0 and
                         1.0 <= r["expert_load_max"] <= cfg.model.n_experts for r in mine), stage
   assert summary["verdicts"] and (tmp_path / "run" / "curves.png").stat().st_size > 10_000
-  from dpo import curves
-  assert [name for name, _ in curves.ROUTER] == ["router load-balancing loss",
-                                                 "busiest expert's load x E (1: balanced)"]
+  from dpo import curves  # the router's panels, a line for each stage
+  drawn = dict(curves.layout(rows))
+  for name, key in curves.ROUTER:
+    assert [stage for stage, *_ in drawn[name]] == ["dpo", "grpo", "sft"], name
+  assert not any(name in dict(curves.layout([r for r in rows if "router_aux_loss" not in r]))
+                 for name, _ in curves.ROUTER)
   with pytest.raises(ValueError, match="router_aux_loss_coef=0.01.*the rm stage adds no router"):
     configs.get_config("moe").replace(stage="sft,rm,dpo", router_aux_loss_coef=0.01)
 
