@@ -409,6 +409,10 @@ class _ConfigMethods:
       check(any(s in stages for s in readers) or not changed,
             f"{(changed or [''])[0]}: must go with {_article(what)} {what} stage (--stage="
             f"{self.run.stage} has none)")
+    check(not self.model.router_losses or self.model.n_experts or
+          self.run.init_from.startswith("hf:"),  # an import decides; dpo/loop.py checks it
+          f"--router_aux_loss_coef={self.model.router_aux_loss_coef}, --router_z_loss_coef="
+          f"{self.model.router_z_loss_coef}: a router's losses need experts (--n_experts=0)")
     without = [s for s in stages if not registry.ALGORITHMS[s].router_losses]
     check(not (self.model.router_losses and without),
           f"--router_aux_loss_coef={self.model.router_aux_loss_coef}, --router_z_loss_coef="
@@ -513,14 +517,15 @@ REASONING = DEFAULT.replace(
     num_generations=8, grpo_beta=0.04, learning_rate=2e-3, task_eval_prompts=128,
     eval_samples_per_prompt=4, output_dir="runs/reasoning")
 
-# moe: the default job with a mixture of experts in place of each layer's MLP (models/moe.py):
-# 4 experts of half the default's width, 2 a token (the dense MLP's active width), the router's
+# moe: the default job with a mixture of experts in place of each layer's MLP (models/moe.py), a
+# Mixtral (its export's family: Llama's attention, top-2 weights renormalised): 4 experts of
+# half the default's width, 2 a token (the dense MLP's active width), the router's
 # load-balancing loss at Qwen3-MoE's and Mixtral's 0.001; DPO trains every weight (the experts
 # and the router with them) at lr 1e-4 (docs/moe.md: LoRA on the attention alone, which is what
 # LoRA can adapt here, cost the samples' grammar before it won).
-MOE = DEFAULT.replace(n_experts=4, experts_per_token=2, mlp_dim=192, router_aux_loss_coef=1e-3,
-                      lora_rank=0, learning_rate=1e-4, lora_targets=("q", "k", "v", "o"),
-                      output_dir="runs/moe")
+MOE = DEFAULT.replace(arch="mixtral", n_experts=4, experts_per_token=2, router_norm_topk=True,
+                      mlp_dim=192, router_aux_loss_coef=1e-3, lora_rank=0, learning_rate=1e-4,
+                      lora_targets=("q", "k", "v", "o"), output_dir="runs/moe")
 
 # bench-small: the workload of shared/BENCHMARKS.md, its layers unrolled as the plain step's are;
 # --autotune on, these settings its first candidate (the best differs by CPU and load).

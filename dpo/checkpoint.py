@@ -487,7 +487,8 @@ def load_params(path: str, model_cfg, mesh) -> Any:
     want = dataclasses.asdict(model_cfg)
     diff = {k: (saved.get(k), v) for k, v in want.items()
             if k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "mlp_dim", "tie_embeddings") and saved.get(k) != v}
+                     "mlp_dim", "tie_embeddings", "n_experts", "experts_per_token",
+                     "router_norm_topk", "qk_norm", "qk_norm_full") and saved.get(k, v) != v}
     if diff:
       raise CheckpointError(f"{path}: model shape differs from the run's config "
                             f"(field: (checkpoint, run)): {diff}")

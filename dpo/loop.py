@@ -430,6 +430,10 @@ def initial_params(cfg, key: jax.Array, mesh) -> tuple[Any, Any]:
                        f"not --stage={cfg.run.stage}")
     model_cfg, params = hf.load(path, mesh, cfg.model, reward=reward,
                                 quantize=cfg.model.base_quant if frozen else "none")
+    if model_cfg.router_losses and not model_cfg.n_experts:
+      raise ValueError(f"--router_aux_loss_coef={model_cfg.router_aux_loss_coef}, "
+                       f"--router_z_loss_coef={model_cfg.router_z_loss_coef}: the {model_cfg.arch} "
+                       f"model of --init_from={src} has no experts (a router's losses need them)")
     logging.info("imported %s%s (%s) from %s", model_cfg.arch, " reward model" if reward else "",
                  src, path)
     return dataclasses.replace(cfg, model=model_cfg), params

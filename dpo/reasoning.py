@@ -307,7 +307,7 @@ class Solutions:
     for i, p in enumerate(prompts):
       groups[p].append(i)
     k = min(len(g) for g in groups.values())
-    rows, by_level, unscorable, parsed_all = [], collections.defaultdict(list), 0, []
+    rows, by_level, unscorable, parsed_all, scored = [], collections.defaultdict(list), 0, [], []
     for prompt, index in groups.items():
       columns = self.columns[index[0]]
       gold = self.rewards.parse_solution(str(columns.get("solution", "")))
@@ -316,6 +316,7 @@ class Solutions:
         unscorable += 1
         continue
       parsed_all += parsed
+      scored += [texts[i] for i in index]
       correct = [bool(a) and self.rewards.verify(gold, a) for a in parsed]
       voted = self._majority(parsed[:k])
       rows.append({"problem": prompt, "difficulty": columns.get("level"),
@@ -327,12 +328,12 @@ class Solutions:
       if columns.get("level") is not None:
         by_level[columns["level"]].append(rows[-1]["pass@1"])
     mean = lambda key: float(np.mean([r[key] for r in rows])) if rows else None
-    think = self.rewards.think_format(list(texts))
     m = {f"{prefix}pass@1": mean("pass@1"), f"{prefix}pass@{k}": mean(f"pass@{k}"),
          f"{prefix}maj@{k}": mean(f"maj@{k}"),
          f"{prefix}extraction_failure_rate":
              float(np.mean([not a for a in parsed_all])) if parsed_all else None,
-         f"{prefix}format_rate": float(np.mean(think)),
+         f"{prefix}format_rate":
+             float(np.mean(self.rewards.think_format(scored))) if scored else None,
          f"{prefix}unscorable_problems": unscorable,
          **{f"{prefix}pass@1/difficulty_{str(d).replace(' ', '_')}": float(np.mean(v))
             for d, v in sorted(by_level.items(), key=lambda kv: str(kv[0]))}}

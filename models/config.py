@@ -207,10 +207,12 @@ class ModelConfig:
           f"--base_quant={self.base_quant}: the experts of --n_experts={self.n_experts} are not "
           "quantized; give --base_quant=none")
     for name in ("router_aux_loss_coef", "router_z_loss_coef"):
-      value = getattr(self, name)
-      check(value >= 0 and (self.n_experts or value == 0),
-            f"--{name}={value}: must be >= 0, and 0 without experts (--n_experts=0)")
+      check(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
     check(self.qk_norm or not self.qk_norm_full, "--qk_norm_full=True: must go with --qk_norm")
+    moe_archs = [a for a, x in archs.ARCHITECTURES.items() if x.experts is not None]
+    check(bool(self.n_experts) == (self.arch in moe_archs),
+          f"--n_experts={self.n_experts} with --arch={self.arch}: a mixture of experts is one of "
+          f"--arch={','.join(moe_archs)} (its export's family), a dense MLP any other")
     check(self.n_heads % self.n_kv_heads == 0,
           f"--n_kv_heads={self.n_kv_heads}: must divide --n_heads={self.n_heads}")
     check(self.prefix_sharing or not self.packing,

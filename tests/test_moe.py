@@ -13,7 +13,7 @@ from models import moe, sharding, transformer
 from models.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                  mlp_dim=16, n_experts=6, experts_per_token=2)
+                  mlp_dim=16, n_experts=6, experts_per_token=2, arch="qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +287,7 @@ def test_moe_dpo_steps_do_not_depend_on_the_mesh():
   from dpo.tokenizer import ByteTokenizer
   from models import lora as lora_lib
   cfg = configs.get_config("moe").replace(
-      d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=32,
+      d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=32, lora_rank=16,
       global_batch_size=8, learning_rate=1e-2, router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
   pairs = data.tokenize_pairs(task.preference_records(8, 0), ByteTokenizer(), 24, 24)
   runs = {}

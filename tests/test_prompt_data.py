@@ -171,7 +171,7 @@ def test_solutions_evaluate_pass_at_k_and_majority_by_math_verify():
   m, rows = reasoning.Solutions(columns * 4).metrics(prompts, texts, "reference_")
   assert m == {"reference_pass@1": (0.75 + 0.5) / 2, "reference_pass@4": 1.0,
                "reference_maj@4": 0.5, "reference_extraction_failure_rate": 1 / 8,
-               "reference_format_rate": 1 / 12, "reference_unscorable_problems": 1,
+               "reference_format_rate": 1 / 8, "reference_unscorable_problems": 1,
                "reference_pass@1/difficulty_Level_1": 0.5}
   assert [(r["problem"], r["answer"], r["answers"], r["correct"], r["majority"]) for r in rows] == [
       ("p1", "72", ["72", "72", "72", None], [True, True, True, False], "72"),
