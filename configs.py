@@ -410,10 +410,11 @@ class _ConfigMethods:
             f"{(changed or [''])[0]}: must go with {_article(what)} {what} stage (--stage="
             f"{self.run.stage} has none)")
     check(not self.model.router_losses or self.model.n_experts or
-          self.run.init_from.startswith("hf:"),  # an import decides; dpo/loop.py checks it
+          self.checkpoint.init_from.startswith("hf:"),  # an import decides; dpo/loop.py checks it
           f"--router_aux_loss_coef={self.model.router_aux_loss_coef}, --router_z_loss_coef="
           f"{self.model.router_z_loss_coef}: a router's losses need experts (--n_experts=0)")
-    without = [s for s in stages if not registry.ALGORITHMS[s].router_losses]
+    without = [s for s in stages  # an unknown stage is named by loop.run
+               if s in registry.ALGORITHMS and not registry.ALGORITHMS[s].router_losses]
     check(not (self.model.router_losses and without),
           f"--router_aux_loss_coef={self.model.router_aux_loss_coef}, --router_z_loss_coef="
           f"{self.model.router_z_loss_coef}: the {','.join(without)} stage adds no router loss "

@@ -309,3 +309,26 @@ def test_moe_dpo_steps_do_not_depend_on_the_mesh():
     for key in ("loss", "router_aux_loss", "router_z_loss"):
       np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=2e-6, err_msg=key)
     np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)
+
+
+def test_router_loss_coefficients_need_experts(tmp_path):
+  """--router_aux_loss_coef without experts is refused at once; with --init_from=hf:DIR the
+  import decides: a dense model refused by name after it, a mixture's accepted."""
+  import configs
+  from dpo import loop
+  with pytest.raises(ValueError, match="a router's losses need experts"):
+    configs.DEFAULT.replace(router_aux_loss_coef=0.01)
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config = transformers.LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, tie_word_embeddings=False)
+  torch.manual_seed(0)
+  transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+  cfg = configs.DEFAULT.replace(
+      init_from=f"hf:{tmp_path / 'llama'}", router_aux_loss_coef=0.01, stage="dpo", steps=1,
+      lora_targets=("q", "v"), task_train_pairs=16, task_eval_pairs=8, task_eval_prompts=4,
+      output_dir=str(tmp_path / "run"))
+  with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01.*the llama model of "
+                                       r"--init_from=.* has no experts"):
+    loop.run(cfg)
