@@ -228,29 +228,43 @@ def majority(answers: Sequence[int | None]) -> int | None:
   return next(a for a in answers if a is not None and votes[a] == top)
 
 
+def _groups(prompts: Sequence[str]) -> tuple[dict[str, list[int]], int]:
+  """({prompt: the indices of its samples}, in first-seen order; k, the fewest samples any
+  prompt has)."""
+  groups: dict[str, list[int]] = collections.defaultdict(list)
+  for i, p in enumerate(prompts):
+    groups[p].append(i)
+  return groups, min(len(g) for g in groups.values())
+
+
+def _scores(correct: Sequence[bool], voted_right: bool, k: int) -> dict:
+  """One problem's pass@1, pass@k and maj@k from its samples' correctness."""
+  return {"pass@1": float(np.mean(correct)),
+          f"pass@{k}": pass_at_k(len(correct), sum(correct), k), f"maj@{k}": float(voted_right)}
+
+
+def _means(rows: Sequence[dict], k: int, prefix: str) -> dict:
+  """The mean over problems of each of `_scores` (None for no problems)."""
+  return {f"{prefix}{key}": float(np.mean([r[key] for r in rows])) if rows else None
+          for key in ("pass@1", f"pass@{k}", f"maj@{k}")}
+
+
 def metrics(prompts: Sequence[str], texts: Sequence[str], prefix: str) -> tuple[dict, list[dict]]:
   """({prefix}pass@1, pass@k, maj@k, extraction failure and format rates, per difficulty
   pass@1}, one record a problem) of completions `texts` of `prompts`, a problem's samples
   grouped by its prompt; k is the fewest samples any problem has."""
-  groups: dict[str, list[str]] = collections.defaultdict(list)
-  for p, t in zip(prompts, texts):
-    groups[p].append(t)
-  k = min(len(g) for g in groups.values())
+  groups, k = _groups(prompts)
   rows, by_difficulty = [], collections.defaultdict(list)
-  for prompt, group in groups.items():
+  for prompt, index in groups.items():
     problem = parse(prompt)
-    answers = [extract(t) for t in group]
+    answers = [extract(texts[i]) for i in index]
     correct = [a == problem.answer for a in answers]
     voted = majority(answers[:k])
     rows.append({"problem": problem.text, "difficulty": problem.difficulty,
                  "answer": problem.answer, "answers": answers, "correct": correct,
-                 "majority": voted, "pass@1": float(np.mean(correct)),
-                 f"pass@{k}": pass_at_k(len(correct), sum(correct), k),
-                 f"maj@{k}": float(voted == problem.answer)})
+                 "majority": voted, **_scores(correct, voted == problem.answer, k)})
     by_difficulty[problem.difficulty].append(rows[-1]["pass@1"])
-  m = {f"{prefix}pass@1": float(np.mean([r["pass@1"] for r in rows])),
-       f"{prefix}pass@{k}": float(np.mean([r[f"pass@{k}"] for r in rows])),
-       f"{prefix}maj@{k}": float(np.mean([r[f"maj@{k}"] for r in rows])),
+  m = {**_means(rows, k, prefix),
        f"{prefix}extraction_failure_rate": float(np.mean([extract(t) is None for t in texts])),
        f"{prefix}format_rate": float(np.mean([well_formed("", t) for t in texts])),
        **{f"{prefix}pass@1/difficulty_{d}": float(np.mean(v))
@@ -275,7 +289,7 @@ class Solutions:
 
   def __init__(self, columns: Sequence[dict]):
     from dpo import rewards
-    self.columns, self.rewards = list(columns), rewards
+    self.columns, self.rewards, self._solutions = list(columns), rewards, {}
     rewards.parse_solution("1")  # math-verify present, or the one-line error naming the extra
 
   def answer(self, text: str) -> list:
@@ -303,18 +317,15 @@ class Solutions:
 
   def metrics(self, prompts: Sequence[str], texts: Sequence[str],
               prefix: str) -> tuple[dict, list[dict]]:
-    groups: dict[str, list[int]] = collections.defaultdict(list)
-    for i, p in enumerate(prompts):
-      groups[p].append(i)
-    k = min(len(g) for g in groups.values())
+    groups, k = _groups(prompts)
     rows, by_level, unscorable, parsed_all, scored = [], collections.defaultdict(list), 0, [], []
     for prompt, index in groups.items():
       columns = self.columns[index[0]]
-      gold = self.rewards.parse_solution(str(columns.get("solution", "")))
-      parsed = [self.answer(texts[i]) for i in index]
+      gold = self._gold(str(columns.get("solution", "")))
       if not gold:
         unscorable += 1
         continue
+      parsed = [self.answer(texts[i]) for i in index]
       parsed_all += parsed
       scored += [texts[i] for i in index]
       correct = [bool(a) and self.rewards.verify(gold, a) for a in parsed]
@@ -322,14 +333,10 @@ class Solutions:
       rows.append({"problem": prompt, "difficulty": columns.get("level"),
                    "answer": self.show(gold), "answers": [self.show(a) for a in parsed],
                    "correct": correct, "majority": self.show(voted),
-                   "pass@1": float(np.mean(correct)),
-                   f"pass@{k}": pass_at_k(len(correct), sum(correct), k),
-                   f"maj@{k}": float(bool(voted) and self.rewards.verify(gold, voted))})
+                   **_scores(correct, bool(voted) and self.rewards.verify(gold, voted), k)})
       if columns.get("level") is not None:
         by_level[columns["level"]].append(rows[-1]["pass@1"])
-    mean = lambda key: float(np.mean([r[key] for r in rows])) if rows else None
-    m = {f"{prefix}pass@1": mean("pass@1"), f"{prefix}pass@{k}": mean(f"pass@{k}"),
-         f"{prefix}maj@{k}": mean(f"maj@{k}"),
+    m = {**_means(rows, k, prefix),
          f"{prefix}extraction_failure_rate":
              float(np.mean([not a for a in parsed_all])) if parsed_all else None,
          f"{prefix}format_rate":
@@ -338,3 +345,10 @@ class Solutions:
          **{f"{prefix}pass@1/difficulty_{str(d).replace(' ', '_')}": float(np.mean(v))
             for d, v in sorted(by_level.items(), key=lambda kv: str(kv[0]))}}
     return m, rows
+
+  def _gold(self, solution: str) -> list:
+    """A solution as math-verify reads it, parsed once for the policy's and the reference's
+    samples alike."""
+    if solution not in self._solutions:
+      self._solutions[solution] = self.rewards.parse_solution(solution)
+    return self._solutions[solution]
