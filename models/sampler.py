@@ -221,7 +221,7 @@ def _is_stop(tokens, scfg: SamplingConfig):
   return jnp.isin(tokens, jnp.asarray((scfg.eos_id, *scfg.stop_ids), jnp.int32))
 
 
-_CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")  # one layer's keys or values
+_CACHE_AXES = ("batch", "kv_heads", "seq", None)  # one layer's keys or values, [B, C, S, lanes]
 
 
 def completions(samples: Samples) -> list[list[int]]:

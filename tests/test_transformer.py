@@ -231,6 +231,35 @@ def test_matmul_gradients_are_autodiffs(lead, n_in, out):
   for g in (per_row, summed):
     np.testing.assert_allclose(np.asarray(g(ours)), np.asarray(g(theirs)), rtol=1e-5, atol=1e-5)
 
+@pytest.mark.parametrize("n_kv_heads,head_dim,packing", [(2, 16, 1), (4, 32, 2), (8, 64, 2), (8, 16, 4),
+                                                         (3, 64, 1), (2, 128, 1), (1, 48, 1)])
+def test_kv_cache_packs_heads_into_lanes_and_attends_as_attention_does(n_kv_heads, head_dim,
+                                                                       packing):
+  """The cache holds `cache_packing` kv heads side by side in a row's lanes; a prefill and a
+  decode step written through `_cache_writer` and read by `_attend_cache` give `attend`'s
+  output over the same keys, values and mask."""
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2 * n_kv_heads,
+                    n_kv_heads=n_kv_heads, head_dim=head_dim, mlp_dim=48)
+  assert transformer.cache_packing(cfg) == packing
+  B, S, G = 3, 16, 2
+  k_q, k_k, k_v, k_m = jax.random.split(jax.random.key(0), 4)
+  k_BSKk = jax.random.normal(k_k, (B, S, n_kv_heads, head_dim))
+  v_BSKk = jax.random.normal(k_v, (B, S, n_kv_heads, head_dim))
+  mask_BS = jax.random.bernoulli(k_m, 0.7, (B, S)).at[:, 0].set(True)
+  cache = jax.tree.map(lambda x: x.astype(jnp.float32), transformer.init_cache(cfg, B, S))
+  assert cache.k[0].shape == (B, n_kv_heads // packing, S, packing * head_dim)
+  for start, T in ((0, S - 1), (S - 1, 1)):  # a prefill, then one decode step
+    write = transformer._cache_writer(cache.k[0], cache.v[0], start)
+    k_all, v_all = write(k_BSKk[:, start:start + T], v_BSKk[:, start:start + T])
+    cache = cache._replace(k=(k_all,), v=(v_all,))
+    q_BTKGk = jax.random.normal(jax.random.fold_in(k_q, start), (B, T, n_kv_heads, G, head_dim))
+    written_BS = mask_BS & (jnp.arange(S) < start + T)
+    mask_BTS = jnp.broadcast_to(written_BS[:, None], (B, T, S))
+    got = transformer._attend_cache(cfg, q_BTKGk, k_all, v_all, mask_BTS)
+    want = transformer.attend(cfg, q_BTKGk, k_BSKk, v_BSKk, mask_BTS)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_config_rejected():
   with pytest.raises(ValueError, match="n_kv_heads"):
     ModelConfig(n_heads=4, n_kv_heads=3)

@@ -56,6 +56,7 @@ from absl import app, flags
 
 import configs
 from dpo import autotune
+from dpo.tools import profile
 from models import hf, sampler, sharding, transformer
 
 FLAGS = flags.FLAGS
@@ -238,8 +239,27 @@ def preset_main() -> None:
         f"of KV cache ({padded + N} slots): {rate / 1e9:.0f} GB/s"
         + ("" if peak is None else f", {rate / peak:.0%} of the chip's nominal "
            f"{peak / 1e9:.0f} GB/s"))
+  if FLAGS.profile_dir:  # after the timing, so the trace never changes a figure
+    trace_call(cfg, params, prompts, greedy_config(N, cfg.vocab_size, FLAGS.pad_id), calls[N])
   if FLAGS.samples_per_prompt > 1:
     shared_prefill(cfg, params, rng, N)
+
+
+def trace_call(cfg, params, prompts, scfg, call) -> None:
+  """--profile_dir: the compiled call's HLO (`sampler.hlo.txt`) and one traced call, its device
+  time summed by XLA op (`top_ops.txt`, dpo/tools/profile.py); the decode loop's ops appear once
+  per step in the count column."""
+  os.makedirs(FLAGS.profile_dir, exist_ok=True)
+  tokens, segments = sampler.left_pad(prompts, scfg.pad_id, multiple=8)
+  compiled = sampler.generate.lower(cfg, scfg, params, sampler.Prompts(tokens, segments),
+                                    jax.random.key(0)).compile()
+  with open(os.path.join(FLAGS.profile_dir, "sampler.hlo.txt"), "w") as f:
+    f.write(compiled.as_text())
+  xplane = profile.trace(call, 1, FLAGS.profile_dir)
+  lines = profile.table(profile.op_times(xplane))
+  with open(os.path.join(FLAGS.profile_dir, "top_ops.txt"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print(f"one call traced in {xplane}:", *lines, sep="\n")
 
 
 def shared_prefill(cfg, params, rng: np.random.Generator, N: int) -> None:
@@ -278,6 +298,8 @@ def main(argv):
       raise app.UsageError(f"{', '.join(given)}: --preset times our sampler alone on the "
                            "preset's shape; drop them")
     return preset_main()
+  if FLAGS.profile_dir:
+    raise app.UsageError("--profile_dir traces our sampler alone: give --preset")
   import torch
   import transformers
   threads = _thread_counts()
@@ -382,6 +404,9 @@ if __name__ == "__main__":
   flags.DEFINE_integer("samples_per_prompt", 1, "--preset: also time a GRPO generation batch "
                        "of --batch / N prompts x N samples, each prompt prefilled once against "
                        "prefilled N times.", lower_bound=1)
+  flags.DEFINE_string("profile_dir", "", "--preset: after the timing, trace one call of "
+                      "--new_tokens into this folder and print where the device time goes "
+                      "(dpo/tools/profile.py), with the compiled HLO beside it.")
   flags.DEFINE_integer("repeats", 3, "Timed calls of each side; the median is reported.",
                        lower_bound=1)
   flags.DEFINE_list("threads", ["0", "1"], "torch.set_num_threads of each transformers run; "
