@@ -10,7 +10,9 @@ library's source (a hash of each file). `checkpoint.Manager` stores it and refus
 whose fingerprint differs, naming each field with its old and new value. A source change is
 refused before any work (`check_source`), naming the changed files, since resuming would carry
 on a run the new code never trained; `--resume_changed_code` continues it anyway (logged, and
-recorded in summary.json as `resumed_onto_changed_code`).
+recorded in summary.json as `resumed_onto_changed_code`). A whole run has a digest too
+(`run_digest`, summary.json's `run_sha256`): a rerun of a finished run with the same one shows
+its summary instead of evaluating it again (`loop._finished`).
 Left out, because they do not change what a step computes: the stage's length (`--steps`,
 `--sft_steps`: extending is allowed and logged, shortening below a checkpoint refused by the
 runner), paths, cadences, evaluation, the mesh (a checkpoint restores onto any mesh), `--log_kl`.
@@ -168,6 +170,26 @@ def check_source(checkpoints_dir: str, changed_ok: bool) -> str:
                     "resuming it", where, change)
     return change
   return ""
+
+
+def run_digest(cfg, flag_lines: list[str]) -> str:
+  """sha256 of what a whole run's result depends on, to know a rerun of a finished run: the
+  command line as given (`flag_lines`, less the --resume flags, which say how to continue and
+  not what), the content of its data files and initial models, what each Hub name resolved
+  to, and the library source. Recorded in summary.json as `run_sha256`."""
+  parts = {"flags": [l for l in flag_lines if not l.startswith("--resume")],
+           "source": source_digests(), **hub.identity(cfg), **data.hub_identity(cfg)}
+  for flag in data.DATA_FLAGS:
+    if getattr(cfg.data, flag):
+      parts[flag] = data.source_digest(getattr(cfg.data, flag))
+  for name, source in (("init_from", cfg.checkpoint.init_from),
+                       ("ref_init_from", cfg.reference.ref_init_from)):
+    if source:
+      try:
+        parts[name] = model_digest(source)
+      except (OSError, checkpoint.CheckpointError):
+        parts[name] = "unreadable"  # the stage that loads it says why
+  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def check_policy(resume: str, checkpoints_dir: str) -> None:

@@ -527,6 +527,10 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
   changed_code = identity.check_source(os.path.join(out, "checkpoints"),
                                        cfg.checkpoint.resume_changed_code)
+  finished = _finished(given, cfg)
+  if finished is not None:
+    return finished
+  resolved = cfg
   mesh = mesh or sharding.make_mesh(cfg.mesh.mesh)
   _check_batch(cfg, mesh)
   writer = MetricsWriter(out, cfg.run.stages, registry.ALGORITHMS)
@@ -568,10 +572,54 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
       model = algorithm.run(program, model)
   mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
+  summary["run_sha256"] = identity.run_digest(resolved, _defining_flags(given))
   if writer.enabled:
     with open(os.path.join(out, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     _draw_curves(out)
+  logging.info("summary: %s", json.dumps(summary))
+  return summary
+
+
+def _defining_flags(cfg) -> list[str]:
+  """The command line that rebuilds `cfg` (`cli.flag_lines`) less the fields of `_WHERE`: a run
+  copied to another directory is the same run."""
+  return [l for l in cli.flag_lines(cfg) if l[2:].partition("=")[0] not in _WHERE]
+
+
+def _finished(given, cfg) -> dict[str, Any] | None:
+  """The summary of this very run if it already finished in --output_dir (its summary.json has
+  the same `identity.run_digest`: flags as `given`, data, initial models, library source), shown
+  instead of evaluating it again; None otherwise, or with --resume=never. Every process must
+  find it for any to skip the run."""
+  path = os.path.join(cfg.run.output_dir, "summary.json")
+  summary = None
+  if cfg.checkpoint.resume != "never" and os.path.exists(path):
+    try:
+      with open(path) as f:
+        summary = json.load(f)
+      same = (isinstance(summary, dict) and
+              summary.get("run_sha256") == identity.run_digest(cfg, _defining_flags(given)))
+    except (OSError, ValueError, data_lib.DataError, checkpoint.CheckpointError):
+      same = False  # damaged, or its inputs are gone: the run goes on and says what is wrong
+    summary = summary if same else None
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    if not np.all(multihost_utils.process_allgather(np.array(summary is not None))):
+      summary = None
+  if summary is None:
+    return None
+  logging.warning("%s holds this run finished (summary.json: the same flags, data, models and "
+                  "library source); showing its summary instead of running it again (a fresh "
+                  "--output_dir runs it anew)",
+                  cfg.run.output_dir)
+  if jax.process_index() == 0 and "verdicts" in summary:
+    samples_path = os.path.join(cfg.run.output_dir, "samples.jsonl")
+    samples = []
+    if os.path.exists(samples_path):
+      with open(samples_path) as f:
+        samples = [json.loads(line) for line in f if line.strip()]
+    print(evaluate.report(summary, samples, cfg.eval.eval_show, summary["verdicts"]), flush=True)
   logging.info("summary: %s", json.dumps(summary))
   return summary
 

@@ -56,7 +56,7 @@ class Program:
     rows = getattr(online, "prompts_per_step", o.global_batch_size)  # GRPO: prompts, not rows
     # `online.whole_batch`: every process draws the whole batch (they sample it together).
     block = (0, 1) if getattr(online, "whole_batch", False) else (pid, nproc)
-    loader = data_lib.Loader(arrays, rows, c.run.seed + algorithm.data_seed, block)
+    loader = data_lib.Loader(arrays, rows, c.run.seed + algorithm.loader_seed, block)
     if to_pack is not None:
       k = o.gradient_accumulation_steps
       packer = packing.Packer(to_pack, o.global_batch_size, nproc, k,

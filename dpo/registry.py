@@ -13,6 +13,7 @@ and the curves ask the registry and never name a stage.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable, NamedTuple
 
 
@@ -39,8 +40,10 @@ class Algorithm:
   run: Callable                  # (Program, Model) -> Model: build the stage, run it, hand on
   hyperparameters: Callable      # cfg -> {name: value}: what its result depends on (identity)
   data_files: tuple[str, ...]    # DataConfig fields of files it reads (identity hashes them)
-  data_seed: int                 # its loader shuffles with --seed + this
   steps_flag: str                # the flag that sets its length (StepConfig.total_steps)
+  data_seed: int | None = None   # its loader shuffles with --seed + `loader_seed`: this, or
+                                 # (None) a number derived from its name; two registered
+                                 # stages never share one
   unpaired: bool = False         # it trains on unpaired --train_data ({prompt, completion,
                                  # label}; loop.Data refuses such data for a recipe with others)
   sections: tuple[tuple[str, type], ...] = ()
@@ -84,6 +87,13 @@ class Algorithm:
                                  # StepConfig -> (optax transformation, schedule) over its state's
                                  # trainable; None: StepConfig.optimizer (the policy's AdamW)
 
+  @property
+  def loader_seed(self) -> int:
+    """What its loader adds to --seed: `data_seed`, or one derived from the stage's name."""
+    if self.data_seed is not None:
+      return self.data_seed
+    return 100 + zlib.crc32(self.name.encode()) % 1_000_000
+
   def policy_part(self, trainable):
     """The policy's part of a state's trainable pytree (all of it unless `beside`)."""
     return trainable["policy"] if self.beside is not None else trainable
@@ -111,6 +121,11 @@ def register(algorithm: Algorithm) -> Algorithm:
   if set(names) & owned:
     raise ValueError(f"algorithm {algorithm.name}: config section {sorted(set(names) & owned)} "
                      f"already has an owner")
+  same = [a.name for a in ALGORITHMS.values() if a.loader_seed == algorithm.loader_seed]
+  if same:
+    raise ValueError(f"algorithm {algorithm.name}: data_seed {algorithm.loader_seed} is "
+                     f"{same[0]}'s too (its loader would draw the same order); leave data_seed "
+                     f"out (None: one derived from the stage's name)")
   ALGORITHMS[algorithm.name] = algorithm
   return algorithm
 

@@ -113,6 +113,33 @@ def test_changed_data_file_or_initial_model_refuses_changed_source_is_logged(tmp
 
 
 @pytest.mark.slow
+def test_a_rerun_of_a_finished_run_shows_its_summary_and_runs_nothing(tmp_path, finished, caplog,
+                                                                       capsys):
+  out = _copy(finished, tmp_path / "run")  # another directory: the same run
+  before = json.loads((out / "summary.json").read_text())
+  records = (out / "metrics.jsonl").read_text()
+  with caplog.at_level(logging.WARNING):
+    summary = loop.run(tiny_cfg(out, resume="must"))
+  assert summary == before
+  assert (out / "metrics.jsonl").read_text() == records  # no step, no evaluation
+  assert (f"{out} holds this run finished (summary.json: the same flags, data, models and "
+          f"library source)") in caplog.text
+  assert "=== evaluation" in capsys.readouterr().out  # its figures and verdicts shown again
+  # The same run with other library source is refused (the checkpoints name the files); with
+  # another setting it is another run, which resumes the checkpoints and evaluates again.
+  source = {**identity.source_digests(), "dpo/losses.py": "0123456789abcdef"}
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(identity, "source_digests", lambda: source)
+    with pytest.raises(checkpoint.CheckpointError, match=r"changed dpo/losses.py\)"):
+      loop.run(tiny_cfg(out))
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    summary = loop.run(tiny_cfg(out, eval_show=1))
+  assert summary["run_sha256"] != before["run_sha256"]
+  assert "holds this run finished" not in caplog.text
+
+
+@pytest.mark.slow
 def test_steps_below_the_checkpoint_refused_extending_logged(tmp_path, finished, caplog):
   out = _copy(finished, tmp_path / "run")
   with pytest.raises(checkpoint.CheckpointError, match=r"--steps=1 is below the checkpoint "

@@ -2,6 +2,7 @@
 algorithm's module names it."""
 
 import ast
+import dataclasses
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ def step_config(cfg) -> train.StepConfig:
 
 
 DPO2 = registry.register(dataclasses.replace(
-    dpo.DPO, name="dpo2", step_config=step_config, data_seed=9,
+    dpo.DPO, name="dpo2", step_config=step_config, data_seed=None,
     run=lambda p, model: dpo.preference_stage(p, model, DPO2),
     hyperparameters=lambda cfg: {**dpo.DPO.hyperparameters(cfg),
                                  **identity.sections(cfg, ("scaled",))},
@@ -130,6 +131,21 @@ def test_every_section_belongs_to_the_core_or_one_algorithm():
         name="late", step=None, batch=None, step_config=None, run=None, hyperparameters=None,
         data_files=(), data_seed=0, steps_flag="--steps", sections=(("late", object),)))
   assert "late" not in registry.ALGORITHMS
+
+
+def test_a_stage_needs_no_hand_picked_data_seed():
+  """Each registered stage's loader draws its own order: a data_seed left out is derived from
+  the stage's name, and one another stage has is refused, naming it."""
+  seeds = [a.loader_seed for a in registry.ALGORITHMS.values()]
+  assert len(seeds) == len(set(seeds))
+  derived = dataclasses.replace(registry.ALGORITHMS["dpo"], name="my_stage", data_seed=None)
+  assert derived.loader_seed not in seeds
+  assert derived.loader_seed == dataclasses.replace(derived, data_seed=None).loader_seed
+  taken = dataclasses.replace(registry.ALGORITHMS["dpo"], name="my_stage")  # dpo's seed copied
+  with pytest.raises(ValueError, match=r"^algorithm my_stage: data_seed 2 is dpo's too .*leave "
+                                       r"data_seed out"):
+    registry.register(taken)
+  assert "my_stage" not in registry.ALGORITHMS
 
 
 def test_curves_panels_come_from_the_registry():

@@ -217,7 +217,7 @@ class Rounds(Hook):
                       "than one batch of --global_batch_size=%d; repeating them to fill it", r,
                       n, B)
       arrays = {k: v[np.resize(np.arange(n), B)] for k, v in arrays.items()}
-    seed = (self.cfg.run.seed + ITERATIVE_DPO.data_seed) * 1000 + r
+    seed = (self.cfg.run.seed + ITERATIVE_DPO.loader_seed) * 1000 + r
     self.current = (r, data_lib.Loader(arrays, B, seed))
 
   def _arrays(self, path: str, r: int) -> dict:
@@ -236,7 +236,7 @@ class Rounds(Hook):
     epochs, each in the seeded order of `data.Loader` (a prompt recurs once the table is used
     up, with fresh samples)."""
     n, size = len(self.table["tokens"]), pool_size(self.cfg)
-    order = data_lib.Loader(self.table, 1, self.cfg.run.seed + ITERATIVE_DPO.data_seed)
+    order = data_lib.Loader(self.table, 1, self.cfg.run.seed + ITERATIVE_DPO.loader_seed)
     first, last = r * size, (r + 1) * size
     stream = np.concatenate([order.batch_rows(e).reshape(-1)
                              for e in range(first // n, (last - 1) // n + 1)])
