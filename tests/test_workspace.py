@@ -204,3 +204,63 @@ def test_the_tables_cover_a_reward_model_run(tmp_path):
   assert _metric_keys(records, "rm") == set(always) | set(conditional)
   assert set(conditional) == {f"eval_{k}" for k in ("loss", "accuracy", "margin", "min_reward",
                                                      "mean_reward", "max_reward", "pairs")}
+
+
+# --- reading the DPO step -------------------------------------------------------------------------
+
+# Entries of "Reading the DPO step" that run before or beside the loss, not under it.
+_NOT_UNDER_THE_LOSS = {"dpo.cli.from_flags", "dpo.program.Program.stage",
+                       "dpo.train.StepConfig.dpo", "dpo.logprobs.pair_stats",
+                       "dpo.train.apply_update"}
+
+
+def _reading_list() -> list[str]:
+  return re.findall(r"^\d+\. `([\w.]+)`", _section("Reading the DPO step"), flags=re.M)
+
+
+def _resolve(name: str):
+  import importlib
+  parts = name.split(".")
+  for i in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:i]))
+    except ModuleNotFoundError:
+      continue
+    for attr in parts[i:]:
+      obj = getattr(obj, attr)
+    return obj
+  raise ImportError(name)
+
+
+def test_reading_the_dpo_step_names_real_functions_in_call_order(tmp_path, monkeypatch):
+  """Each name of WORKSPACE's reading list is a function of the tree, and those under the loss
+  are on the call stack, in the listed order, when a DPO step's loss is traced."""
+  import inspect
+
+  import configs
+  from dpo import losses, loop
+  names = _reading_list()
+  assert len(names) >= 12 and len(set(names)) == len(names)
+  for name in names:
+    assert callable(_resolve(name)), name
+  stacks = []
+  original = losses._smoothed_logistic
+
+  def traced(z, label_smoothing):
+    callers = reversed(inspect.stack()[1:])  # this stand-in is the traced function itself
+    stacks.append([f"{f.frame.f_globals.get('__name__')}.{f.frame.f_code.co_qualname}"
+                   for f in callers] + ["dpo.losses._smoothed_logistic"])
+    return original(z, label_smoothing)
+
+  monkeypatch.setattr(losses, "_smoothed_logistic", traced)
+  loop.run(configs.DEFAULT.replace(
+      d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64,
+      max_prompt_length=16, max_target_length=16, task_train_pairs=16, task_sft_examples=16,
+      task_eval_pairs=0, task_eval_prompts=0, global_batch_size=8, stage="dpo", steps=1,
+      beta=0.1234, checkpoint_every=0, output_dir=str(tmp_path)))  # a beta no other test traces
+  assert stacks, "the DPO step's loss was never traced"
+  stack = stacks[0]
+  expected = [n for n in names if n not in _NOT_UNDER_THE_LOSS]
+  at = [stack.index(n) if n in stack else -1 for n in expected]
+  assert -1 not in at, [n for n, i in zip(expected, at) if i < 0]
+  assert at == sorted(at), [n for _, n in sorted(zip(at, expected))]
