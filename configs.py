@@ -619,6 +619,10 @@ SMOLLM2_HH_TPU = SMOLLM2_HH.replace(
     log_every=10, task_eval_prompts=256, eval_batch_size=128, remat=True,
     export_hf="runs/smollm2-hh-tpu/export", output_dir="runs/smollm2-hh-tpu")
 
+# The real models' shapes (weights from --init_from=hf:DIR); dpo/tools/base_memory.py sizes each.
+REAL_SIZES = {"llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B,
+              "qwen2.5-0.5b": QWEN_2_5_0_5B, "qwen2.5-7b": QWEN_2_5_7B, "gemma2-2b": GEMMA_2_2B}
+
 PRESETS: dict[str, Config] = {
     "hh-rlhf-gpt2": HH_RLHF_GPT2,
     "hh-rlhf-judged": HH_RLHF_JUDGED,
@@ -629,9 +633,7 @@ PRESETS: dict[str, Config] = {
     "moe": MOE,
     "bench-small": BENCH_SMALL,
     "bench-small-full": BENCH_SMALL.replace(lora_rank=0),  # bench-small, every weight trained
-    **{name: _real(name, m) for name, m in {
-        "llama3.2-1b": LLAMA_3_2_1B, "llama3.1-8b": LLAMA_3_1_8B, "qwen2.5-0.5b": QWEN_2_5_0_5B,
-        "qwen2.5-7b": QWEN_2_5_7B, "gemma2-2b": GEMMA_2_2B}.items()},
+    **{name: _real(name, m) for name, m in REAL_SIZES.items()},
     "llama3-8b": LLAMA3_8B,
 }
 PRESETS = {name: c.replace(config=name) for name, c in PRESETS.items()}  # each knows its name

@@ -424,7 +424,7 @@ def test_base_memory_prints_the_real_size_presets(tool_output):
   lines = tool_output("base_memory")
   assert lines[0].split() == ["preset", "params", "float32", "bf16", "int8", "nf4"]
   rows = {l.split()[0]: l.split()[1:] for l in lines[1:]}
-  assert list(rows) == ["llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma2-2b"]
+  assert list(rows) == list(configs.REAL_SIZES)
   # Llama 3.1 8B: 8,030,261,248 parameters (see the test above), float32 4 bytes each; bf16 (as
   # --base_quant=bf16 stores it): the 32 layers' 218,103,808 matrix weights 2 bytes each.
   matrices = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)

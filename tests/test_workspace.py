@@ -36,7 +36,8 @@ def _section(title: str) -> str:
   with open(os.path.join(ROOT, "WORKSPACE.md")) as f:
     text = f.read()
   start = text.index(f"## {title}")
-  return text[start:text.index("\n## ", start + 1)]
+  end = text.find("\n## ", start + 1)
+  return text[start:] if end < 0 else text[start:end]
 
 
 def _rows(section: str, first: str) -> dict[str, list[str]]:
@@ -264,3 +265,19 @@ def test_reading_the_dpo_step_names_real_functions_in_call_order(tmp_path, monke
   at = [stack.index(n) if n in stack else -1 for n in expected]
   assert -1 not in at, [n for n, i in zip(expected, at) if i < 0]
   assert at == sorted(at), [n for _, n in sorted(zip(at, expected))]
+
+
+# --- lists the registries keep -------------------------------------------------------------------
+
+def test_every_preset_and_stage_is_named_where_a_reader_looks():
+  """A new preset or stage joins configs.PRESETS or the algorithm registry; these tests name the
+  doc each one must be added to."""
+  import configs
+  from dpo import registry
+  presets = set(re.findall(r"`([\w.-]+)`", _section("Presets")))
+  missing = sorted(set(configs.PRESETS) - presets)
+  assert not missing, f"add {missing} to WORKSPACE.md's Presets section"
+  with open(os.path.join(ROOT, "docs", "flags.md")) as f:
+    row = next(line for line in f if line.startswith("| `--stage` |"))
+  missing = sorted(set(registry.ALGORITHMS) - set(re.findall(r"`(\w+)`", row)))
+  assert not missing, f"add {missing} to the --stage row of docs/flags.md"

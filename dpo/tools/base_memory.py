@@ -14,7 +14,7 @@ import configs
 from models import quant, transformer
 
 FLAGS = flags.FLAGS
-NAMES = ("llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma2-2b")
+NAMES = tuple(configs.REAL_SIZES)
 
 
 def main(argv) -> None:
