@@ -312,6 +312,10 @@ class RunConfig:
                       "dpo/registry.py) run in order, comma-separated, e.g. dpo, sft,kto or "
                       "sft,rm,dpo; the default is SFT, then DPO against the SFT model.")
   seed: int = option(0, "Seed for init, data order and dropout.")
+  imports: tuple[str, ...] = option((), "Modules of a fork's own losses and stages, imported "
+                                    "before the config is built (launch.py reads this flag "
+                                    "first), e.g. --imports=my_losses: their flags, sections, "
+                                    "help and checks are then a built-in one's.")
   log_every: int = option(10, "Log one line and one metrics.jsonl record every N steps.")
   output_dir: str = option("runs/default", "Everything the run writes goes under this directory "
                            "(a preset's own paths under its output_dir, such as its export, "

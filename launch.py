@@ -22,6 +22,43 @@ if __name__ == "__main__":  # first, before imports a re-exec would repeat (dpo/
 
 from absl import app, flags, logging  # noqa: E402
 
+
+def _imports(argv: list[str]) -> list[str]:
+  """The modules of --imports in `argv` and in the files of its --flagfile flags, in order."""
+  found = []
+  for i, arg in enumerate(argv):
+    name, eq, value = arg.partition("=")
+    if not eq and i + 1 < len(argv) and name in ("--imports", "--flagfile"):
+      value = argv[i + 1]
+    if name == "--imports":
+      found += [m.strip() for m in value.split(",") if m.strip()]
+    elif name == "--flagfile" and value:
+      try:
+        with open(value) as f:
+          found += _imports([line.strip() for line in f if line.strip()])
+      except OSError:
+        pass  # absl names the file
+  return found
+
+
+def _import_forks(argv: list[str]) -> None:
+  """--imports=MODULE,...: a fork's own losses and stages, imported before dpo.cli builds the
+  config and its flags from the registries, so they register as the built-in ones do."""
+  import importlib
+  for module in _imports(argv):
+    try:
+      importlib.import_module(module)
+    except ModuleNotFoundError as e:
+      if e.name != module.split(".")[0] and e.name != module:
+        raise
+      print(f"error: --imports={module}: no module named {module!r} on the path (the "
+            f"project root, the current directory, PYTHONPATH)", file=sys.stderr)
+      raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+  _import_forks(sys.argv[1:])
+
 from dpo import cli  # noqa: E402
 
 cli.define_flags()

@@ -48,8 +48,9 @@ _NEVER = {"steps", "sft_steps", "rm_steps", "online_steps", "export_rm_hf", "log
 @functools.lru_cache(maxsize=None)
 def source_digests() -> dict[str, str]:
   """{path: sha256 (16 hex digits)} of the library's source files: configs.py and every module
-  of the dpo/ and models/ packages, subpackages included (dpo/algorithms/ and any a fork adds);
-  the tools (dpo/tools/, which the library never imports) and the tests excluded."""
+  of the dpo/ and models/ packages, subpackages included (dpo/algorithms/ and any a fork adds),
+  and a fork's modules elsewhere that registered a loss or a stage (`--imports`); the tools
+  (dpo/tools/, which the library never imports) and the tests excluded."""
   library = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this package
   tools = os.path.join(ROOT, library, "tools") + os.sep
   files = [os.path.join(ROOT, "configs.py"),
@@ -57,10 +58,23 @@ def source_digests() -> dict[str, str]:
              for f in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)
              if not f.startswith(tools))]
   out = {}
-  for f in sorted(files):
+  for f in sorted(set(files) | set(_fork_files())):
     with open(f, "rb") as fh:
       out[os.path.relpath(f, ROOT)] = hashlib.sha256(fh.read()).hexdigest()[:16]
   return out
+
+
+def _fork_files() -> list[str]:
+  """The files of modules outside dpo/ and models/ that registered a loss or a stage (a fork's
+  `--imports`): their source is the run's too."""
+  import inspect
+
+  from dpo import losses, registry
+  fns = [l.fn for l in losses.LOSSES.values()] + [a.run for a in registry.ALGORITHMS.values()]
+  library = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # this package
+             os.path.join(ROOT, "models") + os.sep)
+  files = {os.path.abspath(f) for f in map(inspect.getsourcefile, fns) if f}
+  return [f for f in files if not f.startswith(library)]
 
 
 def file_digest(path: str) -> str:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import time
 from typing import Any, Mapping, Sequence
 
@@ -523,6 +524,11 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   given, cfg = cfg, hub.resolve(cfg)  # Hub model names -> snapshot folders; flags.txt: as given
   if cfg.data.inspect_data != 0:
     return Data(cfg, check_sizes=False).inspect(cfg.data.inspect_data, out)
+  missing = [m for m in cfg.run.imports if m not in sys.modules]
+  if missing:
+    raise ValueError(f"--imports={','.join(cfg.run.imports)}: {', '.join(missing)} was not "
+                     f"imported before the config was built (launch.py imports them first; a "
+                     f"script imports them before configs)")
   recipe = registry.recipe(cfg.run.stages)
   identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
   changed_code = identity.check_source(os.path.join(out, "checkpoints"),

@@ -171,6 +171,10 @@ def register(name: str, *hyperparameters: Hyperparameter, reference: bool = True
     if not (fn.__doc__ or "").strip():
       raise TypeError(f"loss {name}: {fn.__qualname__} has no docstring (the loss table in "
                       f"WORKSPACE.md and --help describe each loss by it: its math and source)")
+    if "LossConfig" in globals():
+      raise ValueError(f"loss {name}: registered after LossConfig was built (configs was "
+                       f"imported first); import {fn.__module__} before configs: "
+                       f"python launch.py --imports={fn.__module__}")
     names = tuple(params)
     call = lambda lp, c: fn(lp, **{n: getattr(c, n) for n in names})
     LOSSES[name] = Loss(name, fn, call, hyperparameters, reference, modifiers, trl)
@@ -627,21 +631,33 @@ class _LossConfigMethods:
     return not any(LOSSES[t].reference for t in self.loss_type)
 
 
-# The preference objective: which losses, their weights, and one field per hyperparameter of the
-# registry (losses' and modifiers'), in the order each first appears there, with its default,
-# help and type; `_validate` checks its value against the `Hyperparameter`'s rule and which
-# losses read it. Built from the registry, so a hyperparameter is declared once.
-LossConfig = dataclasses.make_dataclass(
-    "LossConfig",
-    [("loss_type", tuple[str, ...], dataclasses.field(default=("sigmoid",), metadata={
-        "help": f"Comma-separated losses, from {', '.join(LOSSES)}."})),
-     ("loss_weights", tuple[float, ...], dataclasses.field(default=(), metadata={
-         "help": "Weights of loss_type's losses (empty = all 1.0)."})),
-     *((h.name, type(h.default), _field(h)) for h in hyperparameters().values())],
-    bases=(_LossConfigMethods,), frozen=True)
-LossConfig.__module__ = __name__  # pickling and reprs name it here
-LossConfig.__doc__ = ("The preference objective: loss_type, loss_weights and one field per loss "
-                      "or modifier hyperparameter of the registry (dpo/losses.py).")
+def _build_config() -> type:
+  """The preference objective: which losses, their weights, and one field per hyperparameter of
+  the registry (losses' and modifiers'), in the order each first appears there, with its
+  default, help and type; `_validate` checks its value against the `Hyperparameter`'s rule and
+  which losses read it. Built from the registry, so a hyperparameter is declared once."""
+  config = dataclasses.make_dataclass(
+      "LossConfig",
+      [("loss_type", tuple[str, ...], dataclasses.field(default=("sigmoid",), metadata={
+          "help": f"Comma-separated losses, from {', '.join(LOSSES)}."})),
+       ("loss_weights", tuple[float, ...], dataclasses.field(default=(), metadata={
+           "help": "Weights of loss_type's losses (empty = all 1.0)."})),
+       *((h.name, type(h.default), _field(h)) for h in hyperparameters().values())],
+      bases=(_LossConfigMethods,), frozen=True)
+  config.__module__ = __name__  # pickling and reprs name it here
+  config.__doc__ = ("The preference objective: loss_type, loss_weights and one field per loss "
+                    "or modifier hyperparameter of the registry (dpo/losses.py).")
+  return config
+
+
+def __getattr__(name: str):
+  """`LossConfig`, built from the registry when first asked for (configs.py asks when it builds
+  `Config`), so a loss registered in a fork's own module imported before that (`launch.py
+  --imports=MODULE`) gets its fields, flags, help and checks as a built-in one does."""
+  if name == "LossConfig":
+    globals()["LossConfig"] = _build_config()
+    return globals()["LossConfig"]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _citation(doc: str) -> str:

@@ -116,7 +116,8 @@ def register(algorithm: Algorithm) -> Algorithm:
   names = [n for n, _ in algorithm.sections]
   if algorithm.sections and _closed:
     raise ValueError(f"algorithm {algorithm.name}: its config sections {names} register after "
-                     f"configs.Config was built; import its module in dpo/algorithms/__init__.py")
+                     f"configs.Config was built; import its module first (python launch.py "
+                     f"--imports=MODULE, or a line in dpo/algorithms/__init__.py)")
   owned = {n for a in ALGORITHMS.values() for n, _ in a.sections}
   if set(names) & owned:
     raise ValueError(f"algorithm {algorithm.name}: config section {sorted(set(names) & owned)} "

@@ -94,6 +94,54 @@ def test_a_new_stage_with_a_hyperparameter_is_one_file_and_one_import_line(tmp_p
   assert "--beta_scale=2.0: must go with a dpo2 stage (--stage=sft,dpo has none)" in refused.stderr
 
 
+FORK_LOSS = '''"""A fork's own loss in its own module: DPO with its margin scaled by my_gamma."""
+from dpo import losses
+
+MY_GAMMA = losses.Hyperparameter("my_gamma", 1.0, "Scales the DPO margin.", lambda v: v > 0, "> 0")
+
+
+@losses.register("scaled_sigmoid", losses.BETA, MY_GAMMA)
+def scaled_sigmoid(lp, beta, my_gamma):
+  """DPO with its margin scaled by my_gamma (a fork's ablation)."""
+  return losses.sigmoid(lp, beta * my_gamma, 0.0, "reverse_kl", 0.5)
+'''
+
+
+@pytest.mark.slow
+def test_a_loss_in_a_forks_own_module_is_one_flag(tmp_path, compile_cache):
+  """`--imports=MODULE` imports a fork's module before the config is built: its loss and
+  hyperparameter get their flags, help and checks; the run records the flag, and the module is
+  part of the source a resume must match."""
+  fork = tmp_path / "fork"
+  fork.mkdir()
+  (fork / "fork_loss.py").write_text(FORK_LOSS)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+         "PYTHONPATH": str(fork)}
+  launch = lambda *args: subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, env=env,
+                                        capture_output=True, text=True, timeout=600)
+  out = tmp_path / "run"
+  tiny = [f for f in TINY if not f.startswith(("--rm_steps", "--checkpoint_every"))]
+  args = [*tiny, "--stage=dpo", "--imports=fork_loss", "--loss_type=scaled_sigmoid",
+          "--my_gamma=2", "--checkpoint_every=1", f"--output_dir={out}"]
+  done = launch(*args)
+  assert done.returncode == 0, done.stderr[-3000:]
+  flags_txt = open(out / "flags.txt").read()
+  assert "--imports=fork_loss" in flags_txt and "--my_gamma=2.0" in flags_txt
+  helped = launch("--imports=fork_loss", "--helpfull")
+  assert "--my_gamma" in helped.stdout and "Scales the DPO margin." in helped.stdout
+  bad = launch("--imports=fork_loss", "--loss_type=scaled_sigmoid", "--my_gamma=-1",
+               f"--output_dir={tmp_path / 'bad'}")
+  assert bad.returncode == 2 and "--my_gamma=-1.0: must be > 0" in bad.stderr, bad.stderr
+  (fork / "fork_loss.py").write_text(FORK_LOSS.replace("beta * my_gamma", "beta / my_gamma"))
+  changed = launch(*args)
+  assert changed.returncode == 2 and "Traceback" not in changed.stderr
+  assert "fork_loss.py; " in changed.stderr or "fork_loss.py)" in changed.stderr, changed.stderr
+  assert "refusing to resume it onto this code" in changed.stderr
+  missing = launch("--imports=no_such_fork", f"--output_dir={tmp_path / 'x'}")
+  assert missing.returncode == 2
+  assert "error: --imports=no_such_fork: no module named 'no_such_fork'" in missing.stderr
+
+
 # The modules the seam says never name a stage: they ask the registry.
 SEAM_USERS = ("configs.py", "dpo/loop.py", "dpo/hooks.py", "dpo/curves.py", "dpo/runner.py",
               "dpo/program.py", "dpo/identity.py", "dpo/judges.py", "dpo/reward_model.py",
