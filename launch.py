@@ -23,15 +23,16 @@ if __name__ == "__main__":  # first, before imports a re-exec would repeat (dpo/
 from absl import app, flags, logging  # noqa: E402
 
 
-def _imports(argv: list[str]) -> list[str]:
-  """The modules of --imports in `argv` and in the files of its --flagfile flags, in order."""
+def _imports(argv: list[str]) -> list[list[str]]:
+  """The values of --imports in `argv` and in the files of its --flagfile flags, in order, each
+  as its list of modules."""
   found = []
   for i, arg in enumerate(argv):
     name, eq, value = arg.partition("=")
     if not eq and i + 1 < len(argv) and name in ("--imports", "--flagfile"):
       value = argv[i + 1]
     if name == "--imports":
-      found += [m.strip() for m in value.split(",") if m.strip()]
+      found.append([m.strip() for m in value.split(",") if m.strip()])
     elif name == "--flagfile" and value:
       try:
         with open(value) as f:
@@ -43,16 +44,24 @@ def _imports(argv: list[str]) -> list[str]:
 
 def _import_forks(argv: list[str]) -> None:
   """--imports=MODULE,...: a fork's own losses and stages, imported before dpo.cli builds the
-  config and its flags from the registries, so they register as the built-in ones do."""
+  config and its flags from the registries, so they register as the built-in ones do. A module
+  that is not there or fails to import is one line (--traceback: the traceback)."""
   import importlib
-  for module in _imports(argv):
+  given = _imports(argv)
+  if len(given) > 1:  # absl would keep the last alone, and flags.txt with it
+    print("error: --imports: give it once, its modules comma-separated", file=sys.stderr)
+    raise SystemExit(2)
+  for module in given[0] if given else ():
     try:
       importlib.import_module(module)
-    except ModuleNotFoundError as e:
-      if e.name != module.split(".")[0] and e.name != module:
+    except Exception as e:  # noqa: BLE001 (the user's module: any failure is its one line)
+      if "--traceback" in argv:
         raise
-      print(f"error: --imports={module}: no module named {module!r} on the path (the "
-            f"project root, the current directory, PYTHONPATH)", file=sys.stderr)
+      if isinstance(e, ModuleNotFoundError) and e.name in (module, module.split(".")[0]):
+        why = (f"no module named {module!r} on the path (launch.py's folder, PYTHONPATH)")
+      else:
+        why = f"importing it failed: {type(e).__name__}: {e}"
+      print(f"error: --imports={module}: {why}", file=sys.stderr)
       raise SystemExit(2) from None
 
 

@@ -57,24 +57,31 @@ def source_digests() -> dict[str, str]:
            *(f for package in (library, "models")
              for f in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)
              if not f.startswith(tools))]
-  out = {}
-  for f in sorted(set(files) | set(_fork_files())):
-    with open(f, "rb") as fh:
-      out[os.path.relpath(f, ROOT)] = hashlib.sha256(fh.read()).hexdigest()[:16]
+  digest = lambda f: hashlib.sha256(open(f, "rb").read()).hexdigest()[:16]
+  out = {os.path.relpath(f, ROOT): digest(f) for f in sorted(files)}
+  out.update({f"{module} (--imports)": digest(f) for module, f in sorted(_fork_files().items())})
   return out
 
 
-def _fork_files() -> list[str]:
-  """The files of modules outside dpo/ and models/ that registered a loss or a stage (a fork's
-  `--imports`): their source is the run's too."""
+def _fork_files() -> dict[str, str]:
+  """{module: file} of the modules outside dpo/, models/ and tests/ that registered a loss or a
+  stage (a fork's `--imports`), keyed by module name so that the fork may move: their source is
+  the run's too."""
   import inspect
+  import sys
 
   from dpo import losses, registry
   fns = [l.fn for l in losses.LOSSES.values()] + [a.run for a in registry.ALGORITHMS.values()]
-  library = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # this package
-             os.path.join(ROOT, "models") + os.sep)
-  files = {os.path.abspath(f) for f in map(inspect.getsourcefile, fns) if f}
-  return [f for f in files if not f.startswith(library)]
+  inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # this package
+            *(os.path.join(ROOT, d) + os.sep for d in ("models", "tests")))
+  found = {}
+  for fn in fns:
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    f = getattr(module, "__file__", None)
+    if f and not os.path.abspath(f).startswith(inside) and os.path.abspath(f) != os.path.join(
+        ROOT, "configs.py"):
+      found[module.__name__] = os.path.abspath(f)
+  return found
 
 
 def file_digest(path: str) -> str:
@@ -189,8 +196,9 @@ def check_source(checkpoints_dir: str, changed_ok: bool) -> str:
 def run_digest(cfg, flag_lines: list[str]) -> str:
   """sha256 of what a whole run's result depends on, to know a rerun of a finished run: the
   command line as given (`flag_lines`, less the --resume flags, which say how to continue and
-  not what), the content of its data files and initial models, what each Hub name resolved
-  to, and the library source. Recorded in summary.json as `run_sha256`."""
+  not what), the content of its data files, initial models, tokenizer, chat template and judge
+  (`judges.fingerprint`: a checkpoint, a folder, the reward functions' source), what each Hub
+  name resolved to, and the library source. Recorded in summary.json as `run_sha256`."""
   parts = {"flags": [l for l in flag_lines if not l.startswith("--resume")],
            "source": source_digests(), **hub.identity(cfg), **data.hub_identity(cfg)}
   for flag in data.DATA_FLAGS:
@@ -203,6 +211,14 @@ def run_digest(cfg, flag_lines: list[str]) -> str:
         parts[name] = model_digest(source)
       except (OSError, checkpoint.CheckpointError):
         parts[name] = "unreadable"  # the stage that loads it says why
+  for name, path in (("tokenizer", cfg.data.tokenizer), ("chat_template", cfg.data.chat_template)):
+    if path and os.path.exists(path):
+      parts[name] = file_digest(path)
+  from dpo import judges  # the judge's content: a checkpoint, a folder, reward functions' source
+  try:
+    parts["judge"] = judges.fingerprint(cfg)
+  except (ValueError, OSError, ImportError):
+    parts["judge"] = "unreadable"  # the evaluation says why
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 

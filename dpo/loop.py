@@ -533,7 +533,8 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   identity.check_policy(cfg.checkpoint.resume, os.path.join(out, "checkpoints"))
   changed_code = identity.check_source(os.path.join(out, "checkpoints"),
                                        cfg.checkpoint.resume_changed_code)
-  finished = _finished(given, cfg)
+  # A caller's own starting model or hooks are not in the run's digest: it runs.
+  finished = None if init_params is not None or extra_hooks else _finished(given, cfg)
   if finished is not None:
     return finished
   resolved = cfg

@@ -144,6 +144,15 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
 
 
+def ways(logical: str) -> int:
+  """How many ways the current mesh (`jax.set_mesh`) splits a dimension of logical axis
+  `logical`; 1 outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return 1
+  return math.prod(mesh.shape[m] for m in RULES[logical] if m in mesh.shape)
+
+
 def placed_bytes(tree) -> int:
   """Bytes one device holds of a pytree of placed arrays: each array's first addressable shard
   (with this module's shardings every device holds equally sized shards)."""

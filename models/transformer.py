@@ -474,14 +474,14 @@ def _layer(cfg: ModelConfig, x_BTD, p, adapter: Adapter | None, inputs: _LayerIn
 
 
 def _attend_cache(cfg: ModelConfig, q_BTKGk, k_BCSl, v_BCSl, mask_BTS) -> jax.Array:
-  """`attend` over a KV cache laid out [B, C, S, lanes] (`KVCache`: f = `cache_packing` kv heads
-  side by side in each row's lanes). The G x T queries of a kv head form one matrix, written in
+  """`attend` over a KV cache laid out [B, C, S, lanes] (`KVCache`: f = lanes / head_dim kv heads
+  side by side in each row's lanes, `cache_packing`). The G x T queries of a kv head form one matrix, written in
   their head's lanes with zeros in the other f - 1 heads' (exact: the zeros add nothing to a
   score), so both contractions are plain matmuls batched over (B, C) that read the cache as it
   lies; the output keeps each query's own head's lanes. With f = 1 (a head_dim of 128 or more)
   the lanes are one head's and nothing is padded."""
   B, T, K, G, Hd = q_BTKGk.shape
-  f = cache_packing(cfg)
+  f = k_BCSl.shape[-1] // Hd  # the cache's packing (`init_cache`)
   C, Q = K // f, G * T
   q_BCfQk = jnp.moveaxis(q_BTKGk, 1, 3).reshape(B, C, f, Q, Hd)
   if f > 1:  # [B, C, f, Q, f, Hd]: head j's queries in lane block j
@@ -596,18 +596,23 @@ class KVCache(NamedTuple):
   segment_ids: jax.Array    # [B, S] int32
 
 
-def cache_packing(cfg: ModelConfig) -> int:
+def cache_packing(cfg: ModelConfig, ways: int = 1) -> int:
   """f, the kv heads side by side in one row of the KV cache: up to 128 // head_dim (a head of
   128 lanes or more fills a tile alone), dividing the kv heads into at least two rows (with a
-  single row XLA drops the size-1 dimension and copies the cache at every decode step)."""
+  single row XLA drops the size-1 dimension and copies the cache at every decode step) whose
+  count the mesh's `ways` split of the kv heads still divides (else each device would hold the
+  whole cache)."""
   f = 128 // cfg.head_dim if cfg.head_dim < 128 and 128 % cfg.head_dim == 0 else 1
-  while f > 1 and (cfg.n_kv_heads % f or cfg.n_kv_heads // f < 2):
+  K = cfg.n_kv_heads
+  while f > 1 and (K % f or K // f < 2 or (K % ways == 0 and (K // f) % ways)):
     f //= 2
   return f
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-  f = cache_packing(cfg)
+  """An empty cache; under a mesh its rows are packed so that the mesh still splits them as it
+  splits the kv heads (`cache_packing`)."""
+  f = cache_packing(cfg, sharding.ways("kv_heads"))
   shape = (batch, cfg.n_kv_heads // f, slots, f * cfg.head_dim)
   dtype = jnp.dtype(cfg.compute_dtype)
   zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))

@@ -131,7 +131,7 @@ EMBED_ONLY = registry.Algorithm(
     name="embed_only", step=_embed_only_step, batch=batches.Rows.of,
     step_config=train.StepConfig.sft,
     run=_run_embed_only, hyperparameters=lambda cfg: {"lr": cfg.optim.sft_learning_rate},
-    data_files=(), data_seed=3, steps_flag="--sft_steps")
+    data_files=(), steps_flag="--sft_steps")
 
 
 @pytest.mark.slow

@@ -135,11 +135,19 @@ def test_a_loss_in_a_forks_own_module_is_one_flag(tmp_path, compile_cache):
   (fork / "fork_loss.py").write_text(FORK_LOSS.replace("beta * my_gamma", "beta / my_gamma"))
   changed = launch(*args)
   assert changed.returncode == 2 and "Traceback" not in changed.stderr
-  assert "fork_loss.py; " in changed.stderr or "fork_loss.py)" in changed.stderr, changed.stderr
+  assert "(changed fork_loss (--imports)); refusing" in changed.stderr, changed.stderr
   assert "refusing to resume it onto this code" in changed.stderr
   missing = launch("--imports=no_such_fork", f"--output_dir={tmp_path / 'x'}")
   assert missing.returncode == 2
   assert "error: --imports=no_such_fork: no module named 'no_such_fork'" in missing.stderr
+  (fork / "broken_fork.py").write_text("import no_such_dependency\n")
+  broken = launch("--imports=broken_fork", f"--output_dir={tmp_path / 'x'}")
+  assert broken.returncode == 2 and "Traceback" not in broken.stderr
+  assert ("error: --imports=broken_fork: importing it failed: ModuleNotFoundError: No module "
+          "named 'no_such_dependency'") in broken.stderr
+  twice = launch("--imports=fork_loss", "--imports=broken_fork", f"--output_dir={tmp_path / 'x'}")
+  assert twice.returncode == 2
+  assert "error: --imports: give it once, its modules comma-separated" in twice.stderr
 
 
 # The modules the seam says never name a stage: they ask the registry.

@@ -241,6 +241,8 @@ def test_kv_cache_packs_heads_into_lanes_and_attends_as_attention_does(n_kv_head
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2 * n_kv_heads,
                     n_kv_heads=n_kv_heads, head_dim=head_dim, mlp_dim=48)
   assert transformer.cache_packing(cfg) == packing
+  if (n_kv_heads, head_dim) == (8, 64):  # a mesh splitting the 8 heads 8 ways keeps 8 rows
+    assert transformer.cache_packing(cfg, ways=4) == 2 and transformer.cache_packing(cfg, 8) == 1
   B, S, G = 3, 16, 2
   k_q, k_k, k_v, k_m = jax.random.split(jax.random.key(0), 4)
   k_BSKk = jax.random.normal(k_k, (B, S, n_kv_heads, head_dim))
