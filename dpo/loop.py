@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import hashlib
 import importlib.metadata as md
 import json
@@ -580,6 +581,9 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
   mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
   summary["run_sha256"] = identity.run_digest(resolved, _defining_flags(given))
+  summary["saved_models"] = sorted(  # what a rerun checks before it shows this summary
+      os.path.relpath(p, out) for p in glob.glob(os.path.join(out, "checkpoints", "*"))
+      if checkpoint.is_complete(p))
   if writer.enabled:
     with open(os.path.join(out, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
@@ -592,6 +596,18 @@ def _defining_flags(cfg) -> list[str]:
   """The command line that rebuilds `cfg` (`cli.flag_lines`) less the fields of `_WHERE`: a run
   copied to another directory is the same run."""
   return [l for l in cli.flag_lines(cfg) if l[2:].partition("=")[0] not in _WHERE]
+
+
+def _intact(out: str, summary: dict) -> bool:
+  """Whether every model the finished run saved (summary.json's `saved_models`) is there and
+  matches its manifest; a damaged or missing one makes the rerun run (its stage rebuilds it)."""
+  for rel in summary.get("saved_models", ()):
+    try:
+      checkpoint.verify(os.path.join(out, rel))
+    except (checkpoint.CheckpointError, OSError) as e:
+      logging.info("%s: %s; running the finished run again", rel, e)
+      return False
+  return True
 
 
 def _finished(given, cfg) -> dict[str, Any] | None:
@@ -609,7 +625,7 @@ def _finished(given, cfg) -> dict[str, Any] | None:
               summary.get("run_sha256") == identity.run_digest(cfg, _defining_flags(given)))
     except (OSError, ValueError, data_lib.DataError, checkpoint.CheckpointError):
       same = False  # damaged, or its inputs are gone: the run goes on and says what is wrong
-    summary = summary if same else None
+    summary = summary if same and _intact(cfg.run.output_dir, summary) else None
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     if not np.all(multihost_utils.process_allgather(np.array(summary is not None))):
