@@ -193,12 +193,13 @@ def check_source(checkpoints_dir: str, changed_ok: bool) -> str:
   return ""
 
 
-def run_digest(cfg, flag_lines: list[str]) -> str:
+def run_digest(cfg, flag_lines: list[str], judge: str) -> str:
   """sha256 of what a whole run's result depends on, to know a rerun of a finished run: the
   command line as given (`flag_lines`, less the --resume flags, which say how to continue and
-  not what), the content of its data files, initial models, tokenizer, chat template and judge
-  (`judges.fingerprint`: a checkpoint, a folder, the reward functions' source), what each Hub
-  name resolved to, and the library source. Recorded in summary.json as `run_sha256`."""
+  not what), the content of its data files, initial models, tokenizer and chat template, the
+  `judge` (`judges.fingerprint`: a checkpoint's, a folder's or the reward functions' source
+  content), what each Hub name resolved to, and the library source. Recorded in summary.json
+  as `run_sha256`."""
   parts = {"flags": [l for l in flag_lines if not l.startswith("--resume")],
            "source": source_digests(), **hub.identity(cfg), **data.hub_identity(cfg)}
   for flag in data.DATA_FLAGS:
@@ -214,11 +215,7 @@ def run_digest(cfg, flag_lines: list[str]) -> str:
   for name, path in (("tokenizer", cfg.data.tokenizer), ("chat_template", cfg.data.chat_template)):
     if path and os.path.exists(path):
       parts[name] = file_digest(path)
-  from dpo import judges  # the judge's content: a checkpoint, a folder, reward functions' source
-  try:
-    parts["judge"] = judges.fingerprint(cfg)
-  except (ValueError, OSError, ImportError):
-    parts["judge"] = "unreadable"  # the evaluation says why
+  parts["judge"] = judge
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 

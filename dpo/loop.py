@@ -580,7 +580,7 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
       model = algorithm.run(program, model)
   mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
-  summary["run_sha256"] = identity.run_digest(resolved, _defining_flags(given))
+  summary["run_sha256"] = _run_digest(given, resolved)
   summary["saved_models"] = sorted(  # what a rerun checks before it shows this summary
       os.path.relpath(p, out) for p in glob.glob(os.path.join(out, "checkpoints", "*"))
       if checkpoint.is_complete(p))
@@ -596,6 +596,15 @@ def _defining_flags(cfg) -> list[str]:
   """The command line that rebuilds `cfg` (`cli.flag_lines`) less the fields of `_WHERE`: a run
   copied to another directory is the same run."""
   return [l for l in cli.flag_lines(cfg) if l[2:].partition("=")[0] not in _WHERE]
+
+
+def _run_digest(given, cfg) -> str:
+  """`identity.run_digest` of the run `given` (resolved: `cfg`), its judge's content included."""
+  try:
+    judge = judges.fingerprint(cfg)
+  except (ValueError, OSError, ImportError):
+    judge = "unreadable"  # the evaluation says why
+  return identity.run_digest(cfg, _defining_flags(given), judge)
 
 
 def _intact(out: str, summary: dict) -> bool:
@@ -622,7 +631,7 @@ def _finished(given, cfg) -> dict[str, Any] | None:
       with open(path) as f:
         summary = json.load(f)
       same = (isinstance(summary, dict) and
-              summary.get("run_sha256") == identity.run_digest(cfg, _defining_flags(given)))
+              summary.get("run_sha256") == _run_digest(given, cfg))
     except (OSError, ValueError, data_lib.DataError, checkpoint.CheckpointError):
       same = False  # damaged, or its inputs are gone: the run goes on and says what is wrong
     summary = summary if same and _intact(cfg.run.output_dir, summary) else None
