@@ -580,7 +580,10 @@ def _run(cfg, mesh, init_params, extra_hooks) -> dict[str, Any]:
       model = algorithm.run(program, model)
   mirror.close()  # the final evaluation's record
   summary["wall_time_s"] = round(time.perf_counter() - t_start, 1)
-  summary["run_sha256"] = _run_digest(given, resolved)
+  try:
+    summary["run_sha256"] = _run_digest(given, resolved)
+  except (ValueError, OSError) as e:  # an input gone since it was read: a rerun runs again
+    logging.warning("no run_sha256 in summary.json (%s): a rerun will run again", e)
   summary["saved_models"] = sorted(  # what a rerun checks before it shows this summary
       os.path.relpath(p, out) for p in glob.glob(os.path.join(out, "checkpoints", "*"))
       if checkpoint.is_complete(p))
