@@ -57,7 +57,7 @@ def source_digests() -> dict[str, str]:
            *(f for package in (library, "models")
              for f in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)
              if not f.startswith(tools))]
-  digest = lambda f: hashlib.sha256(open(f, "rb").read()).hexdigest()[:16]
+  digest = lambda f: data.file_sha256(f)[:16]  # hashed once per version of the file
   out = {os.path.relpath(f, ROOT): digest(f) for f in sorted(files)}
   out.update({f"{module} (--imports)": digest(f) for module, f in sorted(_fork_files().items())})
   return out
